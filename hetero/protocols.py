@@ -1,0 +1,135 @@
+"""The narrow interfaces between the coordinator, the proposers and the verifier.
+
+A token tree is flat arrays so that it can live in shared memory without pickling:
+``tokens[i]`` is node i's token and ``parents[i]`` the index of its parent node, or -1
+when the node hangs directly below the root (the sequence's last committed token).
+Parents always come before their children (``parents[i] < i``), so a node's depth is
+``depth[parents[i]] + 1`` computed in one forward pass.
+
+Proposals are treated as deterministic by the verifier (a point-mass draft
+distribution), which makes one lossless acceptance rule serve every proposer: the
+lookahead cache's copies and a draft model's top-k trees alike. ``scores`` is what the
+proposer believed of each node (draft probability or frequency); it is used for
+ranking and pruning only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Sequence
+
+import numpy as np
+
+MAX_TREE_NODES = 63  # root + nodes: each ancestor set fits one int64 bitmask
+
+
+@dataclass
+class TokenTree:
+    tokens: np.ndarray  # int64 [n]
+    parents: np.ndarray  # int32 [n]; -1 = child of the root
+    scores: Optional[np.ndarray] = None  # float32 [n], higher is more likely
+
+    def __post_init__(self) -> None:
+        self.tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
+        self.parents = np.asarray(self.parents, dtype=np.int32).reshape(-1)
+        if self.scores is not None:
+            self.scores = np.asarray(self.scores, dtype=np.float32).reshape(-1)
+        n = len(self.tokens)
+        if len(self.parents) != n or (self.scores is not None and len(self.scores) != n):
+            raise ValueError("TokenTree arrays must have one entry per node")
+        if n > MAX_TREE_NODES:
+            raise ValueError(f"a token tree holds at most {MAX_TREE_NODES} nodes, got {n}")
+        if n and (np.any(self.parents >= np.arange(n)) or np.any(self.parents < -1)):
+            raise ValueError("TokenTree parents must precede their children (-1 <= parents[i] < i)")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def empty(cls) -> "TokenTree":
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int32))
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> "TokenTree":
+        n = len(tokens)
+        return cls(np.asarray(tokens, np.int64), np.arange(-1, n - 1, dtype=np.int32))
+
+    def depths(self) -> np.ndarray:
+        """Depth of each node: 1 for children of the root."""
+        depth = np.zeros(len(self), np.int32)
+        for i, p in enumerate(self.parents):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        return depth
+
+    def ancestor_masks(self) -> np.ndarray:
+        """int64 bitmask per node: bit j set when node j is the node itself or an ancestor."""
+        masks = np.zeros(len(self), np.int64)
+        for i, p in enumerate(self.parents):
+            own = np.int64(1) << np.int64(i)
+            masks[i] = own if p < 0 else (masks[p] | own)
+        return masks
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to ``node`` inclusive."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(self.parents[node])
+        return path[::-1]
+
+
+@dataclass
+class ProposalRequest:
+    """What a proposer sees of one running sequence."""
+
+    request_id: str
+    token_ids: Sequence[int]  # prompt + output so far (the last one is the tree's root)
+    num_prompt_tokens: int
+    max_nodes: int  # the node budget the coordinator grants this sequence this step
+
+
+@dataclass
+class Verdict:
+    """What the verifier decided for one sequence's tree."""
+
+    request_id: str
+    accepted_tokens: list[int]  # the accepted draft tokens, root excluded
+    bonus_token: Optional[int]  # the target's own next token after them (None once finished)
+    num_draft_tokens: int = 0  # nodes the tree had
+    finished: bool = False
+
+
+@dataclass
+class SpecStats:
+    """Counters for one request or for the whole engine."""
+
+    num_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        while len(self.accepted_per_position) < num_accepted:
+            self.accepted_per_position.append(0)
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step: accepted drafts plus the bonus token."""
+        if not self.num_steps:
+            return 0.0
+        return (self.num_accepted_tokens + self.num_steps) / self.num_steps
+
+
+class Proposer(Protocol):
+    def propose(self, batch: Sequence[ProposalRequest]) -> list[TokenTree]:
+        """One tree per request, each within its ``max_nodes`` budget (may be empty)."""
+
+    def commit(self, verdicts: Sequence[Verdict]) -> None:
+        """Learn what was accepted; roll internal state back to the accepted point."""
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished or aborted request."""
