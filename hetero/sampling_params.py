@@ -1,0 +1,192 @@
+"""Sampling parameters, with vLLM's field names, defaults and validation.
+
+A user moving from vLLM passes the same keywords and gets the same errors: every
+invalid value raises ``ValueError`` whose message starts with the field's name. The one
+addition is TACO-LLM's ``no_repeat_ngram_size``.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional, Union
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_EPS = 1e-5  # temperatures below this mean greedy decoding
+MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to this, as vLLM does
+
+
+def _check_int(name: str, value, minimum: Optional[int] = None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+
+def _check_real(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+
+
+def _check_flag(name: str, value) -> None:
+    if value not in (True, False):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    no_repeat_ngram_size: int = 0  # TACO-LLM: ban any n-gram already in prompt + output; 0 = off
+
+    def __post_init__(self) -> None:
+        if self.seed == -1:
+            self.seed = None
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        else:
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+
+        self._verify_args()
+
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %s is less than %s, which may cause numerical errors; using %s",
+                self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE,
+            )
+            self.temperature = MIN_TEMPERATURE
+        if self.is_greedy:
+            # Greedy decoding ignores the truncation knobs; resetting them keeps the
+            # sampler's fast paths honest (vLLM does the same).
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}")
+
+    def _verify_args(self) -> None:
+        _check_int("n", self.n, minimum=1)
+        _check_int("best_of", self.best_of, minimum=1, allow_none=True)
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(
+                f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_real(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        _check_real("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+        _check_real("temperature", self.temperature)
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if self.temperature > 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        _check_real("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}")
+        _check_real("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check_int("seed", self.seed, allow_none=True)
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must contain only strings, got {self.stop!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop cannot contain an empty string")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are only supported when detokenize is True")
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+                   for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must contain only non-negative integers, got {self.stop_token_ids}")
+        _check_int("max_tokens", self.max_tokens, minimum=1, allow_none=True)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check_int(name, value, allow_none=True)
+            if value is not None and value < -1:
+                raise ValueError(f"{name} must be non-negative or -1, got {value}")
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens",
+                     "spaces_between_special_tokens", "include_stop_str_in_output"):
+            _check_flag(name, getattr(self, name))
+        _check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, minimum=0)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"SamplingParams(n={self.n}, "
+            f"best_of={self.best_of}, "
+            f"presence_penalty={self.presence_penalty}, "
+            f"frequency_penalty={self.frequency_penalty}, "
+            f"repetition_penalty={self.repetition_penalty}, "
+            f"temperature={self.temperature}, "
+            f"top_p={self.top_p}, "
+            f"top_k={self.top_k}, "
+            f"min_p={self.min_p}, "
+            f"seed={self.seed}, "
+            f"stop={self.stop}, "
+            f"stop_token_ids={self.stop_token_ids}, "
+            f"include_stop_str_in_output={self.include_stop_str_in_output}, "
+            f"ignore_eos={self.ignore_eos}, "
+            f"max_tokens={self.max_tokens}, "
+            f"min_tokens={self.min_tokens}, "
+            f"logprobs={self.logprobs}, "
+            f"prompt_logprobs={self.prompt_logprobs}, "
+            f"skip_special_tokens={self.skip_special_tokens}, "
+            f"spaces_between_special_tokens={self.spaces_between_special_tokens}, "
+            f"no_repeat_ngram_size={self.no_repeat_ngram_size})"
+        )
