@@ -1,0 +1,131 @@
+"""Paged KV cache: the block pool on the device and the host-side block allocator.
+
+Blocks are reference counted so that prefix caching can share full blocks between
+sequences: a full block is registered under the hash of every token up to its end, and a
+new sequence whose prompt starts with the same tokens takes the cached blocks instead of
+recomputing them. Blocks whose count drops to zero stay cached (and findable) until they
+are reused, oldest first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+import torch
+
+from gpu_target.model_config import ModelConfig
+
+
+class KVCachePool:
+    """Per-layer K and V tensors of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.storage = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @property
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer[0], layer[1]) for layer in self.storage]
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return config.num_layers * 2 * block_size * config.kv_size * itemsize
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move the K/V of flat slots `src` to slots `dst` in every layer (tree compaction)."""
+        flat = self.storage.view(self.storage.shape[0], 2, -1, *self.storage.shape[4:])
+        flat[:, :, dst] = flat[:, :, src]
+
+
+class OutOfBlocks(Exception):
+    """Raised by the allocator when the pool has no free block; the scheduler preempts."""
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+        self._block_to_hash: dict[int, int] = {}
+        self.prefix_hits = 0
+        self.prefix_queries = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise OutOfBlocks
+        block, _ = self._free.popitem(last=False)
+        old_hash = self._block_to_hash.pop(block, None)
+        if old_hash is not None:
+            del self._hash_to_block[old_hash]
+        self.ref_counts[block] = 1
+        return block
+
+    def free(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] < 0:
+            raise RuntimeError(f"block {block} freed more often than allocated")
+        if self.ref_counts[block] == 0:
+            self._free[block] = None
+
+    def free_all(self, blocks: Sequence[int]) -> None:
+        for block in reversed(blocks):
+            self.free(block)
+
+    def _take(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self._free[block]
+        self.ref_counts[block] += 1
+
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Cached blocks covering the longest run of full blocks of `token_ids`, referenced.
+
+        Never covers the last token: its logits must be computed, so at least one token
+        is left to prefill.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        blocks = []
+        usable = (len(token_ids) - 1) // self.block_size
+        for hash_value in prefix_block_hashes(token_ids, self.block_size)[:usable]:
+            self.prefix_queries += 1
+            block = self._hash_to_block.get(hash_value)
+            if block is None:
+                break
+            self.prefix_hits += 1
+            self._take(block)
+            blocks.append(block)
+        return blocks
+
+    def register_full_blocks(self, token_ids: Sequence[int], blocks: Sequence[int], num_computed: int) -> None:
+        """Make the full, computed blocks of a sequence findable by later prompts."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = prefix_block_hashes(token_ids[:num_computed], self.block_size)
+        for hash_value, block in zip(hashes, blocks):
+            if hash_value in self._hash_to_block or block in self._block_to_hash:
+                continue
+            self._hash_to_block[hash_value] = block
+            self._block_to_hash[block] = hash_value
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Hash of each full block, chained so equal hashes mean equal prefixes."""
+    hashes: list[int] = []
+    previous: Optional[int] = None
+    for end in range(block_size, len(token_ids) + 1, block_size):
+        previous = hash((previous, tuple(token_ids[end - block_size : end])))
+        hashes.append(previous)
+    return hashes

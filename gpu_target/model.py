@@ -1,0 +1,207 @@
+"""One decoder-only transformer definition for the Llama family and Qwen2, CPU and GPU alike.
+
+The model reads flattened tokens of many sequences at once (prefill chunks, decode tokens
+and token-tree nodes mixed), with explicit rotary positions, and attends over the paged
+KV cache through a pluggable attention function (the torch reference or a GPU kernel).
+Q/K/V and gate/up projections are stored fused so a decode step launches few matmuls.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_target.attention import AttentionMetadata, reference_attention, write_kv
+from gpu_target.model_config import ModelConfig
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
+def rope_inverse_frequencies(config: ModelConfig, freq_factors: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rotary inverse frequencies with the config's scaling applied (float64 for exactness)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if freq_factors is not None:
+        return inv_freq / freq_factors.to(torch.float64)
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_len / wavelen) - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(mid, blended, out)
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig, freq_factors: Optional[torch.Tensor] = None):
+        super().__init__()
+        inv_freq = rope_inverse_frequencies(config, freq_factors)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float64)
+        angles = torch.outer(positions, inv_freq)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF Llama's rotate-half rotary embedding, computed in float32."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.scale = config.head_dim**-0.5
+
+    def forward(self, x, positions, rotary, kv_cache, meta, attention_fn: AttentionFn):
+        c = self.config
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)
+        k = k.view(-1, c.num_kv_heads, c.head_dim)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = attention_fn(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, rotary, kv_cache, meta, attention_fn):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, attention_fn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 decoder over a paged KV cache."""
+
+    def __init__(self, config: ModelConfig, freq_factors: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config, freq_factors)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        attention_fn: AttentionFn = reference_attention,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] (normalised); logits come from `compute_logits`."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv_cache, meta, attention_fn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors (as the loaders return them) into the fused parameters."""
+        state = dict(state)
+        state.pop("model.rope_freq_factors", None)
+        own = dict(self.named_parameters())
+        take = lambda name: _pop_required(state, name)  # noqa: E731
+        own["embed_tokens.weight"].copy_(take("model.embed_tokens.weight"))
+        own["norm.weight"].copy_(take("model.norm.weight"))
+        if self.lm_head is not None:
+            own["lm_head.weight"].copy_(take("lm_head.weight"))
+        else:
+            state.pop("lm_head.weight", None)
+        for i in range(self.config.num_layers):
+            hf, ours = f"model.layers.{i}.", f"layers.{i}."
+            own[ours + "input_layernorm.weight"].copy_(take(hf + "input_layernorm.weight"))
+            own[ours + "post_attention_layernorm.weight"].copy_(take(hf + "post_attention_layernorm.weight"))
+            qkv = [take(f"{hf}self_attn.{p}_proj.weight") for p in "qkv"]
+            own[ours + "self_attn.qkv_proj.weight"].copy_(torch.cat(qkv, 0))
+            if self.config.attention_bias:
+                bias = [take(f"{hf}self_attn.{p}_proj.bias") for p in "qkv"]
+                own[ours + "self_attn.qkv_proj.bias"].copy_(torch.cat(bias, 0))
+            own[ours + "self_attn.o_proj.weight"].copy_(take(hf + "self_attn.o_proj.weight"))
+            gate_up = [take(f"{hf}mlp.{p}_proj.weight") for p in ("gate", "up")]
+            own[ours + "mlp.gate_up_proj.weight"].copy_(torch.cat(gate_up, 0))
+            own[ours + "mlp.down_proj.weight"].copy_(take(hf + "mlp.down_proj.weight"))
+        if state:
+            raise ValueError(f"unexpected weights in checkpoint: {sorted(state)[:5]}")
+
+
+def _pop_required(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in state:
+        raise ValueError(f"checkpoint is missing weight {name!r}")
+    return state.pop(name)
+
+
+def build_model(
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> CausalLM:
+    """Allocate the model on `device` without a CPU copy, then copy the weights in."""
+    freq_factors = state.get("model.rope_freq_factors")
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = RotaryEmbedding(config, freq_factors).to(device)
+    model.load_hf_state_dict(state)
+    return model.eval().requires_grad_(False)

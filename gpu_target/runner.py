@@ -1,0 +1,105 @@
+"""Runs one batched forward of the target model over the paged KV cache.
+
+The scheduler hands over, per sequence, the new tokens of this step (a prefill chunk, one
+decode token, or a root plus token-tree nodes) with their rotary positions and block
+table; the runner flattens them, builds the attention metadata, runs the model and
+returns the logits of the rows that were asked for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from gpu_target.attention import AttentionMetadata, reference_attention
+from gpu_target.kv_cache import KVCachePool
+from gpu_target.model import AttentionFn, CausalLM
+
+
+@dataclass
+class SequenceChunk:
+    token_ids: Sequence[int]  # the step's new tokens
+    positions: Sequence[int]  # their rotary positions
+    block_table: Sequence[int]
+    num_cached: int  # storage index of the first new token
+    logits_indices: Sequence[int]  # new-token indices whose logits are wanted
+    tree_mask: Optional[Sequence[int]] = None  # per new token ancestor bits; None = causal
+    extra: dict = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_pool: KVCachePool, device: torch.device, attention_fn: AttentionFn = reference_attention):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.device = torch.device(device)
+        self.attention_fn = attention_fn
+        self.block_size = kv_pool.block_size
+
+    def build_inputs(self, chunks: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flatten the chunks into (input_ids, positions, metadata, logits row indices)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tree_bits: list[int] = []
+        logits_rows: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        max_blocks = max(len(c.block_table) for c in chunks)
+        tables = torch.full((len(chunks), max_blocks), 0, dtype=torch.int32)
+        any_tree = False
+        for b, chunk in enumerate(chunks):
+            n = len(chunk.token_ids)
+            offset = query_start[-1]
+            input_ids.extend(chunk.token_ids)
+            positions.extend(chunk.positions)
+            for i in range(chunk.num_cached, chunk.num_cached + n):
+                slots.append(chunk.block_table[i // bs] * bs + i % bs)
+            if chunk.tree_mask is not None:
+                any_tree = True
+                tree_bits.extend(chunk.tree_mask)
+            else:
+                tree_bits.extend([0] * n)
+            logits_rows.extend(offset + i for i in chunk.logits_indices)
+            query_start.append(offset + n)
+            seq_lens.append(chunk.num_cached + n)
+            tables[b, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
+        dev = self.device
+        query_lens = [len(c.token_ids) for c in chunks]
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            tree_mask=torch.tensor(tree_bits, dtype=torch.int64, device=dev) if any_tree else None,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+        )
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+        """Logits (float32) of the requested rows, in chunk order: [num_rows, vocab]."""
+        input_ids, positions, meta, rows = self.build_inputs(chunks)
+        hidden = self.model(input_ids, positions, self.kv_pool.layers, meta, self.attention_fn)
+        return self.model.compute_logits(hidden[rows])
+
+    def copy_kv_slots(self, moves: Sequence[tuple[Sequence[int], int, int]]) -> None:
+        """Compact accepted tree paths: for each (block_table, src_index, dst_index) in storage order."""
+        if not moves:
+            return
+        bs = self.block_size
+        src = [table[s // bs] * bs + s % bs for table, s, _ in moves]
+        dst = [table[d // bs] * bs + d % bs for table, _, d in moves]
+        self.kv_pool.copy_slots(
+            torch.tensor(src, dtype=torch.int64, device=self.device),
+            torch.tensor(dst, dtype=torch.int64, device=self.device),
+        )

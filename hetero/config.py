@@ -1,0 +1,136 @@
+"""Engine configuration: the vLLM / TACO-LLM argument names, their defaults and validation."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_space: Optional[float] = None  # GiB of KV cache on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    block_size: int = 16
+    enable_prefix_caching: bool = False
+    enforce_eager: bool = False
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    # Speculation (vLLM and TACO-LLM spellings).
+    speculative_model: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
+    speculative_config: Optional[dict[str, Any]] = None
+    cpu_draft_worker: bool = False
+    lookahead_cache_config_dir: Optional[str] = None
+    cpu_decoding_memory_utilization: float = 0.15
+    ignore_prompt_for_lookahead_cache: bool = False
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a path to an HF model directory or a .gguf file")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: hetero runs the target on one GPU"
+            )
+        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be at least 1")
+        if self.max_model_len is not None:
+            _check(self.max_model_len >= 1, "max_model_len", self.max_model_len, "must be at least 1")
+        if self.max_num_batched_tokens is not None:
+            _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, "must be at least 1")
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+        if self.kv_cache_space is not None:
+            _check(self.kv_cache_space > 0, "kv_cache_space", self.kv_cache_space, "must be positive (GiB)")
+        _check(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size, "must be one of 8, 16, 32, 64, 128")
+        _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device, "must be 'auto', 'cpu' or 'cuda'")
+        _check(0 < self.cpu_decoding_memory_utilization <= 1, "cpu_decoding_memory_utilization", self.cpu_decoding_memory_utilization, "must be in (0, 1]")
+        if self.num_speculative_tokens is not None:
+            _check(1 <= self.num_speculative_tokens <= 63, "num_speculative_tokens", self.num_speculative_tokens, "must be in [1, 63]")
+        self._merge_speculative_config()
+
+    def _merge_speculative_config(self) -> None:
+        """Fold vLLM's `speculative_config` dict into the flat TACO-LLM fields."""
+        spec = self.speculative_config
+        if spec is None:
+            return
+        if not isinstance(spec, dict):
+            raise ValueError("speculative_config must be a dict")
+        known = {"model", "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = set(spec) - known
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        method = spec.get("method", "draft_model" if "model" in spec else None)
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {method!r}")
+        if method == "draft_model":
+            if not spec.get("model"):
+                raise ValueError("speculative_config.model is required for a draft model")
+            self.speculative_model = spec["model"]
+        if "num_speculative_tokens" in spec:
+            k = spec["num_speculative_tokens"]
+            _check(isinstance(k, int) and 1 <= k <= 63, "speculative_config.num_speculative_tokens", k, "must be an int in [1, 63]")
+            self.num_speculative_tokens = k
+
+    @property
+    def uses_ngram(self) -> bool:
+        return bool(self.speculative_config) and self.speculative_config.get("method") == "ngram"
+
+    @property
+    def speculation_enabled(self) -> bool:
+        return bool(self.speculative_model or self.lookahead_cache_config_dir or self.uses_ngram)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA GPU is visible to PyTorch")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unexpected engine argument(s) {unknown}")
+        return cls(model=model, **kwargs)
+
+
+def _check(ok: bool, name: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {why}, got {value!r}")
+
+
+def cpu_has_native_bf16() -> bool:
+    """True on CPUs whose matrix units do BF16 natively (AMX or AVX-512 BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags

@@ -1,0 +1,455 @@
+"""The engine: requests in, one batched target forward per step, RequestOutputs out.
+
+`LLMEngine.step()` schedules a batch, asks the proposer (if any) for a token tree per
+decoding sequence, runs the target once over everything, samples or verifies, and turns
+the new tokens into text with stop handling. `LLM` (offline) and the server both drive it.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from gpu_target.kv_cache import BlockAllocator, KVCachePool
+from gpu_target.loader import load_config, load_state_dict, load_tokenizer, resolve_model_path
+from gpu_target.model import build_model
+from gpu_target.runner import ModelRunner, SequenceChunk
+from gpu_target.sampler import RowContext, raw_logprobs, sample, target_probs, verify_tree
+from hetero.config import EngineConfig
+from hetero.detokenizer import decode_new_text, find_stop_string
+from hetero.outputs import CompletionOutput, Logprob, RequestOutput
+from hetero.proposers import build_proposer
+from hetero.protocols import ProposalRequest, Proposer, SpecStats, TokenTree, Verdict
+from hetero.sampling_params import SamplingParams
+from hetero.scheduler import ScheduledSeq, Scheduler, Sequence, SequenceGroup, SeqStatus
+from hetero.spec_control import SpeculationController
+
+logger = logging.getLogger("hetero")
+
+_CPU_DEFAULT_KV_GIB = 4.0
+_GPU_ACTIVATION_RESERVE_GIB = 2.0
+_DEFAULT_TREE_NODES = 16
+_DEFAULT_TARGET_PARALLELISM = 64
+
+
+@dataclass
+class _SampleRow:
+    """One logits row that feeds sampling or verification, and whose sequence it is."""
+
+    seq: Sequence
+    context: list[int]  # output tokens before this row's position
+
+
+@dataclass
+class _ChunkRows:
+    """The logits rows one scheduled sequence asked for: prompt-logprob rows, then sampling rows."""
+
+    num_prompt_rows: int
+    sample_rows: list[_SampleRow]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, proposer: Optional[Proposer] = None):
+        self.config = config
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        model_path = resolve_model_path(config.model)
+        self.model_config = load_config(model_path)
+        self.tokenizer = load_tokenizer(model_path, config.tokenizer, config.trust_remote_code)
+        self.eos_token_ids = self._eos_token_ids()
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's "
+                f"max_position_embeddings ({self.model_config.max_position_embeddings})"
+            )
+        state = load_state_dict(model_path, self.model_config, self.dtype, self.device)
+        self.model = build_model(self.model_config, state, self.dtype, self.device)
+        del state
+        num_blocks = self._num_kv_blocks()
+        self.kv_pool = KVCachePool(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+        allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.device, self._attention_fn())
+        max_batched = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        self.scheduler = Scheduler(allocator, config.max_num_seqs, max_batched, self.max_model_len)
+        self.proposer = proposer if proposer is not None else build_proposer(config, self.model_config, self.tokenizer)
+        self.spec_control = SpeculationController(
+            config.num_speculative_tokens or _DEFAULT_TREE_NODES,
+            getattr(proposer, "target_parallelism", _DEFAULT_TARGET_PARALLELISM),
+        )
+        self.spec_stats = SpecStats()
+        self.groups: dict[str, SequenceGroup] = {}
+        self._rng = random.Random(config.seed)
+        torch.manual_seed(config.seed)
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+
+    # ----------------------------------------------------------------- set-up
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        per_block = KVCachePool.bytes_per_block(self.model_config, c.block_size, self.dtype)
+        blocks_per_seq = -(-self.max_model_len // c.block_size)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * c.gpu_memory_utilization - (total - free) - _GPU_ACTIVATION_RESERVE_GIB * 2**30
+            num_blocks = int(budget // per_block)
+            knob = "gpu_memory_utilization"
+        else:
+            space = c.kv_cache_space or _CPU_DEFAULT_KV_GIB
+            num_blocks = min(int(space * 2**30 // per_block), c.max_num_seqs * blocks_per_seq + 1)
+            knob = "kv_cache_space"
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {max(num_blocks, 0) * c.block_size} tokens, fewer than max_model_len "
+                f"({self.max_model_len}); raise {knob} or lower max_model_len"
+            )
+        return num_blocks
+
+    def _attention_fn(self):
+        if self.device.type == "cuda":
+            from gpu_target.triton_attention import paged_attention
+
+            return paged_attention
+        from gpu_target.attention import reference_attention
+
+        return reference_attention
+
+    # --------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+    ) -> None:
+        """`prompt`: a string, or a dict with "prompt_token_ids" (and optionally "prompt")."""
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
+        if len(token_ids) + 1 > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(token_ids)} tokens) leaves no room to generate within max_model_len ({self.max_model_len})"
+            )
+        group = SequenceGroup(request_id, text, token_ids, params, max_tokens, arrival_time or time.time())
+        for index in range(max(params.n, params.best_of or params.n)):
+            seq = Sequence(group, index, self._generator(params.seed, index))
+            group.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.groups[request_id] = group
+        self.num_prompt_tokens_total += len(token_ids)
+
+    def _tokenize(self, prompt: Any) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of ints")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _validate_prompt(self, token_ids: Sequence[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(token_ids)} tokens) is longer than max_model_len ({self.max_model_len})"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary range [0, {vocab})")
+
+    def _generator(self, seed: Optional[int], index: int) -> torch.Generator:
+        """A per-sequence generator: seeded requests sample the same whatever the batch."""
+        if seed is None:
+            value = self._rng.getrandbits(63)
+        else:
+            value = seed if index == 0 else hash((seed, index)) & (2**63 - 1)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(value)
+        return generator
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self._finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        now = time.time()
+        for item in scheduled:
+            metrics = item.seq.group.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                metrics.time_in_queue = now - metrics.arrival_time
+        speculated = self._attach_trees(scheduled)
+        tokens_before = self.num_generation_tokens_total
+        started = time.perf_counter()
+        chunks, layout = self._build_chunks(scheduled)
+        logits = self.runner.forward(chunks)
+        touched = self._consume_logits(scheduled, layout, logits)
+        if self.proposer is not None and all(item.samples and item.num_new_tokens == 1 for item in scheduled):
+            emitted = self.num_generation_tokens_total - tokens_before
+            self.spec_control.record_step(len(scheduled), speculated, emitted, time.perf_counter() - started)
+        return [self._request_output(group) for group in touched]
+
+    def _attach_trees(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Ask the proposer for trees for the decoding sequences; True when any tree was attached."""
+        decoding = [s for s in scheduled if s.samples and s.num_new_tokens == 1]
+        if self.proposer is None or not decoding:
+            return False
+        per_seq = self.spec_control.nodes_per_sequence(len(scheduled))
+        if per_seq == 0:
+            return False
+        requests = []
+        for item in decoding:
+            seq = item.seq
+            room = min(self.max_model_len - len(seq.token_ids), seq.group.max_tokens - len(seq.output_token_ids) - 1)
+            requests.append(ProposalRequest(seq.seq_key, seq.token_ids, seq.num_prompt_tokens, max(0, min(per_seq, room))))
+        trees = self.proposer.propose(requests)
+        for item, request, tree in zip(decoding, requests, trees):
+            if len(tree) == 0 or len(tree) > request.max_nodes:
+                continue
+            if self.scheduler.try_extend(item.seq, item.seq.num_computed + 1 + len(tree)):
+                item.tree = tree
+        return any(item.tree is not None for item in decoding)
+
+    def _build_chunks(self, scheduled: list[ScheduledSeq]) -> tuple[list[SequenceChunk], list[_ChunkRows]]:
+        chunks, layout = [], []
+        for item in scheduled:
+            seq = item.seq
+            start = seq.num_computed
+            if item.tree is None:
+                tokens = seq.token_ids[start : start + item.num_new_tokens]
+                positions = list(range(start, start + item.num_new_tokens))
+                logits_indices = self._prompt_logprob_indices(item)
+                num_prompt_rows = len(logits_indices)
+                seq_rows = []
+                if item.samples:
+                    logits_indices.append(item.num_new_tokens - 1)
+                    seq_rows.append(_SampleRow(seq, seq.output_token_ids))
+                chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, logits_indices))
+            else:
+                tree = item.tree
+                depths = tree.depths()
+                masks = tree.ancestor_masks()
+                tokens = [seq.token_ids[-1]] + tree.tokens.tolist()
+                positions = [start] + [start + int(d) for d in depths]
+                tree_mask = [1] + [(int(m) << 1) | 1 for m in masks]
+                output = seq.output_token_ids
+                num_prompt_rows = 0
+                seq_rows = [_SampleRow(seq, output)]
+                for node in range(len(tree)):
+                    path = [int(tree.tokens[j]) for j in tree.path_to(node)]
+                    seq_rows.append(_SampleRow(seq, output + path))
+                chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, list(range(len(tokens))), tree_mask))
+            layout.append(_ChunkRows(num_prompt_rows, seq_rows))
+        return chunks, layout
+
+    def _prompt_logprob_indices(self, item: ScheduledSeq) -> list[int]:
+        """Chunk rows whose logits score the next prompt token, when prompt_logprobs is asked."""
+        seq = item.seq
+        group = seq.group
+        if seq.params.prompt_logprobs is None or seq.index != 0:
+            return []
+        if group.prompt_logprobs is not None and len(group.prompt_logprobs) >= seq.num_prompt_tokens:
+            return []
+        last = min(seq.num_computed + item.num_new_tokens, seq.num_prompt_tokens - 1)
+        return list(range(0, max(0, last - seq.num_computed)))
+
+    def _consume_logits(self, scheduled: list[ScheduledSeq], layout: list[_ChunkRows], logits: torch.Tensor) -> list[SequenceGroup]:
+        prompt_slices, sample_starts, sample_index = [], [], []
+        offset = 0
+        for rows in layout:
+            prompt_slices.append((offset, offset + rows.num_prompt_rows))
+            offset += rows.num_prompt_rows
+            sample_starts.append(len(sample_index))
+            sample_index.extend(range(offset, offset + len(rows.sample_rows)))
+            offset += len(rows.sample_rows)
+        contexts = [self._row_context(r) for rows in layout for r in rows.sample_rows]
+        sample_logits = logits[sample_index]
+        probs = target_probs(sample_logits, contexts) if contexts else None
+        plain = [b for b, item in enumerate(scheduled) if item.samples and item.tree is None]
+        plain_tokens = {}
+        if plain:
+            picks = [sample_starts[b] for b in plain]
+            plain_tokens = dict(zip(plain, sample(probs[picks], [contexts[i] for i in picks]).tolist()))
+        touched: dict[str, SequenceGroup] = {}
+        for b, (item, rows) in enumerate(zip(scheduled, layout)):
+            seq = item.seq
+            if rows.num_prompt_rows:
+                start, stop = prompt_slices[b]
+                self._record_prompt_logprobs(seq, logits[start:stop])
+            if not item.samples:
+                seq.num_computed += item.num_new_tokens
+                self._register_blocks(seq)
+                continue
+            first = sample_starts[b]
+            seq_logits = sample_logits[first : first + len(rows.sample_rows)]
+            if item.tree is None:
+                seq.num_computed += item.num_new_tokens
+                new_tokens, token_rows = [plain_tokens[b]], [0]
+            else:
+                seq_probs = probs[first : first + len(rows.sample_rows)]
+                accepted, bonus = verify_tree(seq_probs, item.tree, seq.params.is_greedy, seq.generator)
+                new_tokens = [int(item.tree.tokens[i]) for i in accepted] + [bonus]
+                token_rows = [0] + [i + 1 for i in accepted]
+                self._keep_accepted_kv(item, accepted)
+                seq.spec.record(len(item.tree), len(accepted))
+                self.spec_stats.record(len(item.tree), len(accepted))
+            self._register_blocks(seq)
+            self._append_tokens(seq, new_tokens, seq_logits, token_rows)
+            touched[seq.group.request_id] = seq.group
+            if item.tree is not None and self.proposer is not None and not seq.is_finished:
+                self.proposer.commit([Verdict(seq.seq_key, new_tokens[:-1], new_tokens[-1], len(item.tree))])
+        return list(touched.values())
+
+    def _row_context(self, row: _SampleRow) -> RowContext:
+        seq = row.seq
+        return RowContext(seq.params, seq.group.prompt_token_ids, row.context, self.eos_token_ids, seq.generator)
+
+    def _keep_accepted_kv(self, item: ScheduledSeq, accepted: list[int]) -> None:
+        """Move the accepted nodes' KV right behind the root and drop the rest of the tree."""
+        seq = item.seq
+        root = seq.num_computed
+        moves = [(seq.block_table, root + 1 + node, root + 1 + m) for m, node in enumerate(accepted) if node != m]
+        self.runner.copy_kv_slots(moves)
+        seq.num_computed = root + 1 + len(accepted)
+        self.scheduler.trim_blocks(seq)
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        self.scheduler.allocator.register_full_blocks(seq.token_ids, seq.block_table, seq.num_computed)
+
+    def _append_tokens(self, seq: Sequence, new_tokens: list[int], seq_logits: torch.Tensor, token_rows: list[int]) -> None:
+        params = seq.params
+        want = params.logprobs
+        if want is not None:
+            chosen = torch.tensor(new_tokens, device=seq_logits.device)
+            token_logprobs = raw_logprobs(seq_logits[token_rows], chosen, [want] * len(new_tokens))
+        now = time.time()
+        metrics = seq.group.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        for i, token in enumerate(new_tokens):
+            seq.token_ids.append(token)
+            self.num_generation_tokens_total += 1
+            if want is not None:
+                entry = token_logprobs[i]
+                seq.cumulative_logprob += entry[token][0]
+                seq.logprobs.append(
+                    {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in entry.items()}
+                )
+            if self._check_stop(seq, token):
+                self._finish(seq)
+                return
+
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        params = seq.params
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        if params.detokenize:
+            new_text = decode_new_text(
+                self.tokenizer, seq.token_ids, seq.detok, params.skip_special_tokens, params.spaces_between_special_tokens
+            )
+        else:
+            new_text = ""
+        if num_output >= params.min_tokens:
+            if token in (params.stop_token_ids or ()):
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return True
+            if not params.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return True
+            if new_text and params.stop:
+                hit = find_stop_string(seq.detok.text, len(new_text), params.stop, params.include_stop_str_in_output)
+                if hit is not None:
+                    seq.detok.text = seq.detok.text[: hit[1]]
+                    seq.finish_reason, seq.stop_reason = "stop", hit[0]
+                    return True
+        if num_output >= seq.group.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            seq.finish_reason = "length"
+            return True
+        return False
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        seq.group.metrics.finished_time = time.time() if seq.group.is_finished else None
+        if self.proposer is not None:
+            self.proposer.release(seq.seq_key)
+
+    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
+        group = seq.group
+        if group.prompt_logprobs is None:
+            group.prompt_logprobs = [None]
+        start = seq.num_computed
+        targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + logits.shape[0]], device=logits.device)
+        top = seq.params.prompt_logprobs
+        for entry in raw_logprobs(logits, targets, [top] * logits.shape[0]):
+            group.prompt_logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in entry.items()})
+
+    # ----------------------------------------------------------------- output
+    def _request_output(self, group: SequenceGroup) -> RequestOutput:
+        params = group.params
+        finished = group.is_finished
+        seqs = group.seqs
+        if (params.best_of or params.n) > params.n:
+            if not finished:
+                seqs = []
+            else:
+                seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        outputs = [
+            CompletionOutput(
+                index=i if (params.best_of or params.n) > params.n else seq.index,
+                text=seq.detok.text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for i, seq in enumerate(seqs)
+        ]
+        metrics = group.metrics
+        metrics.num_draft_tokens = sum(s.spec.num_draft_tokens for s in group.seqs)
+        metrics.num_accepted_tokens = sum(s.spec.num_accepted_tokens for s in group.seqs)
+        metrics.num_spec_steps = sum(s.spec.num_steps for s in group.seqs)
+        if finished:
+            self.groups.pop(group.request_id, None)
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            prompt_logprobs=group.prompt_logprobs,
+            outputs=outputs,
+            finished=finished,
+            metrics=metrics,
+            num_cached_tokens=group.num_cached_tokens,
+        )

@@ -1,0 +1,209 @@
+"""Continuous batching over a paged KV cache.
+
+Every step the scheduler first keeps the running sequences going (one decode token each,
+or the rest of a chunked prefill), then admits waiting sequences while the token budget
+(`max_num_batched_tokens`), the sequence budget (`max_num_seqs`) and free KV blocks allow.
+When a running sequence needs a block and none is free, the most recently admitted
+sequence is preempted by recomputation: its blocks are freed and it goes back to the
+front of the queue to be prefilled again later, prompt and output together, so nothing
+it generated is lost.
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from gpu_target.kv_cache import BlockAllocator, OutOfBlocks
+from hetero.detokenizer import DetokenizerState, init_state
+from hetero.outputs import Logprob, RequestMetrics
+from hetero.protocols import SpecStats, TokenTree
+from hetero.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One completion being generated; a request with n > 1 has n of them."""
+
+    def __init__(self, group: "SequenceGroup", index: int, generator: torch.Generator):
+        self.group = group
+        self.index = index
+        self.generator = generator
+        self.token_ids: list[int] = list(group.prompt_token_ids)
+        self.num_prompt_tokens = len(group.prompt_token_ids)
+        self.block_table: list[int] = []
+        self.num_computed = 0  # tokens whose KV is in the cache
+        self.status = SeqStatus.WAITING
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.detok: DetokenizerState = init_state(group.prompt_token_ids)
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: int | str | None = None
+        self.spec = SpecStats()
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.group.params
+
+    @property
+    def seq_key(self) -> str:
+        return f"{self.group.request_id}#{self.index}"
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+class SequenceGroup:
+    """One request: its prompt, parameters, sequences and timing."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: Optional[str],
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        arrival_time: float,
+    ):
+        self.request_id = request_id
+        self.max_tokens = max_tokens
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seqs: list[Sequence] = []
+        self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
+        self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+        self.num_cached_tokens = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # prefill chunk length, or 1 for a decode token (tree nodes come on top)
+    tree: Optional[TokenTree] = None
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step ends at the sequence's last token, so a new token is sampled."""
+        return self.seq.num_computed + self.num_new_tokens == len(self.seq.token_ids)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.allocator.block_size
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or budget == 0:
+                continue
+            num_new = min(seq.num_uncomputed, budget)
+            if not self._reserve(seq, seq.num_computed + num_new, preempt=True):
+                continue
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table and not seq.params.prompt_logprobs:
+                seq.block_table = self.allocator.match_prefix(seq.token_ids)
+                seq.num_computed = len(seq.block_table) * self.block_size
+                seq.group.num_cached_tokens = seq.num_computed
+            num_new = min(seq.num_uncomputed, budget)
+            if not self._reserve(seq, seq.num_computed + num_new, preempt=False):
+                self.allocator.free_all(seq.block_table)
+                seq.block_table = []
+                seq.num_computed = 0
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return scheduled
+
+    def try_extend(self, seq: Sequence, num_tokens: int) -> bool:
+        """Reserve blocks for `num_tokens` KV entries without preempting anyone (tree nodes)."""
+        return self._reserve(seq, num_tokens, preempt=False)
+
+    def _reserve(self, seq: Sequence, num_tokens: int, preempt: bool) -> bool:
+        needed = -(-num_tokens // self.block_size) - len(seq.block_table)
+        while needed > 0:
+            try:
+                seq.block_table.append(self.allocator.allocate())
+                needed -= 1
+            except OutOfBlocks:
+                victim = self._preemption_victim(seq) if preempt else None
+                if victim is None:
+                    if seq.status is SeqStatus.RUNNING and preempt:
+                        self._preempt(seq)
+                    return False
+                self._preempt(victim)
+        return True
+
+    def _preemption_victim(self, requester: Sequence) -> Optional[Sequence]:
+        """The latest-admitted sequence behind the requester: it has not been scheduled this step."""
+        behind = self.running[self.running.index(requester) + 1 :]
+        return behind[-1] if behind else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's KV and requeue it at the front; its tokens are recomputed later."""
+        self.allocator.free_all(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def trim_blocks(self, seq: Sequence) -> None:
+        """Free blocks past the sequence's computed tokens (after a tree was compacted)."""
+        keep = -(-seq.num_computed // self.block_size)
+        while len(seq.block_table) > keep:
+            self.allocator.free(seq.block_table.pop())
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free_all(seq.block_table)
+        seq.block_table = []
+        seq.status = SeqStatus.FINISHED
