@@ -1,0 +1,202 @@
+"""A single-producer/single-consumer ring of fixed-size slots in one shared-memory segment.
+
+Segment layout (native u64 words; each line is its own 64-byte cache line so the producer's
+and the consumer's hot counters do not share one)::
+
+    line 0 : magic | version | num_slots | slot_bytes
+    line 1 : tail   - messages published; written by the producer only
+    line 2 : head   - messages released; written by the consumer only
+    line 3 : producer pid | start ticks | heartbeat (monotonic ns) | closed
+    line 4 : consumer pid | start ticks | heartbeat (monotonic ns) | closed
+    slots  : num_slots * (64-byte slot header + slot_bytes of payload)
+
+Ordering: the producer writes the payload, then the slot header, then publishes ``tail``;
+the consumer reads ``tail``, then the slot. x86 does not reorder stores with older stores
+or loads with older loads, each counter is one aligned 8-byte store (numpy item
+assignment), and the interpreter cannot move memory accesses across bytecodes, so a
+consumer that sees the new ``tail`` sees the finished slot. The slot's own sequence number
+and CRC32 are checked on every read as a second line of defence.
+
+This module only moves bytes; waiting, doorbells and liveness live in ``ipc.channel``.
+"""
+from __future__ import annotations
+
+import struct
+import time
+import zlib
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Mapping
+
+import numpy as np
+
+from ipc.errors import CorruptMessageError, IPCError, MessageTooLargeError
+from ipc.layout import SLOT_HEADER, SLOT_HEADER_BYTES, PayloadPlan, align_up, plan_payload, read_payload, write_payload
+
+MAGIC = 0x4845544552495043  # "HETERIPC"
+VERSION = 1
+LINE_WORDS = 8
+CONTROL_BYTES = 5 * LINE_WORDS * 8
+TAIL = 1 * LINE_WORDS
+HEAD = 2 * LINE_WORDS
+
+
+class Role(IntEnum):
+    """Which end of a ring a process holds; the value is the word index of its endpoint line."""
+
+    PRODUCER = 3 * LINE_WORDS
+    CONSUMER = 4 * LINE_WORDS
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What one end of a ring last said about itself."""
+
+    pid: int
+    start_ticks: int
+    heartbeat_ns: int
+    closed: bool
+
+
+@dataclass(frozen=True)
+class Message:
+    """One received message.
+
+    ``arrays`` are read-only numpy views into the ring slot: they stay valid only until the
+    receiver releases the slot (``release()`` or the next receive); after that the producer
+    may overwrite them. Use ``copy()`` to keep a message longer.
+    """
+
+    kind: int
+    arrays: Mapping[str, np.ndarray]
+    seq: int = field(default=-1, compare=False)
+
+    def copy(self) -> "Message":
+        return Message(self.kind, {name: array.copy() for name, array in self.arrays.items()}, self.seq)
+
+
+def segment_bytes(num_slots: int, slot_bytes: int) -> int:
+    return CONTROL_BYTES + num_slots * (SLOT_HEADER_BYTES + align_up(slot_bytes))
+
+
+class RingSegment:
+    """The mapped segment of one ring: its geometry, counters and endpoint lines."""
+
+    def __init__(self, name: str, raw: np.ndarray) -> None:
+        self.name = name
+        self.raw = raw
+        self.words = raw[:CONTROL_BYTES].view(np.uint64)
+        if int(self.words[0]) != MAGIC or int(self.words[1]) != VERSION:
+            raise IPCError(f"shared-memory segment {name!r} is not a version-{VERSION} hetero ring")
+        self.num_slots = int(self.words[2])
+        self.slot_bytes = int(self.words[3])
+        self.slot_stride = SLOT_HEADER_BYTES + align_up(self.slot_bytes)
+        if raw.size < segment_bytes(self.num_slots, self.slot_bytes):
+            raise IPCError(f"shared-memory segment {name!r} is smaller than its header says")
+
+    @staticmethod
+    def format(raw: np.ndarray, num_slots: int, slot_bytes: int) -> None:
+        """Write a fresh ring header into a zeroed segment."""
+        words = raw[:CONTROL_BYTES].view(np.uint64)
+        words[2], words[3] = num_slots, slot_bytes
+        words[1] = VERSION
+        words[0] = MAGIC
+
+    def slot_offset(self, seq: int) -> int:
+        return CONTROL_BYTES + (seq % self.num_slots) * self.slot_stride
+
+    def endpoint(self, role: Role) -> Endpoint:
+        pid, ticks, beat, closed = (int(w) for w in self.words[role : role + 4])
+        return Endpoint(pid, ticks, beat, bool(closed))
+
+    def claim(self, role: Role, pid: int, start_ticks: int) -> None:
+        self.words[role + 1] = start_ticks
+        self.words[role + 2] = time.monotonic_ns()
+        self.words[role] = pid
+
+    def beat(self, role: Role) -> None:
+        self.words[role + 2] = time.monotonic_ns()
+
+    def mark_closed(self, role: Role) -> None:
+        self.words[role + 3] = 1
+
+
+class RingWriter:
+    """The producer end: ``put`` a message into the next free slot."""
+
+    def __init__(self, segment: RingSegment) -> None:
+        self.segment = segment
+        self._words = segment.words
+        self._raw = segment.raw
+        self._tail = int(segment.words[TAIL])
+
+    def plan(self, arrays: Mapping[str, np.ndarray]) -> PayloadPlan:
+        """Validate ``arrays`` and check that they fit one slot."""
+        plan = plan_payload(arrays)
+        if plan.length > self.segment.slot_bytes:
+            sizes = ", ".join(f"{e.name}: {e.length} x {e.dtype}" for e in plan.entries)
+            raise MessageTooLargeError(
+                f"message of {plan.length} bytes ({sizes}) does not fit a {self.segment.slot_bytes}-byte slot "
+                f"of ring {self.segment.name!r}; create the channel with a larger slot_bytes"
+            )
+        return plan
+
+    def has_space(self) -> bool:
+        return self._tail - int(self._words[HEAD]) < self.segment.num_slots
+
+    def put(self, kind: int, arrays: Mapping[str, np.ndarray], plan: PayloadPlan) -> None:
+        """Write and publish one message; the caller has checked ``has_space()``."""
+        offset = self.segment.slot_offset(self._tail)
+        payload = self._raw[offset + SLOT_HEADER_BYTES : offset + SLOT_HEADER_BYTES + plan.length]
+        write_payload(payload, arrays, plan)
+        SLOT_HEADER.pack_into(self._raw, offset, self._tail, plan.length, zlib.crc32(payload), kind)
+        self._tail += 1
+        self._words[TAIL] = self._tail
+
+
+class RingReader:
+    """The consumer end: ``get`` the oldest message as views, ``release`` its slot when done.
+
+    At most one message is held at a time; ``get`` releases the previous one.
+    """
+
+    def __init__(self, segment: RingSegment) -> None:
+        self.segment = segment
+        self._words = segment.words
+        self._raw = segment.raw
+        self._view = segment.raw.view()
+        self._view.flags.writeable = False
+        self._next = int(segment.words[HEAD])
+
+    def has_message(self) -> bool:
+        return int(self._words[TAIL]) != self._next
+
+    def release(self) -> bool:
+        """Hand the held message's slot back to the producer; False when nothing was held."""
+        if int(self._words[HEAD]) == self._next:
+            return False
+        self._words[HEAD] = self._next
+        return True
+
+    def get(self) -> Message:
+        """Take the oldest published message; the caller has checked ``has_message()``.
+
+        A corrupt message is consumed (its slot is freed by the next release) and reported
+        with CorruptMessageError.
+        """
+        self.release()
+        seq = self._next
+        self._next += 1
+        offset = self.segment.slot_offset(seq)
+        slot_seq, length, crc, kind = SLOT_HEADER.unpack_from(self._raw, offset)
+        if slot_seq != seq:
+            raise CorruptMessageError(f"ring {self.segment.name!r}: slot holds message #{slot_seq}, expected #{seq}")
+        if length > self.segment.slot_bytes:
+            raise CorruptMessageError(f"ring {self.segment.name!r}: message #{seq} claims {length} bytes, slots hold {self.segment.slot_bytes}")
+        payload = self._view[offset + SLOT_HEADER_BYTES : offset + SLOT_HEADER_BYTES + length]
+        actual = zlib.crc32(payload)
+        if actual != crc:
+            raise CorruptMessageError(
+                f"ring {self.segment.name!r}: checksum mismatch in message #{seq} (stored {crc:#010x}, computed {actual:#010x})"
+            )
+        return Message(kind, read_payload(payload, length), seq)
