@@ -1,0 +1,214 @@
+"""The engine against HF transformers: greedy equivalence, preemption, seeds, outputs, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from gpu_target.kv_cache import KVCachePool
+from gpu_target.loader import load_config
+from hetero import LLM, SamplingParams
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "def add(a, b):",
+    "Once upon a time there was a small model that generated text. Speculative",
+    "x",
+    "The capital of Italy is Rome. The capital of",
+    "Speculative decoding drafts tokens on the CPU",
+    "Hello",
+]
+
+
+def hf_greedy(model_dir, prompts, max_new_tokens):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outs = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        gen = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+        outs.append(gen[0, ids.shape[1] :].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tiny_llama_dir):
+    return hf_greedy(tiny_llama_dir, PROMPTS, 24)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def test_greedy_matches_transformers_at_batch_1(llama, llama_reference):
+    for prompt, expected in zip(PROMPTS[:3], llama_reference):
+        (out,) = llama.generate(prompt, GREEDY, use_tqdm=False)
+        assert out.outputs[0].token_ids == expected
+
+
+def test_greedy_matches_transformers_at_batch_8_with_mixed_lengths(llama, llama_reference):
+    outs = llama.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == llama_reference
+    assert [o.prompt for o in outs] == PROMPTS
+
+
+def test_qwen2_greedy_matches_transformers(tiny_qwen2_dir):
+    llm = LLM(model=str(tiny_qwen2_dir), max_model_len=256, dtype="float32")
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_qwen2_dir, PROMPTS, 24)
+
+
+def test_kv_pressure_preempts_and_loses_nothing(tiny_llama_dir, llama_reference):
+    config = load_config(tiny_llama_dir)
+    block_bytes = KVCachePool.bytes_per_block(config, 16, torch.float32)
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=96, dtype="float32", kv_cache_space=7 * block_bytes / 2**30)
+    assert llm.llm_engine.kv_pool.num_blocks == 7
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == llama_reference
+    assert llm.llm_engine.scheduler.allocator.num_free == 7
+
+
+def test_chunked_prefill_matches(tiny_llama_dir, llama_reference):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", max_num_batched_tokens=8, max_num_seqs=8)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == llama_reference
+
+
+def test_prefix_caching_reuses_blocks_and_matches(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", enable_prefix_caching=True)
+    shared = "Once upon a time there was a small model that generated text. " * 3
+    prompts = [shared + "Hello", shared + "The capital"]
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
+    second = llm.generate(prompts[1:], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens >= 16
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == hf_greedy(tiny_llama_dir, prompts, 24)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llama):
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llama.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0].token_ids
+    unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    batch = llama.generate(PROMPTS[:4], [unseeded, params, unseeded, unseeded], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=99, max_tokens=16, ignore_eos=True)
+    assert llama.generate(PROMPTS[1], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_n_and_best_of(llama):
+    out = llama.generate(PROMPTS[0], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    best = llama.generate(
+        PROMPTS[0], SamplingParams(n=2, best_of=4, temperature=1.0, seed=7, max_tokens=8, logprobs=0, ignore_eos=True), use_tqdm=False
+    )[0]
+    scores = [o.cumulative_logprob for o in best.outputs]
+    assert len(scores) == 2 and scores == sorted(scores, reverse=True)
+
+
+def test_max_tokens_and_length_finish(llama):
+    out = llama.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5
+    assert out.outputs[0].finish_reason == "length"
+    assert out.finished and out.metrics.first_token_time >= out.metrics.arrival_time
+
+
+def test_stop_token_ids_and_stop_strings(llama, llama_reference):
+    expected = llama_reference[0]
+    stop_token = expected[5]
+    out = llama.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_token]), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected[: expected.index(stop_token) + 1]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop_token)
+
+    tokenizer = llama.get_tokenizer()
+    full_text = tokenizer.decode(expected)
+    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 2]
+    if not stop.strip() or "\ufffd" in stop:
+        pytest.skip("the random model's text has no clean stop string here")
+    out = llama.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)[0]
+    assert out.outputs[0].stop_reason == stop
+    assert out.outputs[0].text == full_text[: full_text.index(stop)]
+    kept = llama.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True), use_tqdm=False
+    )[0]
+    assert kept.outputs[0].text == full_text[: full_text.index(stop) + len(stop)]
+
+
+def test_min_tokens_suppresses_eos(llama):
+    eos = llama.get_tokenizer().eos_token_id
+    out = llama.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, min_tokens=12, stop_token_ids=[eos]), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 12
+    assert eos not in out.outputs[0].token_ids
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(llama, tiny_llama_dir):
+    out = llama.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True), use_tqdm=False)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    n_prompt = len(out.prompt_token_ids)
+    for i, token in enumerate(out.outputs[0].token_ids):
+        entry = out.outputs[0].logprobs[i]
+        assert entry[token].rank == 1 and len(entry) == 3
+        assert entry[token].logprob == pytest.approx(logp[n_prompt - 1 + i, token].item(), abs=1e-4)
+    assert out.prompt_logprobs[0] is None
+    for p in range(1, n_prompt):
+        token = out.prompt_token_ids[p]
+        assert out.prompt_logprobs[p][token].logprob == pytest.approx(logp[p - 1, token].item(), abs=1e-4)
+
+
+def test_token_id_prompts_and_chat(llama):
+    tokenizer = llama.get_tokenizer()
+    ids = tokenizer(PROMPTS[0]).input_ids
+    by_ids = llama.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
+    by_text = llama.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
+    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+    chat = llama.chat([{"role": "user", "content": "Hi!"}], GREEDY, use_tqdm=False)[0]
+    assert chat.prompt.startswith("<|im_start|>user\nHi!<|im_end|>") and chat.prompt.endswith("assistant\n")
+    assert chat.prompt_token_ids == tokenizer.encode(chat.prompt, add_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("", "empty"),
+        ({"prompt_token_ids": [10**6]}, "vocabulary"),
+        ("word " * 300, "max_model_len"),
+        (42, "prompt"),
+    ],
+)
+def test_bad_prompts_are_clear_errors_and_lose_nothing(llama, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llama.generate(["Hello", prompt], GREEDY, use_tqdm=False)
+    assert not llama.llm_engine.has_unfinished_requests()
+    assert llama.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"dtype": "int3"}, "dtype"),
+        ({"max_model_len": 100000}, "max_model_len"),
+        ({"block_size": 7}, "block_size"),
+    ],
+)
+def test_bad_llm_arguments_name_the_field(tiny_llama_dir, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(model=str(tiny_llama_dir), **kwargs)
+
+
+def test_unknown_llm_argument_and_missing_model(tiny_llama_dir, tmp_path):
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(model=str(tiny_llama_dir), max_num_seq=4)
+    with pytest.raises((FileNotFoundError, ValueError), match="nowhere"):
+        LLM(model=str(tmp_path / "nowhere"))
