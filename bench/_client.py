@@ -42,8 +42,8 @@ def request_body(settings: RequestSettings, prompt: Prompt) -> dict:
     return body
 
 
-def error_message(status: int, body: bytes) -> str:
-    """``HTTP 401: <message>`` from an OpenAI-shaped error body, or its raw text."""
+def openai_error_text(body: bytes) -> str:
+    """The ``error.message`` of an OpenAI-shaped error body, else the body's raw text."""
     text = body.decode("utf-8", errors="replace").strip()
     try:
         payload = json.loads(text)
@@ -51,7 +51,11 @@ def error_message(status: int, body: bytes) -> str:
         text = error.get("message", text) if isinstance(error, dict) else str(error)
     except (json.JSONDecodeError, AttributeError):
         pass
-    return f"HTTP {status}: {text[:300]}"
+    return text[:300]
+
+
+def error_message(status: int, body: bytes) -> str:
+    return f"HTTP {status}: {openai_error_text(body)}"
 
 
 def _chunk_text(chunk: dict, endpoint: str) -> str:
@@ -86,7 +90,7 @@ async def stream_request(client: httpx.AsyncClient, settings: RequestSettings, p
                 now = time.perf_counter()
                 chunk = json.loads(data)
                 if chunk.get("error"):
-                    record.error = error_message(200, data.encode())
+                    record.error = f"error in stream: {openai_error_text(data.encode())}"
                     record.e2e = now - sent
                     return record
                 if _chunk_text(chunk, settings.endpoint):
