@@ -10,8 +10,9 @@ Liveness: each side stamps its pid, process start time and a heartbeat into the 
 lines of both segments (a background thread beats every ``heartbeat_timeout_s / 4``, so
 a peer busy in a long computation still counts as alive). While one side waits, it checks
 at least every ``check_interval_s`` whether the other side closed, exited (also as an
-unreaped zombie) or stopped beating, and raises PeerDeadError if so. Messages that were
-already published are still delivered first.
+unreaped zombie) or stopped beating, and raises PeerDeadError if so: a killed peer is
+noticed within ``check_interval_s``, a hung one within ``heartbeat_timeout_s +
+check_interval_s``. Messages that were already published are still delivered first.
 
 Threads: ``send`` may run in one thread while ``recv``/``release`` run in another (each
 direction touches only its own ring and sockets); otherwise a Channel is not thread-safe.
@@ -59,6 +60,7 @@ class ChannelSpec:
     socket_dir: str
     owner_pid: int
     heartbeat_timeout_s: float
+    check_interval_s: float
     spin_s: float
 
     def bell_path(self, segment: str, bell: str) -> str:
@@ -79,6 +81,7 @@ class Channel:
         slot_bytes: int = 1 << 16,
         *,
         heartbeat_timeout_s: float = 2.0,
+        check_interval_s: float = 0.05,
         spin_s: float = 100e-6,
         socket_dir: str | None = None,
     ) -> "Channel":
@@ -86,10 +89,13 @@ class Channel:
 
         Removes orphans of earlier crashed owners with the same prefix first.
         ``slot_bytes`` is the largest payload (array table plus array bytes) one message may have.
+        A waiting side spins for ``spin_s`` before it sleeps on its doorbell, and while asleep
+        checks the peer's liveness every ``check_interval_s``.
         """
         _require(isinstance(num_slots, int) and num_slots >= 1, f"num_slots must be an int >= 1, got {num_slots!r}")
         _require(isinstance(slot_bytes, int) and slot_bytes >= 64, f"slot_bytes must be an int >= 64, got {slot_bytes!r}")
         _require(heartbeat_timeout_s > 0, f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s!r}")
+        _require(check_interval_s > 0, f"check_interval_s must be > 0, got {check_interval_s!r}")
         _require(spin_s >= 0, f"spin_s must be >= 0, got {spin_s!r}")
         pid, token = os.getpid(), new_token()
         spec = ChannelSpec(
@@ -98,6 +104,7 @@ class Channel:
             socket_dir=os.path.abspath(socket_dir or tempfile.gettempdir()),
             owner_pid=pid,
             heartbeat_timeout_s=float(heartbeat_timeout_s),
+            check_interval_s=float(check_interval_s),
             spin_s=float(spin_s),
         )
         longest = max(spec.socket_paths(), key=len)
@@ -142,7 +149,6 @@ class Channel:
         in_ring.claim(Role.CONSUMER, pid, ticks)
         self._writer = RingWriter(out_ring)
         self._reader = RingReader(in_ring)
-        self._check_interval_s = min(0.05, spec.heartbeat_timeout_s / 4)
         resources = _Resources(
             endpoints=[(out_ring, Role.PRODUCER), (in_ring, Role.CONSUMER)],
             owned_paths=[segment_path(spec.to_peer), segment_path(spec.to_owner), *spec.socket_paths()] if is_owner else [],
@@ -182,7 +188,7 @@ class Channel:
         self._require_open()
         _require(isinstance(kind, int) and kind in KIND_RANGE, f"kind must be an int32, got {kind!r}")
         plan = self._writer.plan(arrays)
-        if not wait_until(self._writer.has_space, self._space_bell, timeout, self.spec.spin_s, self._check_interval_s, self._check_peer):
+        if not wait_until(self._writer.has_space, self._space_bell, timeout, self.spec.spin_s, self.spec.check_interval_s, self._check_peer):
             raise RingFullError(
                 f"channel {self.name}: all {self._writer.segment.num_slots} slots stayed full for {timeout} s; "
                 f"the peer (pid {self.peer_pid}) is not receiving"
@@ -199,7 +205,7 @@ class Channel:
         CorruptMessageError if the message fails its checksum (it is dropped).
         """
         self.release()
-        if not wait_until(self._reader.has_message, self._data_bell, timeout, self.spec.spin_s, self._check_interval_s, self._check_peer):
+        if not wait_until(self._reader.has_message, self._data_bell, timeout, self.spec.spin_s, self.spec.check_interval_s, self._check_peer):
             raise RecvTimeoutError(f"channel {self.name}: no message from the peer (pid {self.peer_pid}) within {timeout} s")
         return self._reader.get()
 

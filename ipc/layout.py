@@ -70,9 +70,13 @@ def plan_payload(arrays: Mapping[str, np.ndarray]) -> PayloadPlan:
 
 
 def _check_array(name: object, array: object) -> None:
-    if not isinstance(name, str) or not name:
-        raise IPCError(f"array names must be non-empty strings, got {name!r}")
-    if len(name.encode("utf-8")) > MAX_NAME_BYTES:
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise IPCError(f"array names must be non-empty strings without NUL, got {name!r}")
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise IPCError(f"array name {name!r} cannot be encoded as utf-8") from exc
+    if len(encoded) > MAX_NAME_BYTES:
         raise IPCError(f"array name {name!r} is longer than {MAX_NAME_BYTES} bytes in utf-8")
     if not isinstance(array, np.ndarray):
         raise IPCError(f"array {name!r} must be a numpy ndarray, got {type(array).__name__}")
