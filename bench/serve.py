@@ -106,7 +106,12 @@ async def check_endpoint(client: httpx.AsyncClient, urls: dict[str, str], model:
             raise BenchmarkError(f"--model is required: {urls['models']} answered "
                                  f"{error_message(response.status_code, response.content)}")
         return model
-    served = [entry.get("id") for entry in response.json().get("data", []) if isinstance(entry, dict)]
+    try:
+        listing = response.json()
+    except ValueError:
+        listing = {}
+    entries = listing.get("data", []) if isinstance(listing, dict) else []
+    served = [entry.get("id") for entry in entries if isinstance(entry, dict)]
     if model is None:
         if not served:
             raise BenchmarkError(f"--model is required: {urls['models']} lists no model")
@@ -295,14 +300,24 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def json_object(text: str) -> dict:
+    """argparse type for ``--extra-body``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"top_p\": 0.9}'")
+    return value
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hetero-bench-serve", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     target = parser.add_argument_group("endpoint")
     target.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI API root, ending in /v1")
     target.add_argument("--model", help="model name to request (default: the first one /v1/models lists)")
-    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                        help="bearer token (default: $OPENAI_API_KEY)")
+    target.add_argument("--api-key", help="bearer token; when absent, $OPENAI_API_KEY is used if set")
     target.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     data = parser.add_argument_group("prompts")
     data.add_argument("--dataset-name", choices=("synthetic", "sharegpt", "jsonl"),
@@ -320,11 +335,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                       help="Poisson arrivals per second; inf sends everything at once")
     load.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     load.add_argument("--warmup", type=int, default=2, help="unmeasured requests sent first")
-    load.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    load.add_argument("--request-timeout", type=float, default=600.0,
+                      help="seconds to wait for the response or its next chunk")
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--temperature", type=float, default=0.0)
     sampling.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/hetero extension)")
-    sampling.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request")
+    sampling.add_argument("--extra-body", type=json_object, default={}, help="JSON object merged into every request")
     out = parser.add_argument_group("results")
     out.add_argument("--label", default="run", help="configuration name: plain, lookahead, cpu-draft, vllm, ...")
     out.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
@@ -332,6 +348,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     out.add_argument("--result-dir", type=Path, default=Path("bench/results"))
     out.add_argument("--disable-tqdm", action="store_true")
     args = parser.parse_args(argv)
+    if args.api_key is None:
+        args.api_key = os.environ.get("OPENAI_API_KEY")
     if args.dataset_name is None:
         args.dataset_name = ("synthetic" if args.dataset_path is None
                              else "jsonl" if args.dataset_path.suffix == ".jsonl" else "sharegpt")
@@ -348,8 +366,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--warmup must be zero or more")
     if not args.request_rate > 0:
         parser.error("--request-rate must be positive (inf for all at once)")
-    if not isinstance(args.extra_body, dict):
-        parser.error("--extra-body must be a JSON object")
     try:
         args.slos = parse_slos(args.goodput)
     except ValueError as exc:
@@ -357,11 +373,28 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def redacted_command(argv: Sequence[str]) -> str:
+    """The command line as run, with the API key's value hidden (results get shared)."""
+    shown, hide_next = [], False
+    for arg in argv:
+        if hide_next:
+            shown.append("***")
+            hide_next = False
+        elif arg == "--api-key":
+            shown.append(arg)
+            hide_next = True
+        elif arg.startswith("--api-key="):
+            shown.append("--api-key=***")
+        else:
+            shown.append(arg)
+    return shlex.join(["hetero-bench-serve", *shown])
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     args = parse_args(argv)
-    command = shlex.join(["hetero-bench-serve", *argv])
+    command = redacted_command(argv)
     rng = random.Random(args.seed)
     try:
         prompts = build_prompts(args, rng)

@@ -395,6 +395,9 @@ def test_cli_explains_a_refused_api_key(tmp_path, capsys):
         code, out, _ = run_cli(capsys, "--base-url", fake.base_url, "--api-key", "sesame", "--num-prompts", "1",
                                "--output-len", "2", "--warmup", "0", "--result-dir", str(tmp_path))
         assert code == 0 and "Successful requests:" in out
+    result, _ = only_result(tmp_path)
+    assert "sesame" not in json.dumps(result) and "--api-key '***'" in result["command"]
+    assert serve.redacted_command(["--api-key=k", "--label", "x"]) == "hetero-bench-serve '--api-key=***' --label x"
 
 
 def test_cli_rejects_an_unknown_model_and_bad_slo(tmp_path, capsys):
