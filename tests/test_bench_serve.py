@@ -509,3 +509,16 @@ def test_failed_requests_are_counted_with_their_errors(tmp_path, capsys):
     assert sorted(row["error"] for row in rows) == ["", "", "HTTP 500: boom", "HTTP 500: boom",
                                                     "error in stream: engine died", "error in stream: engine died"]
     assert result["summary"]["total_output_tokens"] == 2 * 3  # failed requests count for nothing
+
+
+def test_token_id_prompts_reach_the_server_at_their_exact_length(tmp_path, capsys):
+    with FakeServer(FakeBehaviour(first_token_delay_s=0.0, chunk_delay_s=0.0)) as fake:
+        code, _, err = run_cli(capsys, "--base-url", fake.base_url, "--vocab-size", "100", "--input-len", "17",
+                               "--output-len", "2", "--num-prompts", "3", "--warmup", "0",
+                               "--result-dir", str(tmp_path))
+        assert code == 0, err
+    result, _ = only_result(tmp_path)
+    assert [r["prompt_tokens"] for r in result["requests"]] == [17, 17, 17]
+    with pytest.raises(SystemExit):
+        serve.main(["--endpoint", "chat", "--vocab-size", "100"])
+    assert "completions only" in capsys.readouterr().err
