@@ -95,7 +95,7 @@ async def check_endpoint(client: httpx.AsyncClient, urls: dict[str, str], model:
         response = await client.get(urls["models"], timeout=PROBE_TIMEOUT_S)
     except httpx.HTTPError as exc:
         raise BenchmarkError(
-            f"cannot reach {urls['models']} ({type(exc).__name__}: {exc or 'no answer'}); "
+            f"cannot reach {urls['models']} ({type(exc).__name__}: {str(exc) or 'no answer'}); "
             "is the server running and --base-url right?") from None
     if response.status_code in (401, 403):
         raise BenchmarkError(
