@@ -1,0 +1,166 @@
+"""HF model directories: config.json (+ generation_config.json), safetensors weights, tokenizer files."""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Optional
+
+import torch
+import transformers
+from safetensors import safe_open
+
+from .model_config import ModelConfig
+
+ARCHITECTURE_BY_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+ARCHITECTURE_BY_CLASS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def safetensors_files(directory: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(directory.glob("*.safetensors"))
+
+
+def has_tokenizer_files(directory: pathlib.Path) -> bool:
+    return any((directory / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _architecture(hf: dict[str, Any], path: pathlib.Path) -> str:
+    model_type = hf.get("model_type")
+    if model_type in ARCHITECTURE_BY_MODEL_TYPE:
+        return ARCHITECTURE_BY_MODEL_TYPE[model_type]
+    classes = hf.get("architectures") or []
+    for name in classes:
+        if name in ARCHITECTURE_BY_CLASS:
+            return ARCHITECTURE_BY_CLASS[name]
+    raise ValueError(
+        f"{path}: unsupported architecture (model_type={model_type!r}, architectures={classes}); "
+        f"hetero runs model_type {', '.join(ARCHITECTURE_BY_MODEL_TYPE)}"
+    )
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _eos_token_ids(hf: dict[str, Any], directory: pathlib.Path) -> tuple[int, ...]:
+    """config.json's eos ids, then any more that generation_config.json adds (it often lists end-of-turn too)."""
+    ids = list(_token_ids(hf.get("eos_token_id")))
+    generation_config = directory / "generation_config.json"
+    if generation_config.is_file():
+        ids += [i for i in _token_ids(_read_json(generation_config).get("eos_token_id")) if i not in ids]
+    return tuple(ids)
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
+    """`(rope_theta, rope_scaling)` from either spelling: transformers 4's `rope_theta` + `rope_scaling`
+    or transformers 5's `rope_parameters`. Scaling comes back as HF's dict with a `rope_type` key,
+    or None for plain RoPE."""
+    parameters = dict(hf.get("rope_parameters") or {})
+    theta = float(parameters.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = dict(hf.get("rope_scaling") or parameters)
+    if "type" in scaling:
+        scaling.setdefault("rope_type", scaling["type"])
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def _max_positions(hf: dict[str, Any], architecture: str) -> int:
+    """The context length, capped at the sliding window where one is active.
+
+    The runner attends over the full context; capping the length at the window keeps every
+    sequence inside it, so full attention gives exactly the sliding-window model's output.
+    """
+    max_positions = int(hf.get("max_position_embeddings", 4096))
+    window = hf.get("sliding_window")
+    window_active = architecture == "mistral" or (architecture == "qwen2" and hf.get("use_sliding_window"))
+    if window and window_active:
+        return min(max_positions, int(window))
+    return max_positions
+
+
+def load_config(directory: pathlib.Path) -> ModelConfig:
+    hf = _read_json(directory / "config.json")
+    architecture = _architecture(hf, directory)
+    if hf.get("mlp_bias"):
+        raise ValueError(f"{directory}: mlp_bias=True is not supported (the runner's MLP has no bias)")
+    if architecture != "qwen2" and hf.get("attention_bias"):
+        raise ValueError(
+            f"{directory}: attention_bias=True on {architecture} (a bias on o_proj too) is not supported; "
+            "only Qwen2's q/k/v bias is"
+        )
+    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    rope_theta, rope_scaling = _rope(hf)
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        intermediate_size=int(hf["intermediate_size"]),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=_max_positions(hf, architecture),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=architecture == "qwen2",
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos_token_ids(hf, directory),
+    )
+
+
+def _file_of_each_tensor(directory: pathlib.Path) -> dict[str, pathlib.Path]:
+    index = directory / INDEX_FILE
+    if index.is_file():
+        return {name: directory / file for name, file in _read_json(index)["weight_map"].items()}
+    owners: dict[str, pathlib.Path] = {}
+    for file in safetensors_files(directory):
+        with safe_open(file, framework="pt") as f:
+            owners.update((name, file) for name in f.keys())
+    return owners
+
+
+def load_tensors(
+    directory: pathlib.Path, names: list[str], dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    owners = _file_of_each_tensor(directory)
+    missing = [name for name in names if name not in owners]
+    if missing:
+        raise ValueError(
+            f"{directory}: checkpoint has no tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else "")
+        )
+    by_file: dict[pathlib.Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(owners[name], []).append(name)
+    safetensors_device = "cpu" if device.type == "cpu" else str(device)
+    tensors: dict[str, torch.Tensor] = {}
+    for file, file_names in by_file.items():
+        with safe_open(file, framework="pt", device=safetensors_device) as f:
+            for name in file_names:
+                tensors[name] = f.get_tensor(name).to(dtype=dtype)
+    return tensors
+
+
+def load_tokenizer(directory: pathlib.Path, trust_remote_code: bool) -> transformers.PreTrainedTokenizerBase:
+    if not has_tokenizer_files(directory):
+        raise FileNotFoundError(
+            f"{directory} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); pass tokenizer=<path>"
+        )
+    return transformers.AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)

