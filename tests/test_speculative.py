@@ -1,0 +1,189 @@
+"""Tree verification in the engine: speculative output equals plain output, and the KV matches."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from hetero import LLM, SamplingParams
+from hetero.config import EngineConfig
+from hetero.engine import LLMEngine
+from hetero.protocols import ProposalRequest, TokenTree, Verdict
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "def add(a, b):",
+    "Once upon a time there was a small model",
+    "x",
+    "The capital of Italy is Rome. The capital of",
+    "Speculative decoding drafts tokens on the CPU",
+    "Hello",
+    "a b c d e f g",
+    "Python",
+    "The",
+    "code in Python.",
+    "Rome",
+    "small model that generated text",
+    "CPU and GPU",
+    "Once",
+]
+MAX_TOKENS = 20
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+class OracleProposer:
+    """Proposes trees around the known greedy continuation, with a chosen shape and error rate.
+
+    `p_correct` is the chance that a node continuing a so-far-correct path carries the true
+    next token; wrong nodes carry random tokens. The verifier must accept exactly the
+    longest correct path, whatever the shape.
+    """
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], shape: str, nodes: int, p_correct: float, vocab: int, seed: int):
+        self.truth = truth
+        self.shape = shape
+        self.nodes = nodes
+        self.p_correct = p_correct
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+        self.commits: list[Verdict] = []
+        self.released: list[str] = []
+
+    def _continuation(self, request: ProposalRequest) -> list[int]:
+        prompt = tuple(request.token_ids[: request.num_prompt_tokens])
+        done = len(request.token_ids) - request.num_prompt_tokens
+        return self.truth[prompt][done:] + [0] * 64
+
+    def _token(self, truth: list[int], depth: int, on_path: bool) -> int:
+        if on_path and self.rng.random() < self.p_correct:
+            return truth[depth]
+        wrong = self.rng.randrange(self.vocab)
+        return wrong if wrong != truth[depth] or not on_path else (wrong + 1) % self.vocab
+
+    def propose(self, batch):
+        return [self._tree(request) for request in batch]
+
+    def _tree(self, request: ProposalRequest) -> TokenTree:
+        n = min(self.nodes, request.max_nodes)
+        truth = self._continuation(request)
+        tokens, parents, depth, correct = [], [], [], []
+        for i in range(n):
+            if self.shape == "chain":
+                parent = i - 1
+            elif self.shape == "wide":
+                parent = -1 if i < max(2, n // 2) else self.rng.randrange(i)
+            else:  # random
+                parent = self.rng.randrange(-1, i)
+            d = 0 if parent < 0 else depth[parent] + 1
+            on_path = parent < 0 or correct[parent]
+            token = self._token(truth, d, on_path)
+            tokens.append(token)
+            parents.append(parent)
+            depth.append(d)
+            correct.append(on_path and token == truth[d])
+        return TokenTree(np.array(tokens), np.array(parents))
+
+    def commit(self, verdicts):
+        self.commits.extend(verdicts)
+
+    def release(self, request_id):
+        self.released.append(request_id)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    return LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def truth(plain):
+    outs = plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in outs}
+
+
+def speculative_llm(model_dir, proposer, **kwargs) -> LLM:
+    llm = LLM.__new__(LLM)
+    config = EngineConfig(model=str(model_dir), max_model_len=256, dtype="float32", num_speculative_tokens=63, **kwargs)
+    llm.llm_engine = LLMEngine(config, proposer=proposer)
+    llm._request_counter = iter(range(10**9))
+    return llm
+
+
+@pytest.mark.parametrize(
+    "shape, nodes, p_correct, batch",
+    [
+        ("chain", 4, 1.0, 1),  # all right
+        ("chain", 6, 0.0, 4),  # all wrong
+        ("chain", 8, 0.7, 16),
+        ("wide", 12, 0.5, 8),
+        ("random", 24, 0.8, 3),
+        ("random", 63, 0.9, 16),
+    ],
+)
+def test_speculative_greedy_equals_plain(tiny_llama_dir, truth, shape, nodes, p_correct, batch):
+    proposer = OracleProposer(truth, shape, nodes, p_correct, vocab=320, seed=nodes)
+    llm = speculative_llm(tiny_llama_dir, proposer)
+    llm.llm_engine.spec_control.min_samples = 10**9  # always speculate: this test is about correctness
+    prompts = PROMPTS[:batch]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].token_ids == truth[tuple(out.prompt_token_ids)]
+        assert out.outputs[0].finish_reason == "length"
+    stats = llm.llm_engine.spec_stats
+    assert stats.num_steps > 0
+    if p_correct == 1.0:
+        assert stats.num_accepted_tokens == stats.num_draft_tokens or stats.mean_accepted_length > nodes * 0.8
+    if p_correct == 0.0:
+        assert stats.num_accepted_tokens == 0
+    assert all(v.accepted_tokens == [] or p_correct > 0 for v in proposer.commits)
+    assert llm.llm_engine.scheduler.allocator.num_free == llm.llm_engine.kv_pool.num_blocks
+
+
+def test_stop_and_max_tokens_inside_an_accepted_run(tiny_llama_dir, truth):
+    proposer = OracleProposer(truth, "chain", 10, 1.0, vocab=320, seed=0)
+    llm = speculative_llm(tiny_llama_dir, proposer)
+    llm.llm_engine.spec_control.min_samples = 10**9
+    expected = truth[tuple(llm.get_tokenizer()(PROMPTS[0]).input_ids)]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected[:7]
+    stop_token = expected[4]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_token]), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected[: expected.index(stop_token) + 1]
+
+
+def test_kv_cache_after_speculation_matches_plain(tiny_llama_dir, truth):
+    """Rejected nodes leave no trace; accepted ones sit where plain decoding puts them.
+
+    Equal to float32 rounding, not bit for bit: the CPU GEMM's rounding depends on the
+    number of rows (M=1 decode vs M=1+nodes verification), exactly as plain decoding's
+    KV differs between batch sizes.
+    """
+
+    def run(engine: LLMEngine, steps: int):
+        engine.add_request("r", PROMPTS[3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        for _ in range(steps):
+            engine.step()
+        seq = engine.groups["r"].seqs[0]
+        return seq, engine.kv_pool
+
+    base = dict(model=str(tiny_llama_dir), max_model_len=256, dtype="float32")
+    plain_seq, plain_pool = run(LLMEngine(EngineConfig(**base)), 30)
+    proposer = OracleProposer(truth, "random", 16, 0.6, vocab=320, seed=3)
+    spec_engine = LLMEngine(EngineConfig(**base, num_speculative_tokens=16), proposer=proposer)
+    spec_engine.spec_control.min_samples = 10**9
+    spec_seq, spec_pool = run(spec_engine, 8)
+    n = min(plain_seq.num_computed, spec_seq.num_computed)
+    assert n > 12 and spec_engine.spec_stats.num_accepted_tokens > 0
+    assert spec_seq.token_ids[:n] == plain_seq.token_ids[:n]
+
+    def kv(seq, pool):
+        bs = pool.block_size
+        slots = torch.tensor([seq.block_table[i // bs] * bs + i % bs for i in range(n)])
+        flat = pool.storage.view(pool.storage.shape[0], 2, -1, *pool.storage.shape[4:])
+        return flat[:, :, slots]
+
+    plain_kv, spec_kv = kv(plain_seq, plain_pool), kv(spec_seq, spec_pool)
+    assert (plain_kv - spec_kv).abs().max().item() < 1e-5
