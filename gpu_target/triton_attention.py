@@ -169,7 +169,7 @@ def paged_attention(
         meta.query_start_loc,
         meta.seq_lens,
         meta.block_tables,
-        meta.tree_mask if has_tree else meta.seq_lens,
+        meta.tree_mask if has_tree else meta.seq_lens,  # never read without a tree
         scale * math.log2(math.e),
         B,
         T,
@@ -255,8 +255,8 @@ def _check_inputs(query, k_cache, v_cache, meta: AttentionMetadata) -> None:
 def _find_sequence(query_start_loc, pid, num_seqs, BLOCK_Q: tl.constexpr):
     """The last sequence b whose first tile program, query_start_loc[b] // BLOCK_Q + b, is
     at or before ``pid``. Those starts strictly increase, so the search is exact."""
-    lo = 0
-    hi = num_seqs - 1
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         starts_before = tl.load(query_start_loc + mid) // BLOCK_Q + mid <= pid
@@ -365,15 +365,15 @@ def _paged_attention_kernel(
         mask=row_valid[:, None],
         other=0.0,
     )
+    # Causal rows see at most up to the tile's last new token; tree rows may see any new one.
+    causal_end = ctx + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)
     if HAS_TREE:
         bits = tl.load(tree_mask + token, mask=row_valid, other=0)
         any_tree_row = tl.max((bits != 0).to(tl.int32), 0) > 0
+        kv_end = tl.where(any_tree_row, seq_len, causal_end)
     else:
         bits = tl.zeros([BLOCK_M], dtype=tl.int64)
-        any_tree_row = False
-    # Causal rows see at most up to the tile's last new token; tree rows may see any new one.
-    causal_end = ctx + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)
-    kv_end = tl.where(any_tree_row, seq_len, causal_end)
+        kv_end = causal_end
 
     chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
