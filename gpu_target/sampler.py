@@ -241,9 +241,23 @@ def _children(tree: TokenTree) -> list[list[int]]:
     return kids
 
 
-def _verify_greedy(probs: torch.Tensor, tree: TokenTree) -> tuple[list[int], int]:
-    """The deepest node whose whole path matches the row argmaxes; ties go to the lowest index."""
-    argmax = probs.argmax(dim=-1).tolist()
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with no processor that can move the argmax: the raw logits' argmax is the token."""
+    return (
+        params.is_greedy
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and not params.no_repeat_ngram_size
+        and params.min_tokens == 0
+    )
+
+
+def greedy_accept(argmax: Sequence[int], tree: TokenTree) -> tuple[list[int], int]:
+    """The deepest node whose whole path matches the row argmaxes; ties go to the lowest index.
+
+    ``argmax[0]`` is the target's choice at the root, ``argmax[i + 1]`` after node i.
+    """
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     depth = [0] * len(tree)
     best, best_depth = -1, 0
@@ -279,7 +293,7 @@ def verify_tree(probs: torch.Tensor, tree: TokenTree, greedy: bool,
     if probs.shape[0] != len(tree) + 1:
         raise ValueError(f"probs must have len(tree) + 1 = {len(tree) + 1} rows, got {probs.shape[0]}")
     if greedy:
-        return _verify_greedy(probs, tree)
+        return greedy_accept(probs.argmax(dim=-1).tolist(), tree)
 
     n = len(tree)
     kids = _children(tree)

@@ -18,7 +18,15 @@ from gpu_target.kv_cache import BlockAllocator, KVCachePool
 from gpu_target.loader import load_config, load_state_dict, load_tokenizer, resolve_model_path
 from gpu_target.model import build_model
 from gpu_target.runner import ModelRunner, SequenceChunk
-from gpu_target.sampler import RowContext, raw_logprobs, sample, target_probs, verify_tree
+from gpu_target.sampler import (
+    RowContext,
+    greedy_accept,
+    is_plain_greedy,
+    raw_logprobs,
+    sample,
+    target_probs,
+    verify_tree,
+)
 from hetero.config import EngineConfig
 from hetero.detokenizer import decode_new_text, find_stop_string
 from hetero.outputs import CompletionOutput, Logprob, RequestOutput
@@ -296,12 +304,17 @@ class LLMEngine:
             offset += len(rows.sample_rows)
         contexts = [self._row_context(r) for rows in layout for r in rows.sample_rows]
         sample_logits = logits[sample_index]
-        probs = target_probs(sample_logits, contexts) if contexts else None
         plain = [b for b, item in enumerate(scheduled) if item.samples and item.tree is None]
-        plain_tokens = {}
-        if plain:
+        # Plain greedy needs only the argmax of each row: one reduction and one host copy.
+        argmax = sample_logits.argmax(dim=-1).tolist() if all(is_plain_greedy(c.params) for c in contexts) else None
+        probs = target_probs(sample_logits, contexts) if contexts and argmax is None else None
+        if argmax is not None:
+            plain_tokens = {b: argmax[sample_starts[b]] for b in plain}
+        elif plain:
             picks = [sample_starts[b] for b in plain]
             plain_tokens = dict(zip(plain, sample(probs[picks], [contexts[i] for i in picks]).tolist()))
+        else:
+            plain_tokens = {}
         touched: dict[str, SequenceGroup] = {}
         for b, (item, rows) in enumerate(zip(scheduled, layout)):
             seq = item.seq
@@ -318,8 +331,11 @@ class LLMEngine:
                 seq.num_computed += item.num_new_tokens
                 new_tokens, token_rows = [plain_tokens[b]], [0]
             else:
-                seq_probs = probs[first : first + len(rows.sample_rows)]
-                accepted, bonus = verify_tree(seq_probs, item.tree, seq.params.is_greedy, seq.generator)
+                end = first + len(rows.sample_rows)
+                if argmax is not None:
+                    accepted, bonus = greedy_accept(argmax[first:end], item.tree)
+                else:
+                    accepted, bonus = verify_tree(probs[first:end], item.tree, seq.params.is_greedy, seq.generator)
                 new_tokens = [int(item.tree.tokens[i]) for i in accepted] + [bonus]
                 token_rows = [0] + [i + 1 for i in accepted]
                 self._keep_accepted_kv(item, accepted)
