@@ -1,6 +1,7 @@
 """Which proposer the engine's configuration asks for: none, the lookahead cache, or a draft model."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from gpu_target.model_config import ModelConfig
@@ -31,5 +32,5 @@ def _build_lookahead(config: EngineConfig) -> Proposer:
     else:
         lookahead_config = LookaheadConfig.from_dir(config.lookahead_cache_config_dir)
     if config.ignore_prompt_for_lookahead_cache:
-        lookahead_config.ignore_prompt = True
+        lookahead_config = dataclasses.replace(lookahead_config, ignore_prompt=True)
     return LookaheadCache(lookahead_config, default_memory_budget(config.cpu_decoding_memory_utilization))

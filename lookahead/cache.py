@@ -102,6 +102,11 @@ class LookaheadCache:
             self._insert_global(prompt + record["output"])
         return len(records)
 
+    @property
+    def target_parallelism(self) -> int:
+        """The step's node budget summed over the batch, as the coordinator reads it."""
+        return self.config.target_parallelism
+
     def request_stats(self, request_id: str) -> Optional[SpecStats]:
         """Speculation counters of a running request (gone after ``release``)."""
         state = self._requests.get(request_id)

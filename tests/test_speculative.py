@@ -187,3 +187,34 @@ def test_kv_cache_after_speculation_matches_plain(tiny_llama_dir, truth):
 
     plain_kv, spec_kv = kv(plain_seq, plain_pool), kv(spec_seq, spec_pool)
     assert (plain_kv - spec_kv).abs().max().item() < 1e-5
+
+
+def test_lookahead_cache_speeds_up_copying_and_stays_lossless(tiny_llama_dir, tmp_path):
+    """The real lookahead proposer, configured as TACO-LLM: output equals plain decoding and drafts get accepted.
+
+    A prompt that repeats the model's own greedy continuation makes the continuation
+    copyable from the prompt, as in summarise/rewrite workloads.
+    """
+    plain = LLM(model=str(tiny_llama_dir), max_model_len=512, dtype="float32")
+    seed_prompt = "The capital of Italy is Rome. The capital of"
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    first = plain.generate(seed_prompt, params, use_tqdm=False)[0]
+    copy_prompt = {"prompt_token_ids": first.prompt_token_ids + first.outputs[0].token_ids + first.prompt_token_ids}
+    expected = plain.generate(copy_prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    (tmp_path / "lookahead_cache_config.json").write_text('{"cache_mode": 2, "copy_length": 8, "is_debug": false}')
+    spec = LLM(model=str(tiny_llama_dir), max_model_len=512, dtype="float32", lookahead_cache_config_dir=str(tmp_path))
+    out = spec.generate(copy_prompt, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected
+    stats = spec.llm_engine.spec_stats
+    assert stats.num_accepted_tokens > 0
+    assert out.metrics.num_accepted_tokens == stats.num_accepted_tokens
+
+    ngram = LLM(
+        model=str(tiny_llama_dir),
+        max_model_len=512,
+        dtype="float32",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4},
+    )
+    assert ngram.generate(copy_prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert ngram.llm_engine.spec_stats.num_accepted_tokens > 0
