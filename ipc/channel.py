@@ -22,6 +22,7 @@ channel and create a new one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
 import threading
@@ -33,7 +34,7 @@ from typing import Mapping
 import numpy as np
 import zmq
 
-from ipc.doorbell import BellReceiver, BellSender, wait_until
+from ipc.doorbell import BellReceiver, BellSender, Waiter, full_fence
 from ipc.errors import IPCError, PeerDeadError, RecvTimeoutError, RingFullError
 from ipc.liveness import process_alive, process_start_ticks
 from ipc.ring import Message, RingReader, RingSegment, RingWriter, Role, segment_bytes
@@ -156,18 +157,25 @@ class Channel:
         self._finalizer = weakref.finalize(self, _release, resources)
         try:
             context = resources.context = zmq.Context(io_threads=1)
-            self._space_bell = resources.add(BellReceiver(context, spec.bell_path(out_ring.name, "space")))
-            self._data_bell = resources.add(BellReceiver(context, spec.bell_path(in_ring.name, "data")))
+            space_bell = resources.add(BellReceiver(context, spec.bell_path(out_ring.name, "space")))
+            data_bell = resources.add(BellReceiver(context, spec.bell_path(in_ring.name, "data")))
             self._data_sender = resources.add(BellSender(context, spec.bell_path(out_ring.name, "data")))
             self._space_sender = resources.add(BellSender(context, spec.bell_path(in_ring.name, "space")))
             resources.heartbeat = _Heartbeat(resources.endpoints, spec.heartbeat_timeout_s / 4)
         except BaseException:
             self._finalizer()
             raise
+        check_peer = functools.partial(_check_peer, out_ring, spec)
+        self._space_waiter = Waiter(
+            space_bell, functools.partial(out_ring.set_waiting, Role.PRODUCER), check_peer, spec.spin_s, spec.check_interval_s
+        )
+        self._data_waiter = Waiter(
+            data_bell, functools.partial(in_ring.set_waiting, Role.CONSUMER), check_peer, spec.spin_s, spec.check_interval_s
+        )
 
     @property
     def name(self) -> str:
-        return self.spec.to_peer.removesuffix("_req")
+        return _channel_name(self.spec)
 
     @property
     def closed(self) -> bool:
@@ -186,15 +194,17 @@ class Channel:
         message cannot fit a slot, PeerDeadError if the peer dies while we wait.
         """
         self._require_open()
-        _require(isinstance(kind, int) and kind in KIND_RANGE, f"kind must be an int32, got {kind!r}")
+        _require(isinstance(kind, (int, np.integer)) and int(kind) in KIND_RANGE, f"kind must be an int32, got {kind!r}")
         plan = self._writer.plan(arrays)
-        if not wait_until(self._writer.has_space, self._space_bell, timeout, self.spec.spin_s, self.spec.check_interval_s, self._check_peer):
+        if not self._space_waiter.wait(self._writer.has_space, timeout):
             raise RingFullError(
                 f"channel {self.name}: all {self._writer.segment.num_slots} slots stayed full for {timeout} s; "
                 f"the peer (pid {self.peer_pid}) is not receiving"
             )
-        self._writer.put(kind, arrays, plan)
-        self._data_sender.ring()
+        self._writer.put(int(kind), arrays, plan)
+        full_fence()
+        if self._writer.segment.is_waiting(Role.CONSUMER):
+            self._data_sender.ring()
 
     def recv(self, timeout: float | None = None) -> Message:
         """Release the previous message and return the next one, waiting up to ``timeout`` s (None: forever).
@@ -205,7 +215,7 @@ class Channel:
         CorruptMessageError if the message fails its checksum (it is dropped).
         """
         self.release()
-        if not wait_until(self._reader.has_message, self._data_bell, timeout, self.spec.spin_s, self.spec.check_interval_s, self._check_peer):
+        if not self._data_waiter.wait(self._reader.has_message, timeout):
             raise RecvTimeoutError(f"channel {self.name}: no message from the peer (pid {self.peer_pid}) within {timeout} s")
         return self._reader.get()
 
@@ -218,7 +228,9 @@ class Channel:
         """Free the slot of the message last received (its views become invalid) and ring the producer."""
         self._require_open()
         if self._reader.release():
-            self._space_sender.ring()
+            full_fence()
+            if self._reader.segment.is_waiting(Role.PRODUCER):
+                self._space_sender.ring()
 
     def close(self) -> None:
         """Mark this end closed for the peer, stop the heartbeat, close the sockets; the owner also
@@ -235,21 +247,27 @@ class Channel:
         if self.closed:
             raise IPCError(f"channel {self.name} is closed")
 
-    def _check_peer(self) -> None:
-        """Raise PeerDeadError if the peer closed, exited or stopped beating (the peer consumes our out ring)."""
-        peer = self._writer.segment.endpoint(Role.CONSUMER)
-        if peer.closed:
-            raise PeerDeadError(f"channel {self.name}: the peer (pid {peer.pid}) closed its end")
-        if peer.pid == 0:
-            return
-        if not process_alive(peer.pid, peer.start_ticks):
-            raise PeerDeadError(f"channel {self.name}: the peer process (pid {peer.pid}) is gone")
-        silent_s = (time.monotonic_ns() - peer.heartbeat_ns) / 1e9
-        if silent_s > self.spec.heartbeat_timeout_s:
-            raise PeerDeadError(
-                f"channel {self.name}: the peer (pid {peer.pid}) has not beaten for {silent_s:.2f} s "
-                f"(heartbeat_timeout_s={self.spec.heartbeat_timeout_s})"
-            )
+
+def _check_peer(out_ring: RingSegment, spec: ChannelSpec) -> None:
+    """Raise PeerDeadError if the peer closed, exited or stopped beating (the peer consumes our out ring)."""
+    peer = out_ring.endpoint(Role.CONSUMER)
+    name = _channel_name(spec)
+    if peer.closed:
+        raise PeerDeadError(f"channel {name}: the peer (pid {peer.pid}) closed its end")
+    if peer.pid == 0:
+        return
+    if not process_alive(peer.pid, peer.start_ticks):
+        raise PeerDeadError(f"channel {name}: the peer process (pid {peer.pid}) is gone")
+    silent_s = (time.monotonic_ns() - peer.heartbeat_ns) / 1e9
+    if silent_s > spec.heartbeat_timeout_s:
+        raise PeerDeadError(
+            f"channel {name}: the peer (pid {peer.pid}) has not beaten for {silent_s:.2f} s "
+            f"(heartbeat_timeout_s={spec.heartbeat_timeout_s})"
+        )
+
+
+def _channel_name(spec: ChannelSpec) -> str:
+    return spec.to_peer.removesuffix("_req")
 
 
 def _require(condition: bool, message: str) -> None:

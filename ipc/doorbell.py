@@ -1,22 +1,44 @@
 """ZeroMQ doorbells: a waiting side sleeps in ``zmq.poll`` until the other side rings.
 
-A bell carries no data; the ring counters are the truth. Every wait re-checks its
-condition after draining the bell and before sleeping, and every ring happens after the
-state change it announces, so a ring cannot be lost between the check and the sleep. A
-ring that cannot be queued (receiver not connected yet, or already flooded with unread
-rings) is dropped: in both cases the receiver re-checks the counters before it sleeps
+A bell carries no data; the ring counters are the truth. Rings are skipped while the other
+side is not asleep (a spinning side sees the counters itself; a ZeroMQ send costs several
+microseconds), which makes "am I asleep" and "did the state change" a Dekker-style pair:
+
+    waiter:  waiting = 1 ; full_fence() ; check state    -> sleep if unchanged
+    ringer:  change state ; full_fence() ; check waiting -> ring if set
+
+With both fences at least one side sees the other's store, so either the waiter finds the
+new state or the ringer rings. The waiter drains the bell before every re-check, and a
+ring always follows the change it announces, so a ring cannot be lost between check and
+sleep either. A ring that cannot be queued (receiver not connected yet, or already
+flooded with unread rings) is dropped: the receiver re-checks the state before it sleeps
 again, and sleeps are capped at ``check_interval_s`` anyway.
 """
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import zmq
 
 RECONNECT_INTERVAL_MS = 10
 BELL_HIGH_WATER_MARK = 64
+_FENCE = threading.Lock()
+
+
+def full_fence() -> None:
+    """Order every earlier store before every later load (what x86 otherwise may swap).
+
+    Python has no fence of its own; acquiring and releasing a CPython lock runs atomic
+    read-modify-write instructions (sem_trywait/sem_post: ``lock cmpxchg``/``lock xadd`` on
+    x86), and any locked instruction is a full barrier there.
+    """
+    _FENCE.acquire()
+    _FENCE.release()
 
 
 class BellSender:
@@ -62,34 +84,50 @@ class BellReceiver:
         self._socket.close(linger=0)
 
 
-def wait_until(
-    condition: Callable[[], bool],
-    bell: BellReceiver,
-    timeout_s: float | None,
-    spin_s: float,
-    check_interval_s: float,
-    check_peer: Callable[[], None],
-) -> bool:
-    """Wait until ``condition()`` holds: spin for ``spin_s``, then sleep on ``bell``.
+@dataclass
+class Waiter:
+    """How one side waits for one condition: spin for ``spin_s``, then sleep on ``bell``.
 
-    While sleeping, wakes at least every ``check_interval_s`` to run ``check_peer`` (which
-    raises when the other side is gone). Returns False when ``timeout_s`` (None: forever)
-    elapses first.
+    The spin yields the CPU on every turn: when both sides share a core, a plain spin
+    would hold that core while the side it waits for cannot run.
+
+    ``set_waiting`` publishes whether we sleep (so the other side knows to ring);
+    ``check_peer`` raises when the other side is gone and runs every ``check_interval_s``
+    while we sleep.
     """
-    if condition():
-        return True
-    now = time.monotonic()
-    deadline = math.inf if timeout_s is None else now + timeout_s
-    spin_until = min(now + spin_s, deadline)
-    while time.monotonic() < spin_until:
+
+    bell: BellReceiver
+    set_waiting: Callable[[bool], None]
+    check_peer: Callable[[], None]
+    spin_s: float
+    check_interval_s: float
+
+    def wait(self, condition: Callable[[], bool], timeout_s: float | None) -> bool:
+        """True once ``condition()`` holds; False when ``timeout_s`` (None: forever) elapses first."""
         if condition():
             return True
-    while True:
-        bell.drain()
-        if condition():
-            return True
-        check_peer()
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        bell.sleep(min(remaining, check_interval_s))
+        now = time.monotonic()
+        deadline = math.inf if timeout_s is None else now + timeout_s
+        spin_until = min(now + self.spin_s, deadline)
+        while time.monotonic() < spin_until:
+            if condition():
+                return True
+            os.sched_yield()
+        next_check = time.monotonic() + self.check_interval_s
+        self.set_waiting(True)
+        try:
+            while True:
+                self.bell.drain()
+                full_fence()
+                if condition():
+                    return True
+                now = time.monotonic()
+                if now >= next_check:
+                    self.check_peer()
+                    next_check = now + self.check_interval_s
+                if now >= deadline:
+                    self.check_peer()  # a dead peer is worth more than a timeout
+                    return False
+                self.bell.sleep(min(deadline, next_check) - now)
+        finally:
+            self.set_waiting(False)

@@ -6,8 +6,8 @@ and the consumer's hot counters do not share one)::
     line 0 : magic | version | num_slots | slot_bytes
     line 1 : tail   - messages published; written by the producer only
     line 2 : head   - messages released; written by the consumer only
-    line 3 : producer pid | start ticks | heartbeat (monotonic ns) | closed
-    line 4 : consumer pid | start ticks | heartbeat (monotonic ns) | closed
+    line 3 : producer pid | start ticks | heartbeat (monotonic ns) | closed | waiting
+    line 4 : consumer pid | start ticks | heartbeat (monotonic ns) | closed | waiting
     slots  : num_slots * (64-byte slot header + slot_bytes of payload)
 
 Ordering: the producer writes the payload, then the slot header, then publishes ``tail``;
@@ -17,16 +17,19 @@ assignment), and the interpreter cannot move memory accesses across bytecodes, s
 consumer that sees the new ``tail`` sees the finished slot. The slot's own sequence number
 and CRC32 are checked on every read as a second line of defence.
 
+The ``waiting`` words let a side skip ringing a doorbell nobody sleeps on. That is the one
+place where x86 may reorder (a store with a later load), so both sides put a full fence
+between "store my state" and "load the other's": see ``ipc.doorbell.full_fence``.
+
 This module only moves bytes; waiting, doorbells and liveness live in ``ipc.channel``.
 """
 from __future__ import annotations
 
-import struct
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
@@ -58,8 +61,7 @@ class Endpoint:
     closed: bool
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
     """One received message.
 
     ``arrays`` are read-only numpy views into the ring slot: they stay valid only until the
@@ -69,7 +71,7 @@ class Message:
 
     kind: int
     arrays: Mapping[str, np.ndarray]
-    seq: int = field(default=-1, compare=False)
+    seq: int = -1
 
     def copy(self) -> "Message":
         return Message(self.kind, {name: array.copy() for name, array in self.arrays.items()}, self.seq)
@@ -119,6 +121,12 @@ class RingSegment:
 
     def mark_closed(self, role: Role) -> None:
         self.words[role + 3] = 1
+
+    def set_waiting(self, role: Role, waiting: bool) -> None:
+        self.words[role + 4] = waiting
+
+    def is_waiting(self, role: Role) -> bool:
+        return bool(self.words[role + 4])
 
 
 class RingWriter:
