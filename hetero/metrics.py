@@ -1,0 +1,168 @@
+"""Prometheus metrics with vLLM's names under the `hetero:` prefix.
+
+Two sources feed them, both from the engine thread:
+- an `EngineSnapshot` after every step (queue gauges, KV usage, token and speculative
+  totals), exposed through a collector that reads the latest snapshot at scrape time,
+  so totals are never double-counted or torn;
+- each finished request (success counter by finish reason, latency histograms).
+
+Every `ServerMetrics` owns its own `CollectorRegistry`, so several servers can live in
+one process (tests do).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from hetero.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from hetero.engine import LLMEngine
+
+PREFIX = "hetero:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's gauges and running totals at one instant."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    spec_num_steps: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_mean_accepted_length: float = 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def snapshot_engine(engine: "LLMEngine") -> EngineSnapshot:
+    """Read the engine's counters; call it on the thread that runs the engine."""
+    scheduler = engine.scheduler
+    allocator = scheduler.allocator
+    spec = engine.spec_stats
+    return EngineSnapshot(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        kv_cache_usage=allocator.usage(),
+        prompt_tokens_total=engine.num_prompt_tokens_total,
+        generation_tokens_total=engine.num_generation_tokens_total,
+        prefix_cache_queries=allocator.prefix_queries,
+        prefix_cache_hits=allocator.prefix_hits,
+        spec_num_steps=spec.num_steps,
+        spec_num_draft_tokens=spec.num_draft_tokens,
+        spec_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_mean_accepted_length=spec.mean_accepted_length,
+    )
+
+
+def request_latencies(output: RequestOutput) -> tuple[float | None, float | None, float | None]:
+    """(time to first token, mean time per output token after the first, end-to-end) in s."""
+    metrics = output.metrics
+    if metrics is None:
+        return None, None, None
+    first = metrics.first_token_time
+    end = metrics.finished_time or metrics.last_token_time
+    ttft = first - metrics.arrival_time if first is not None else None
+    e2e = end - metrics.arrival_time if end is not None else None
+    num_tokens = max((len(o.token_ids) for o in output.outputs), default=0)
+    tpot = (end - first) / (num_tokens - 1) if first is not None and end is not None and num_tokens > 1 else None
+    return ttft, tpot, e2e
+
+
+class _SnapshotCollector:
+    """Exposes the latest `EngineSnapshot` as gauges and counters at scrape time."""
+
+    def __init__(self, model_name: str):
+        self._model_name = model_name
+        self.snapshot = EngineSnapshot()
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self._model_name], value)
+        return family
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self._model_name], value)
+        return family
+
+    def collect(self) -> Iterator:
+        s = self.snapshot
+        yield self._gauge("num_requests_running", "Sequences being decoded or prefilled.", s.num_running)
+        yield self._gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", s.kv_cache_usage)
+        yield self._counter("prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total)
+        yield self._counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        yield self._counter("prefix_cache_queries", "KV blocks looked up in the prefix cache.", s.prefix_cache_queries)
+        yield self._counter("prefix_cache_hits", "KV blocks found in the prefix cache.", s.prefix_cache_hits)
+        yield self._gauge("prefix_cache_hit_rate", "Prefix cache hits / queries since start (0-1).", s.prefix_cache_hit_rate)
+        yield self._counter("spec_decode_num_steps", "Verification steps (one per speculated sequence per step).", s.spec_num_steps)
+        yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", s.spec_num_draft_tokens)
+        yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
+        yield self._gauge(
+            "spec_decode_mean_acceptance_length",
+            "Tokens emitted per verification step (accepted drafts + bonus) since start.",
+            s.spec_mean_accepted_length,
+        )
+
+
+class ServerMetrics:
+    """One server's metrics; implements the async engine's observer protocol."""
+
+    def __init__(self, model_name: str):
+        disable_created_metrics()  # no `_created` series, as vLLM: they double the scrape for no use
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._snapshot = _SnapshotCollector(model_name)
+        self.registry.register(self._snapshot)
+        labels = ["model_name"]
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests, by finish reason.",
+            labels + ["finished_reason"], registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from arrival to the first output token.",
+            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
+        )
+        self.time_per_output_token = Histogram(
+            PREFIX + "time_per_output_token_seconds", "Mean time per output token after the first, per request.",
+            labels, buckets=_TPOT_BUCKETS, registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last output token.",
+            labels, buckets=_E2E_BUCKETS, registry=self.registry,
+        )
+
+    def on_snapshot(self, snapshot: EngineSnapshot) -> None:
+        self._snapshot.snapshot = snapshot
+
+    def on_request_finished(self, output: RequestOutput) -> None:
+        """Count the request once, by its first choice's finish reason, and time it."""
+        reason = (output.outputs[0].finish_reason if output.outputs else None) or "abort"
+        self.request_success.labels(self.model_name, reason).inc()
+        ttft, tpot, e2e = request_latencies(output)
+        if ttft is not None:
+            self.time_to_first_token.labels(self.model_name).observe(ttft)
+        if tpot is not None:
+            self.time_per_output_token.labels(self.model_name).observe(tpot)
+        if e2e is not None:
+            self.e2e_request_latency.labels(self.model_name).observe(e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

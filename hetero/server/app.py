@@ -1,0 +1,396 @@
+"""The FastAPI app: OpenAI endpoints over an `AsyncLLMEngine`.
+
+`build_app(engine, settings)` wires one engine, its metrics and the routes together; the
+engine thread starts with the app's lifespan and is shut down (draining in-flight work)
+when the app stops.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar, Union
+
+import jinja2
+import pydantic
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hetero import __version__
+from hetero.async_engine import AsyncLLMEngine, EngineDeadError, EngineShutdownError, RequestStream
+from hetero.engine import LLMEngine
+from hetero.llm import render_chat_prompt
+from hetero.metrics import CONTENT_TYPE, ServerMetrics
+from hetero.outputs import RequestOutput
+from hetero.sampling_params import SamplingParams
+from hetero.server import serving
+from hetero.server.errors import APIError, error_body, install_error_handlers, malformed_json, validation_error
+from hetero.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+_CLIENT_CLOSED_REQUEST = 499
+BodyModel = TypeVar("BodyModel", bound=pydantic.BaseModel)
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    api_key: Optional[str] = None
+    chat_template: Optional[str] = None
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on shutdown
+
+
+class APIKeyMiddleware:
+    """Bearer-token check on /v1/* (before the body is read, so a bad key is always 401)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._expected = api_key.encode()
+
+    def _authorized(self, scope) -> bool:
+        header = dict(scope.get("headers", [])).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self._expected)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+            if not self._authorized(scope):
+                error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+    metrics = ServerMetrics(settings.served_model_names[0])
+    async_engine = AsyncLLMEngine(engine, observer=metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async_engine.start()
+        yield
+        await async_engine.shutdown(settings.shutdown_timeout)
+
+    app = FastAPI(title="hetero", version=__version__, lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.include_router(_v1_routes(async_engine, settings))
+    app.include_router(_service_routes(async_engine, metrics, settings))
+    return app
+
+
+# ------------------------------------------------------------------ /v1
+def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+    names = settings.served_model_names
+    engine = async_engine.engine
+
+    @router.get("/models")
+    async def models() -> dict[str, Any]:
+        created = int(time.time())
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": created, "owned_by": "hetero",
+                 "root": engine.config.model, "max_model_len": engine.max_model_len}
+                for name in names
+            ],
+        }
+
+    @router.post("/completions")
+    async def completions(raw: Request):
+        body = await parse_body(raw, CompletionRequest)
+        model = serving.check_model(body.model, names)
+        params = serving.completion_sampling_params(body)
+        prompts = body.prompts()
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        response_id = async_engine.new_request_id("cmpl")
+        streams = await _submit(async_engine, response_id, prompts, params, "prompt")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = _completion_events(streams, response_id, model, params, body.logprobs, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        finals = await _until_disconnect(raw, _collect(streams))
+        if finals is None:
+            return Response(status_code=_CLIENT_CLOSED_REQUEST)
+        choices = [
+            serving.completion_choice(
+                serving.choice_index(i, params.n, c), serving.whole_delta(c), body.logprobs, serving.ChoiceProgress()
+            )
+            for i, output in enumerate(finals)
+            for c in output.outputs
+        ]
+        return {**serving.envelope(response_id, "text_completion", model), "choices": choices, "usage": serving.usage(finals)}
+
+    @router.post("/chat/completions")
+    async def chat_completions(raw: Request):
+        body = await parse_body(raw, ChatCompletionRequest)
+        model = serving.check_model(body.model, names)
+        params = serving.chat_sampling_params(body)
+        prompt = _render_chat(engine, body, settings.chat_template)
+        response_id = async_engine.new_request_id("chatcmpl")
+        streams = await _submit(async_engine, response_id, [prompt], params, "messages")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = _chat_events(streams, response_id, model, params, top, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        finals = await _until_disconnect(raw, _collect(streams))
+        if finals is None:
+            return Response(status_code=_CLIENT_CLOSED_REQUEST)
+        choices = []
+        for completion in finals[0].outputs:
+            delta = serving.whole_delta(completion)
+            choices.append({
+                "index": completion.index,
+                "message": {"role": "assistant", "content": delta.text},
+                "logprobs": serving.chat_choice_logprobs(delta, top),
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
+            })
+        return {**serving.envelope(response_id, "chat.completion", model), "choices": choices, "usage": serving.usage(finals)}
+
+    return router
+
+
+def _render_chat(engine: LLMEngine, body: ChatCompletionRequest, default_template: Optional[str]) -> dict[str, Any]:
+    try:
+        return render_chat_prompt(
+            engine.tokenizer,
+            [message.for_template() for message in body.messages],
+            body.chat_template or default_template,
+            body.add_generation_prompt,
+            body.continue_final_message,
+        )
+    except (ValueError, jinja2.TemplateError) as exc:
+        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+
+
+async def parse_body(request: Request, model: type[BodyModel]) -> BodyModel:
+    """The JSON body as `model`, whatever the Content-Type (curl -d sends a form type)."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise malformed_json(str(exc)) from exc
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise validation_error(exc.errors()) from exc
+
+
+# ------------------------------------------------------------- engine calls
+def _engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, EngineShutdownError):
+        return APIError(503, str(exc), code="service_unavailable")
+    return APIError(500, str(exc), code="engine_dead")
+
+
+def _stream_error(exc: Exception) -> dict[str, Any]:
+    """The error chunk for a stream that fails after its headers were sent."""
+    if isinstance(exc, (EngineDeadError, EngineShutdownError)):
+        return _engine_error(exc).body()
+    return error_body(f"internal server error: {exc!r}", "server_error")
+
+
+async def _submit(
+    async_engine: AsyncLLMEngine, response_id: str, prompts: list, params: SamplingParams, param: str
+) -> list[RequestStream]:
+    """Add every prompt, or none: a bad one closes those already added and becomes a 400."""
+    streams: list[RequestStream] = []
+    try:
+        for index, prompt in enumerate(prompts):
+            streams.append(await async_engine.add_request(f"{response_id}-{index}", prompt, params))
+    except ValueError as exc:
+        _close_all(streams)
+        raise APIError(400, str(exc), param=param) from exc
+    except (EngineDeadError, EngineShutdownError) as exc:
+        _close_all(streams)
+        raise _engine_error(exc) from exc
+    except BaseException:
+        _close_all(streams)
+        raise
+    return streams
+
+
+def _close_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from all streams as they come; leaving early aborts them all."""
+    queue: asyncio.Queue[tuple[int, Union[RequestOutput, BaseException, None]]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        _close_all(streams)
+
+
+async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    finals: list[Optional[RequestOutput]] = [None] * len(streams)
+    try:
+        async for index, output in _merge(streams):
+            if output.finished:
+                finals[index] = output
+    except (EngineDeadError, EngineShutdownError) as exc:
+        raise _engine_error(exc) from exc
+    return [f for f in finals if f is not None]
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_disconnect(request: Request, work: Awaitable) -> Any:
+    """The result of `work`, or None when the client goes away first (the work is cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
+
+
+# ------------------------------------------------------------------ streams
+async def _completion_events(
+    streams: list[RequestStream], response_id: str, model: str, params: SamplingParams,
+    top_logprobs: Optional[int], include_usage: bool,
+) -> AsyncIterator[str]:
+    head = serving.envelope(response_id, "text_completion", model)
+    holdback = serving.stop_holdback(params)
+    progress: dict[tuple[int, int], serving.ChoiceProgress] = {}
+    finals: list[RequestOutput] = []
+    try:
+        async for prompt_index, output in _merge(streams):
+            for completion in output.outputs:
+                state = progress.setdefault((prompt_index, completion.index), serving.ChoiceProgress())
+                delta = serving.next_delta(state, completion, holdback)
+                if delta is not None:
+                    index = serving.choice_index(prompt_index, params.n, completion)
+                    choice = serving.completion_choice(index, delta, top_logprobs, state)
+                    yield serving.sse({**head, "choices": [choice]})
+            if output.finished:
+                finals.append(output)
+        if include_usage:
+            yield serving.sse({**head, "choices": [], "usage": serving.usage(finals)})
+    except Exception as exc:  # noqa: BLE001 - headers are sent; the error goes in the stream
+        yield serving.sse(_stream_error(exc))
+    yield serving.SSE_DONE
+
+
+async def _chat_events(
+    streams: list[RequestStream], response_id: str, model: str, params: SamplingParams,
+    top_logprobs: Optional[int], include_usage: bool,
+) -> AsyncIterator[str]:
+    head = serving.envelope(response_id, "chat.completion.chunk", model)
+    holdback = serving.stop_holdback(params)
+    progress: dict[int, serving.ChoiceProgress] = {}
+    finals: list[RequestOutput] = []
+    try:
+        for index in range(params.n):
+            role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield serving.sse({**head, "choices": [role]})
+        async for _, output in _merge(streams):
+            for completion in output.outputs:
+                state = progress.setdefault(completion.index, serving.ChoiceProgress())
+                delta = serving.next_delta(state, completion, holdback)
+                if delta is not None:
+                    choice = {
+                        "index": completion.index,
+                        "delta": {"content": delta.text} if delta.text else {},
+                        "logprobs": serving.chat_choice_logprobs(delta, top_logprobs),
+                        "finish_reason": delta.finish_reason,
+                        "stop_reason": delta.stop_reason,
+                    }
+                    yield serving.sse({**head, "choices": [choice]})
+            if output.finished:
+                finals.append(output)
+        if include_usage:
+            yield serving.sse({**head, "choices": [], "usage": serving.usage(finals)})
+    except Exception as exc:  # noqa: BLE001 - headers are sent; the error goes in the stream
+        yield serving.sse(_stream_error(exc))
+    yield serving.SSE_DONE
+
+
+# ---------------------------------------------------------- service routes
+def _service_routes(async_engine: AsyncLLMEngine, metrics: ServerMetrics, settings: ServerSettings) -> APIRouter:
+    router = APIRouter()
+    engine = async_engine.engine
+    names = settings.served_model_names
+
+    @router.get("/health")
+    async def health() -> Response:
+        if async_engine.is_running:
+            return Response(status_code=200)
+        reason = async_engine.dead_error or "the engine is not running"
+        return JSONResponse(error_body(f"unhealthy: {reason!r}", "server_error"), status_code=503)
+
+    @router.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @router.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @router.post("/tokenize")
+    async def tokenize(raw: Request) -> dict[str, Any]:
+        body = await parse_body(raw, TokenizeRequest)
+        serving.check_model(body.model, names)
+        if body.messages is not None:
+            chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            tokens = _render_chat(engine, chat, settings.chat_template)["prompt_token_ids"]
+        else:
+            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": list(tokens)}
+
+    @router.post("/detokenize")
+    async def detokenize(raw: Request) -> dict[str, str]:
+        body = await parse_body(raw, DetokenizeRequest)
+        serving.check_model(body.model, names)
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of the vocabulary range [0, {vocab})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    return router

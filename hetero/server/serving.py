@@ -1,0 +1,185 @@
+"""Pure conversions between OpenAI requests/responses and the engine's types."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from hetero.outputs import CompletionOutput, Logprob, RequestOutput
+from hetero.sampling_params import SamplingParams
+from hetero.server.errors import APIError
+from hetero.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+# Fields whose API name differs from the SamplingParams name, per endpoint.
+_CHAT_FIELD_NAMES = {"max_tokens": "max_completion_tokens", "logprobs": "top_logprobs"}
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+# ------------------------------------------------------------------ requests
+def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
+    return _sampling_params(request, request.max_tokens, request.logprobs, {})
+
+
+def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return _sampling_params(request, request.output_limit, logprobs, _CHAT_FIELD_NAMES)
+
+
+def _sampling_params(
+    request: SamplingRequest, max_tokens: Optional[int], logprobs: Optional[int], api_names: dict[str, str]
+) -> SamplingParams:
+    """SamplingParams from the request; its ValueError becomes a 400 naming the API field."""
+    given = request.model_dump(include=_SAMPLING_FIELDS, exclude_none=True)
+    given.pop("logprobs", None)
+    given.pop("max_tokens", None)
+    try:
+        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
+    except ValueError as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        param = api_names.get(field, field) if field in _SAMPLING_FIELDS else None
+        if param is not None and param != field:
+            message = param + message[len(field):]
+        raise APIError(400, message, param=param) from exc
+
+
+def check_model(requested: Optional[str], served_names: list[str]) -> str:
+    """The model name to answer with; 404 for a name this server does not serve."""
+    if requested is None or requested in served_names:
+        return requested or served_names[0]
+    raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+
+
+# ------------------------------------------------------------------ logprobs
+def _top_entries(entry: dict[int, Logprob], limit: int) -> list[Logprob]:
+    ranked = sorted(entry.values(), key=lambda lp: (lp.rank is None, lp.rank or 0))
+    return ranked[:limit]
+
+
+def completion_logprobs(
+    token_ids: list[int], entries: list[dict[int, Logprob]], top: int, start_offset: int
+) -> dict[str, Any]:
+    """The legacy completions `logprobs` object; offsets continue from `start_offset`."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = start_offset
+    for token, entry in zip(token_ids, entries):
+        chosen = entry[token]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob)
+        top_logprobs.append({(lp.decoded_token or ""): lp.logprob for lp in _top_entries(entry, max(top, 1) + 1)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _chat_token(lp: Logprob) -> dict[str, Any]:
+    text = lp.decoded_token or ""
+    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top: int) -> dict[str, Any]:
+    content = []
+    for token, entry in zip(token_ids, entries):
+        item = _chat_token(entry[token])
+        item["top_logprobs"] = [_chat_token(lp) for lp in _top_entries(entry, top)] if top else []
+        content.append(item)
+    return {"content": content}
+
+
+# ------------------------------------------------------------------ streaming
+@dataclass
+class ChoiceProgress:
+    """What has already been streamed of one choice."""
+
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    text_offset: int = 0
+    done: bool = False
+
+
+@dataclass
+class ChoiceDelta:
+    text: str
+    token_ids: list[int]
+    logprobs: Optional[list[dict[int, Logprob]]]
+    finish_reason: Optional[str]
+    stop_reason: Union[int, str, None]
+
+
+def stop_holdback(params: SamplingParams) -> int:
+    """Characters to hold back while unfinished: a stop string may still be completing.
+
+    The engine cuts a matched stop string out of the text, so text streamed too early
+    could later be taken back. A stop that ends in new text starts at most
+    len(stop) - 1 characters before it, so holding that many back is enough.
+    """
+    if not params.stop or params.include_stop_str_in_output:
+        return 0
+    return max(len(s) for s in params.stop) - 1
+
+
+def next_delta(progress: ChoiceProgress, completion: CompletionOutput, holdback: int) -> Optional[ChoiceDelta]:
+    """The new part of one choice since `progress`, or None when there is nothing to send."""
+    if progress.done:
+        return None
+    finished = completion.finish_reason is not None
+    text = completion.text
+    visible = len(text) if finished else max(len(text) - holdback, progress.sent_chars)
+    delta_text = text[progress.sent_chars : visible]
+    if not delta_text and not finished:
+        return None
+    new_tokens = completion.token_ids[progress.sent_tokens :]
+    new_logprobs = completion.logprobs[progress.sent_tokens :] if completion.logprobs is not None else None
+    progress.sent_chars = visible
+    progress.sent_tokens = len(completion.token_ids)
+    progress.done = finished
+    return ChoiceDelta(delta_text, new_tokens, new_logprobs, completion.finish_reason, completion.stop_reason)
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# ------------------------------------------------------------------ responses
+def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def choice_index(prompt_index: int, n: int, completion: CompletionOutput) -> int:
+    return prompt_index * n + completion.index
+
+
+def envelope(response_id: str, obj: str, model: str, created: Optional[int] = None) -> dict[str, Any]:
+    return {"id": response_id, "object": obj, "created": created or int(time.time()), "model": model}
+
+
+def completion_choice(index: int, delta: ChoiceDelta, top_logprobs: Optional[int], progress: ChoiceProgress) -> dict[str, Any]:
+    logprobs = None
+    if top_logprobs is not None and delta.logprobs is not None:
+        logprobs = completion_logprobs(delta.token_ids, delta.logprobs, top_logprobs, progress.text_offset)
+        progress.text_offset += sum(len(t) for t in logprobs["tokens"])
+    return {
+        "index": index,
+        "text": delta.text,
+        "logprobs": logprobs,
+        "finish_reason": delta.finish_reason,
+        "stop_reason": delta.stop_reason,
+    }
+
+
+def chat_choice_logprobs(delta: ChoiceDelta, top_logprobs: Optional[int]) -> Optional[dict[str, Any]]:
+    if top_logprobs is None or delta.logprobs is None:
+        return None
+    return chat_logprobs(delta.token_ids, delta.logprobs, top_logprobs)
+
+
+def whole_delta(completion: CompletionOutput) -> ChoiceDelta:
+    """A finished choice as one delta (non-streaming responses)."""
+    return next_delta(ChoiceProgress(), completion, 0)
