@@ -199,6 +199,16 @@ def test_plan_fills_the_gpu_at_batch_one():
     assert plan_launch(1, 1, 32, 8, 128, 1, 100, num_sms=132).num_splits == 1  # too short to split
 
 
+def test_benchmark_smoke(tmp_path, capsys):
+    from bench.attention_kernels import main
+
+    out = tmp_path / "attention.csv"
+    assert main(["--smoke", "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("kind,batch,context,new_tokens") and len(lines) == 5  # header, 2 decode rows, 2 tree rows
+    assert "--smoke" in lines[1] and "vs_decode" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_cuda_graph_replay_with_new_metadata():
     """Capture once, then change lengths, tables and trees in place: the replay must follow."""
