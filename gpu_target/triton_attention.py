@@ -131,7 +131,7 @@ def paged_attention(
     ``max_query_len`` / ``max_seq_len`` default to the metadata's and must bound the
     batch's real lengths; pass bucketed values to reuse one captured CUDA graph across
     steps. ``plan`` overrides :func:`plan_launch` (tests use it to force splits).
-    Output rows beyond ``query_start_loc[-1]`` (token padding) are left unwritten.
+    Output rows beyond ``query_start_loc[-1]`` (token padding) are not computed.
     """
     _check_inputs(query, k_cache, v_cache, meta)
     T, H, D = query.shape
