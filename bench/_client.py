@@ -111,7 +111,8 @@ async def stream_request(client: httpx.AsyncClient, settings: RequestSettings, p
         return record
     record.e2e = time.perf_counter() - sent
     if chunks_with_text == 0:
-        record.error = "stream ended without any generated text"
+        claimed = f" (its usage claims {record.output_tokens} completion tokens)" if record.usage_reported else ""
+        record.error = f"stream ended without any generated text{claimed}"
         return record
     if not record.usage_reported:
         record.output_tokens = chunks_with_text

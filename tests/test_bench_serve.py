@@ -6,7 +6,8 @@ The fake (below) streams exactly ``max_tokens`` tokens, ``tokens_per_chunk`` per
 ``first_token_delay_s`` before the first chunk and ``chunk_delay_s`` between chunks,
 reports usage, and exposes hetero's speculative counters on /metrics as if each chunk were
 one verification step. Prompts containing ``FAIL`` get an OpenAI-shaped 500, prompts
-containing ``BREAK`` an error event after their first chunk.
+containing ``BREAK`` an error event after their first chunk, prompts containing ``SILENT``
+only empty text (as when a detokenizer holds back an incomplete character).
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def build_app(behaviour: FakeBehaviour, state: FakeState) -> FastAPI:
                     if sent:
                         await asyncio.sleep(behaviour.chunk_delay_s)
                     count = min(behaviour.tokens_per_chunk, max_tokens - sent)
-                    yield chunk("".join(f" t{sent + i}" for i in range(count)))
+                    yield chunk("" if "SILENT" in str(prompt) else "".join(f" t{sent + i}" for i in range(count)))
                     sent += count
                     if "BREAK" in str(prompt):
                         yield "data: " + json.dumps({"error": {"message": "engine died", "code": 500}}) + "\n\n"
@@ -489,10 +490,11 @@ def test_chat_endpoint_with_bounded_concurrency_and_goodput(tmp_path, capsys):
 
 def test_failed_requests_are_counted_with_their_errors(tmp_path, capsys):
     dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text('{"prompt": "fine"}\n{"prompt": "please FAIL"}\n{"prompt": "BREAK midway"}\n')
+    dataset.write_text('{"prompt": "fine"}\n{"prompt": "please FAIL"}\n{"prompt": "BREAK midway"}\n'
+                       '{"prompt": "SILENT"}\n')
     with FakeServer(FakeBehaviour(first_token_delay_s=0.0, chunk_delay_s=0.0)) as fake:
         code, out, err = run_cli(capsys, "--base-url", fake.base_url, "--dataset-path", str(dataset),
-                                 "--num-prompts", "6", "--output-len", "3", "--warmup", "0",
+                                 "--num-prompts", "8", "--output-len", "3", "--warmup", "0",
                                  "--result-dir", str(tmp_path / "out"))
         assert code == 0, err
         failing = tmp_path / "failing.jsonl"
@@ -503,11 +505,13 @@ def test_failed_requests_are_counted_with_their_errors(tmp_path, capsys):
         assert not (tmp_path / "warm").exists()
     result, rows = only_result(tmp_path / "out")
     assert result["config"]["dataset_name"] == "jsonl"
-    assert (result["summary"]["completed"], result["summary"]["failed"]) == (2, 4)
-    assert result["summary"]["errors"] == {"HTTP 500: boom": 2, "error in stream: engine died": 2}
+    silent = "stream ended without any generated text (its usage claims 3 completion tokens)"
+    assert (result["summary"]["completed"], result["summary"]["failed"]) == (2, 6)
+    assert result["summary"]["errors"] == {"HTTP 500: boom": 2, "error in stream: engine died": 2, silent: 2}
     assert "error x2: HTTP 500: boom" in out and "error x2: error in stream: engine died" in out
-    assert sorted(row["error"] for row in rows) == ["", "", "HTTP 500: boom", "HTTP 500: boom",
-                                                    "error in stream: engine died", "error in stream: engine died"]
+    assert sorted(row["error"] for row in rows) == sorted(
+        ["", "", "HTTP 500: boom", "HTTP 500: boom", "error in stream: engine died",
+         "error in stream: engine died", silent, silent])
     assert result["summary"]["total_output_tokens"] == 2 * 3  # failed requests count for nothing
 
 
