@@ -15,13 +15,18 @@ import asyncio
 import csv
 import json
 import math
+import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -526,3 +531,56 @@ def test_token_id_prompts_reach_the_server_at_their_exact_length(tmp_path, capsy
     with pytest.raises(SystemExit):
         serve.main(["--endpoint", "chat", "--vocab-size", "100"])
     assert "completions only" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- against `hetero serve`
+
+
+@pytest.fixture
+def hetero_server(tiny_llama_dir):
+    """`hetero serve` of the tiny random llama on a loopback port, in its own process."""
+    repo = Path(__file__).resolve().parents[1]
+    port = free_closed_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hetero.cli", "serve", str(tiny_llama_dir), "--host", "127.0.0.1",
+         "--port", str(port), "--served-model-name", "tiny", "--uvicorn-log-level", "warning"],
+        cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base_url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"hetero serve exited with {process.returncode}: {process.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(f"{base_url}/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "hetero serve did not answer /v1/models within 90 s"
+            time.sleep(0.2)
+        yield base_url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_benchmark_against_hetero_serve(hetero_server, tmp_path, capsys):
+    code, out, err = run_cli(capsys, "--base-url", hetero_server, "--num-prompts", "4", "--input-len", "16",
+                             "--output-len", "8", "--ignore-eos", "--max-concurrency", "2", "--warmup", "1",
+                             "--label", "plain", "--result-dir", str(tmp_path))
+    assert code == 0, err
+    result, rows = only_result(tmp_path)
+    summary = result["summary"]
+    assert result["config"]["model"] == "tiny"
+    assert (summary["completed"], summary["failed"]) == (4, 0), summary["errors"]
+    assert summary["token_counts_from_usage"] and summary["total_output_tokens"] == 4 * 8
+    for request in result["requests"]:
+        assert request["output_tokens"] == 8 and request["prompt_tokens"] > 0
+        assert 0 < request["ttft"] < request["e2e"]
+    assert result["spec_decode"]["metric_names"]["steps"] == "hetero:spec_decode_num_steps_total"
+    assert len(rows) == 4 and "Output token throughput (tok/s):" in out
