@@ -45,12 +45,18 @@ class OutOfBlocks(Exception):
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    """Hands out blocks ``first_block .. first_block + num_blocks - 1`` of the pool.
+
+    Blocks below ``first_block`` are never handed out: the CUDA-graph runner points its
+    padding tokens at block 0.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, first_block: int = 0):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.ref_counts = [0] * (first_block + num_blocks)
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(first_block, first_block + num_blocks))
         self._hash_to_block: dict[int, int] = {}
         self._block_to_hash: dict[int, int] = {}
         self.prefix_hits = 0

@@ -28,15 +28,16 @@ ROPE_FREQ_FACTORS_NAME = gguf_checkpoint.ROPE_FREQ_FACTORS_NAME
 _EXPECTED_LAYOUT = "an HF model directory (config.json + *.safetensors), a .gguf file, or a directory holding one .gguf"
 
 
-def resolve_model_path(model: PathLike) -> pathlib.Path:
+def resolve_model_path(model: PathLike, require_weights: bool = True) -> pathlib.Path:
     """The checkpoint `model` names: an HF directory or a .gguf file.
 
     An existing path wins over the packaged default model's names, so a local directory
-    called `SmolLM2-135M-Instruct` is used as it is.
+    called `SmolLM2-135M-Instruct` is used as it is. With `require_weights=False` an HF
+    directory needs only its config.json (random weights, vLLM's load_format="dummy").
     """
     path = pathlib.Path(model).expanduser()
     if path.exists():
-        return _resolve_existing_path(path)
+        return _resolve_existing_path(path, require_weights)
     if str(model) in DEFAULT_MODEL_NAMES:
         return default_model_path()
     raise FileNotFoundError(f"model {str(model)!r} not found: no such file or directory; expected {_EXPECTED_LAYOUT}")
@@ -60,13 +61,13 @@ def default_model_path() -> pathlib.Path:
     )
 
 
-def _resolve_existing_path(path: pathlib.Path) -> pathlib.Path:
+def _resolve_existing_path(path: pathlib.Path, require_weights: bool) -> pathlib.Path:
     if path.is_file():
         if path.suffix == ".gguf":
             return path
         raise ValueError(f"model file {str(path)!r} is not a .gguf file; expected {_EXPECTED_LAYOUT}")
     if (path / "config.json").is_file():
-        if not hf_checkpoint.safetensors_files(path):
+        if require_weights and not hf_checkpoint.safetensors_files(path):
             raise FileNotFoundError(
                 f"model directory {str(path)!r} has config.json but no *.safetensors weights "
                 "(only safetensors checkpoints are supported)"
@@ -85,8 +86,8 @@ def is_gguf(path: PathLike) -> bool:
     return pathlib.Path(path).suffix == ".gguf"
 
 
-def load_config(path: PathLike) -> ModelConfig:
-    path = resolve_model_path(path)
+def load_config(path: PathLike, require_weights: bool = True) -> ModelConfig:
+    path = resolve_model_path(path, require_weights)
     if is_gguf(path):
         return gguf_checkpoint.load_config(path)
     return hf_checkpoint.load_config(path)
@@ -139,6 +140,26 @@ def load_state_dict(
                 f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
                 f"but the model's config needs {shape}"
             )
+    return tensors
+
+
+def random_state_dict(
+    config: ModelConfig, dtype: torch.dtype, device: Union[torch.device, str], seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random weights in the model's real shapes, made on `device` (vLLM's load_format="dummy").
+
+    For timing: a large model's weights need not exist anywhere to measure its speed.
+    Norm weights are ones and matrices N(0, 0.02), so activations stay finite in bf16.
+    """
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    tensors = {}
+    for name, shape in parameter_shapes(config).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=dtype, device=device)
+        else:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            tensors[name] = tensor.normal_(0.0, 0.02, generator=generator)
     return tensors
 
 

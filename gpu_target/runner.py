@@ -29,12 +29,20 @@ class SequenceChunk:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_pool: KVCachePool, device: torch.device, attention_fn: AttentionFn = reference_attention):
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_pool: KVCachePool,
+        device: torch.device,
+        attention_fn: AttentionFn = reference_attention,
+        graph_runner=None,
+    ):
         self.model = model
         self.kv_pool = kv_pool
         self.device = torch.device(device)
         self.attention_fn = attention_fn
         self.block_size = kv_pool.block_size
+        self.graph_runner = graph_runner  # CudaGraphRunner for decode/verification steps, or None
 
     def build_inputs(self, chunks: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the chunks into (input_ids, positions, metadata, logits row indices)."""
@@ -88,6 +96,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """Logits (float32) of the requested rows, in chunk order: [num_rows, vocab]."""
+        if self.graph_runner is not None:
+            bucket = self.graph_runner.bucket_for(chunks)
+            if bucket is not None:
+                return self.graph_runner.run(chunks, bucket)
         input_ids, positions, meta, rows = self.build_inputs(chunks)
         hidden = self.model(input_ids, positions, self.kv_pool.layers, meta, self.attention_fn)
         return self.model.compute_logits(hidden[rows])

@@ -33,6 +33,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     device: str = "auto"
+    load_format: str = "auto"  # "dummy": random weights in the checkpoint's shapes (vLLM's name), for timing
+    skip_tokenizer_init: bool = False  # prompts as token ids, outputs without text (vLLM's name)
     # Speculation (vLLM and TACO-LLM spellings).
     speculative_model: Optional[str] = None
     num_speculative_tokens: Optional[int] = None
@@ -62,6 +64,7 @@ class EngineConfig:
             _check(self.kv_cache_space > 0, "kv_cache_space", self.kv_cache_space, "must be positive (GiB)")
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size, "must be one of 8, 16, 32, 64, 128")
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device, "must be 'auto', 'cpu' or 'cuda'")
+        _check(self.load_format in ("auto", "dummy"), "load_format", self.load_format, "must be 'auto' or 'dummy'")
         _check(0 < self.cpu_decoding_memory_utilization <= 1, "cpu_decoding_memory_utilization", self.cpu_decoding_memory_utilization, "must be in (0, 1]")
         if self.num_speculative_tokens is not None:
             _check(1 <= self.num_speculative_tokens <= 63, "num_speculative_tokens", self.num_speculative_tokens, "must be in [1, 63]")

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from gpu_target.kv_cache import BlockAllocator, KVCachePool
-from gpu_target.loader import load_config, load_state_dict, load_tokenizer, resolve_model_path
+from gpu_target.loader import load_config, load_state_dict, load_tokenizer, random_state_dict, resolve_model_path
 from gpu_target.model import build_model
 from gpu_target.runner import ModelRunner, SequenceChunk
 from gpu_target.sampler import (
@@ -31,7 +31,7 @@ from hetero.config import EngineConfig
 from hetero.detokenizer import decode_new_text, find_stop_string
 from hetero.outputs import CompletionOutput, Logprob, RequestOutput
 from hetero.proposers import build_proposer
-from hetero.protocols import ProposalRequest, Proposer, SpecStats, TokenTree, Verdict
+from hetero.protocols import MAX_TREE_NODES, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict
 from hetero.sampling_params import SamplingParams
 from hetero.scheduler import ScheduledSeq, Scheduler, Sequence, SequenceGroup, SeqStatus
 from hetero.spec_control import SpeculationController
@@ -39,7 +39,7 @@ from hetero.spec_control import SpeculationController
 logger = logging.getLogger("hetero")
 
 _CPU_DEFAULT_KV_GIB = 4.0
-_GPU_ACTIVATION_RESERVE_GIB = 2.0
+_GPU_ACTIVATION_RESERVE_GIB = 4.0  # activations and CUDA-graph pools
 _DEFAULT_TREE_NODES = 16
 _DEFAULT_TARGET_PARALLELISM = 64
 
@@ -65,9 +65,12 @@ class LLMEngine:
         self.config = config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
-        model_path = resolve_model_path(config.model)
-        self.model_config = load_config(model_path)
-        self.tokenizer = load_tokenizer(model_path, config.tokenizer, config.trust_remote_code)
+        real_weights = config.load_format != "dummy"
+        model_path = resolve_model_path(config.model, require_weights=real_weights)
+        self.model_config = load_config(model_path, require_weights=real_weights)
+        self.tokenizer = (
+            None if config.skip_tokenizer_init else load_tokenizer(model_path, config.tokenizer, config.trust_remote_code)
+        )
         self.eos_token_ids = self._eos_token_ids()
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
@@ -75,20 +78,25 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}) is larger than the model's "
                 f"max_position_embeddings ({self.model_config.max_position_embeddings})"
             )
-        state = load_state_dict(model_path, self.model_config, self.dtype, self.device)
+        if real_weights:
+            state = load_state_dict(model_path, self.model_config, self.dtype, self.device)
+        else:
+            state = random_state_dict(self.model_config, self.dtype, self.device, config.seed)
         self.model = build_model(self.model_config, state, self.dtype, self.device)
         del state
         num_blocks = self._num_kv_blocks()
-        self.kv_pool = KVCachePool(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
-        allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.kv_pool, self.device, self._attention_fn())
+        reserved = 1 if self.device.type == "cuda" else 0  # the CUDA-graph padding's null block
+        self.kv_pool = KVCachePool(self.model_config, num_blocks + reserved, config.block_size, self.dtype, self.device)
+        allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching, first_block=reserved)
         max_batched = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
         self.scheduler = Scheduler(allocator, config.max_num_seqs, max_batched, self.max_model_len)
         self.proposer = proposer if proposer is not None else build_proposer(config, self.model_config, self.tokenizer)
+        max_tree_nodes = min(config.num_speculative_tokens or _DEFAULT_TREE_NODES, MAX_TREE_NODES)
         self.spec_control = SpeculationController(
-            config.num_speculative_tokens or _DEFAULT_TREE_NODES,
-            getattr(proposer, "target_parallelism", _DEFAULT_TARGET_PARALLELISM),
+            max_tree_nodes, getattr(self.proposer, "target_parallelism", _DEFAULT_TARGET_PARALLELISM)
         )
+        graph_runner = self._capture_graphs(1 + max_tree_nodes if self.proposer is not None else 1)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.device, self._attention_fn(), graph_runner)
         self.spec_stats = SpecStats()
         self.groups: dict[str, SequenceGroup] = {}
         self._rng = random.Random(config.seed)
@@ -99,7 +107,7 @@ class LLMEngine:
     # ----------------------------------------------------------------- set-up
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
@@ -123,6 +131,18 @@ class LLMEngine:
             )
         return num_blocks
 
+    def _capture_graphs(self, max_query_len: int):
+        """CUDA graphs for decode/verification steps, unless on the CPU or enforce_eager."""
+        self.cuda_graph_capture_seconds = 0.0
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        from gpu_target.cuda_graphs import CudaGraphRunner
+
+        runner = CudaGraphRunner(self.model, self.kv_pool, self.config.max_num_seqs, max_query_len, self.max_model_len)
+        self.cuda_graph_capture_seconds = runner.capture_all()
+        logger.info("CUDA graph capture took %.1f s for %d buckets", self.cuda_graph_capture_seconds, len(runner.graphs))
+        return runner
+
     def _attention_fn(self):
         if self.device.type == "cuda":
             from gpu_target.triton_attention import paged_attention
@@ -143,6 +163,8 @@ class LLMEngine:
         """`prompt`: a string, or a dict with "prompt_token_ids" (and optionally "prompt")."""
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.tokenizer is None and (params.detokenize or params.stop):
+            raise ValueError("detokenize and stop strings need a tokenizer; skip_tokenizer_init=True is set")
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
@@ -159,6 +181,8 @@ class LLMEngine:
         self.num_prompt_tokens_total += len(token_ids)
 
     def _tokenize(self, prompt: Any) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; with skip_tokenizer_init=True pass {'prompt_token_ids': [...]}")
         if isinstance(prompt, str):
             return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -381,9 +405,7 @@ class LLMEngine:
             if want is not None:
                 entry = token_logprobs[i]
                 seq.cumulative_logprob += entry[token][0]
-                seq.logprobs.append(
-                    {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in entry.items()}
-                )
+                seq.logprobs.append(self._logprob_entry(entry))
             if self._check_stop(seq, token):
                 self._finish(seq)
                 return
@@ -429,7 +451,11 @@ class LLMEngine:
         targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + logits.shape[0]], device=logits.device)
         top = seq.params.prompt_logprobs
         for entry in raw_logprobs(logits, targets, [top] * logits.shape[0]):
-            group.prompt_logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in entry.items()})
+            group.prompt_logprobs.append(self._logprob_entry(entry))
+
+    def _logprob_entry(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        decode = (lambda t: None) if self.tokenizer is None else (lambda t: self.tokenizer.decode([t]))
+        return {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in entry.items()}
 
     # ----------------------------------------------------------------- output
     def _request_output(self, group: SequenceGroup) -> RequestOutput:

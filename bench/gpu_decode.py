@@ -1,0 +1,316 @@
+"""GPU benchmark of the target engine on an 8B Llama-3-shaped model with random bf16 weights.
+
+Sections (all in one run, side by side):
+  decode   hetero decode tokens/s at several batch sizes, batch 1 as a fraction of the HBM
+           roofline (weight + KV bytes over the measured device copy bandwidth);
+  hf       HF transformers `generate` at the same batch sizes (eager, its default cache);
+  verify   step time of verifying a token tree of n nodes per sequence vs a plain decode step;
+  spec     wall speedup and tokens per step of speculative decoding vs plain decoding, with an
+           oracle proposer whose drafts are right with probability p (the acceptance knob).
+
+    python -m bench.gpu_decode --out bench/results
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from bench._machine import describe_machine
+from hetero.config import EngineConfig
+from hetero.engine import LLMEngine
+from hetero.protocols import TokenTree
+from hetero.sampling_params import SamplingParams
+
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=128001,
+    torch_dtype="bfloat16",
+)
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read plus written."""
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    return 2 * n * 2 / float(np.median(times))
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(1000, vocab) for _ in range(length)]} for _ in range(count)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+
+def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int) -> tuple[float, int, dict]:
+    """Prefill every prompt, then time the decode steps until all finish: (seconds, tokens, outputs)."""
+    ids = []
+    for i, prompt in enumerate(prompts):
+        rid = f"r{time.monotonic_ns()}-{i}"
+        engine.add_request(rid, prompt, greedy(max_tokens))
+        ids.append(rid)
+    outputs: dict[str, list[int]] = {}
+    while not all(engine.groups[r].seqs[0].output_token_ids for r in ids if r in engine.groups):
+        engine.step()
+    done_before = sum(len(engine.groups[r].seqs[0].output_token_ids) for r in ids if r in engine.groups)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(v) for v in outputs.values()) - done_before
+    return elapsed, tokens, {tuple(prompts[ids.index(r)]["prompt_token_ids"]): v for r, v in outputs.items()}
+
+
+class ChainOracle:
+    """Drafts the known greedy continuation as a chain of k tokens, each right with probability p."""
+
+    def __init__(self, truth: dict, k: int, p: float, vocab: int, target_parallelism: int, seed: int = 0):
+        self.truth, self.k, self.p, self.vocab = truth, k, p, vocab
+        self.target_parallelism = target_parallelism
+        self.rng = random.Random(seed)
+
+    def propose(self, batch):
+        trees = []
+        for request in batch:
+            prompt = tuple(request.token_ids[: request.num_prompt_tokens])
+            done = len(request.token_ids) - request.num_prompt_tokens
+            future = self.truth.get(prompt, [])[done:]
+            n = min(self.k, request.max_nodes)
+            tokens = [future[i] if i < len(future) and self.rng.random() < self.p else self.rng.randrange(self.vocab) for i in range(n)]
+            trees.append(TokenTree.chain(tokens))
+        return trees
+
+    def commit(self, verdicts):
+        pass
+
+    def release(self, request_id):
+        pass
+
+
+def engine_for(model_dir: str, max_num_seqs: int, proposer=None, num_speculative_tokens=None, utilization=0.55) -> LLMEngine:
+    config = EngineConfig(
+        model=model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=2048,
+        max_num_seqs=max_num_seqs,
+        gpu_memory_utilization=utilization,
+        num_speculative_tokens=num_speculative_tokens,
+    )
+    return LLMEngine(config, proposer=proposer)
+
+
+def bench_decode(model_dir, batches, prompt_len, new_tokens, bandwidth, rows):
+    engine = engine_for(model_dir, max(batches))
+    rows.append(dict(section="startup", what="cuda_graph_capture_s", value=round(engine.cuda_graph_capture_seconds, 2)))
+    cfg = engine.model_config
+    weight_bytes = cfg.num_parameters() * 2
+    truth = {}
+    for batch in batches:
+        prompts = random_prompts(batch, prompt_len, cfg.vocab_size, seed=batch)
+        timed_decode(engine, prompts[:1], 8)  # warm-up
+        elapsed, tokens, outputs = timed_decode(engine, prompts, new_tokens)
+        truth.update(outputs)
+        tok_s = tokens / elapsed
+        steps_s = tok_s / batch
+        mean_ctx = prompt_len + new_tokens / 2
+        kv_bytes = batch * mean_ctx * cfg.num_layers * 2 * cfg.kv_size * 2
+        roofline_steps = bandwidth / (weight_bytes + kv_bytes)
+        rows.append(dict(section="decode", engine="hetero", batch=batch, tokens_per_s=round(tok_s, 1),
+                         step_ms=round(1e3 / steps_s, 3), roofline_steps_per_s=round(roofline_steps, 1),
+                         fraction_of_roofline=round(steps_s / roofline_steps, 3)))
+        print(rows[-1], flush=True)
+    del engine
+    return truth
+
+
+def bench_verify(model_dir, tree_sizes, batches, prompt_len, rows):
+    vocab = LLAMA3_8B["vocab_size"]
+    oracle = ChainOracle({}, k=max(tree_sizes), p=0.0, vocab=vocab, target_parallelism=63 * max(batches))
+    engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=max(tree_sizes))
+    engine.spec_control.min_samples = 10**9  # always speculate: this measures the cost of verifying
+    rows.append(dict(section="startup", what="cuda_graph_capture_s_spec", value=round(engine.cuda_graph_capture_seconds, 2)))
+    for batch in batches:
+        prompts = random_prompts(batch, prompt_len, vocab, seed=100 + batch)
+        step_ms = {}
+        for nodes in [0] + list(tree_sizes):
+            oracle.k = nodes
+            engine.spec_control.max_nodes_per_seq = max(nodes, 1)
+            elapsed, tokens, _ = timed_decode(engine, prompts, 33)
+            steps = 32
+            step_ms[nodes] = 1e3 * elapsed / steps
+        for nodes in tree_sizes:
+            rows.append(dict(section="verify", batch=batch, tree_nodes=nodes, step_ms=round(step_ms[nodes], 3),
+                             plain_step_ms=round(step_ms[0], 3), ratio_to_plain=round(step_ms[nodes] / step_ms[0], 3)))
+            print(rows[-1], flush=True)
+    del engine
+
+
+def bench_spec(model_dir, truth, batches, probabilities, k, prompt_len, new_tokens, plain_tok_s, rows):
+    vocab = LLAMA3_8B["vocab_size"]
+    oracle = ChainOracle(truth, k=k, p=0.0, vocab=vocab, target_parallelism=k * max(batches))
+    engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=k)
+    for batch in batches:
+        prompts = random_prompts(batch, prompt_len, vocab, seed=batch)
+        for p in probabilities:
+            oracle.p = p
+            engine.spec_control = type(engine.spec_control)(k, k * max(batches))
+            before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens)
+            elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
+            steps = engine.spec_stats.num_steps - before[0]
+            accepted = engine.spec_stats.num_accepted_tokens - before[1]
+            tok_s = tokens / elapsed
+            rows.append(dict(section="spec", batch=batch, draft_p=p, k=k,
+                             mean_accepted_length=round((accepted + steps) / max(steps, 1), 2),
+                             tokens_per_s=round(tok_s, 1), plain_tokens_per_s=plain_tok_s[batch],
+                             speedup=round(tok_s / plain_tok_s[batch], 2)))
+            print(rows[-1], flush=True)
+    del engine
+
+
+def bench_hf(model_dir, batches, prompt_len, new_tokens, rows):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    torch.set_default_dtype(torch.float32)
+    model.eval()
+    for batch in batches:
+        ids = torch.tensor([p["prompt_token_ids"] for p in random_prompts(batch, prompt_len, config.vocab_size, batch)], device="cuda")
+        mask = torch.ones_like(ids)
+
+        def run(n):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.no_grad():
+                model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        run(2)
+        t_short, t_long = run(1), run(new_tokens + 1)
+        tok_s = batch * new_tokens / (t_long - t_short)
+        rows.append(dict(section="decode", engine="transformers", batch=batch, tokens_per_s=round(tok_s, 1),
+                         step_ms=round(1e3 * (t_long - t_short) / new_tokens, 3)))
+        print(rows[-1], flush=True)
+    del model
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--sections", default="decode,verify,spec,hf")
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--hf-new-tokens", type=int, default=32)
+    parser.add_argument("--tree-sizes", default="1,4,8,16,32,63")
+    parser.add_argument("--verify-batches", default="1,16")
+    parser.add_argument("--draft-p", default="0.0,0.5,0.8,0.95")
+    parser.add_argument("--spec-k", type=int, default=8)
+    args = parser.parse_args(argv)
+    sections = set(args.sections.split(","))
+    batches = [int(b) for b in args.batches.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    model_dir = tempfile.mkdtemp(prefix="llama3-8b-shape-")
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(LLAMA3_8B, f)
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    rows: list[dict] = [dict(section="machine", what="copy_bandwidth_TBps", value=round(bandwidth / 1e12, 3))]
+    print(rows[-1], flush=True)
+    truth = {}
+    if "decode" in sections or "spec" in sections:
+        truth = bench_decode(model_dir, batches, args.prompt_len, args.new_tokens, bandwidth, rows)
+    gc.collect()
+    torch.cuda.empty_cache()
+    if "verify" in sections:
+        bench_verify(model_dir, [int(n) for n in args.tree_sizes.split(",")],
+                     [int(b) for b in args.verify_batches.split(",")], args.prompt_len, rows)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "spec" in sections:
+        plain = {r["batch"]: r["tokens_per_s"] for r in rows if r.get("section") == "decode" and r.get("engine") == "hetero"}
+        bench_spec(model_dir, truth, batches, [float(p) for p in args.draft_p.split(",")], args.spec_k,
+                   args.prompt_len, args.new_tokens, plain, rows)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "hf" in sections:
+        bench_hf(model_dir, batches, args.prompt_len, args.hf_new_tokens, rows)
+    write_results(args, rows)
+
+
+def write_results(args, rows) -> None:
+    info = dict(describe_machine())
+    info.update(torch=torch.__version__, gpu=torch.cuda.get_device_name(), python=platform.python_version())
+    command = "python -m bench.gpu_decode " + " ".join(sys.argv[1:])
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(args.out, f"gpu_decode-{stamp}")
+    with open(path + ".json", "w") as f:
+        json.dump(dict(command=command, machine=info, rows=rows), f, indent=1)
+    lines = [f"# GPU decode benchmark ({info['gpu']})", "", f"command: `{command}`", "", f"machine: {json.dumps(info)}", ""]
+    for section in ["machine", "startup", "decode", "verify", "spec"]:
+        part = [r for r in rows if r.get("section") == section]
+        if not part:
+            continue
+        keys = [k for k in part[0] if k != "section"]
+        for r in part:
+            keys += [k for k in r if k not in keys and k != "section"]
+        lines += [f"## {section}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in part]
+        lines.append("")
+    hetero = {r["batch"]: r["tokens_per_s"] for r in rows if r.get("engine") == "hetero"}
+    hf = {r["batch"]: r["tokens_per_s"] for r in rows if r.get("engine") == "transformers"}
+    if hetero and hf:
+        lines += ["## hetero / transformers", "", "| batch | speedup |", "|---|---|"]
+        lines += [f"| {b} | {hetero[b] / hf[b]:.1f}x |" for b in sorted(hetero) if b in hf]
+    with open(path + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""CUDA-graph bucketing: the padded layout (CPU) and equivalence with eager decoding (GPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_target.cuda_graphs import NULL_BLOCK, _host_inputs, bucket_ladder
+from gpu_target.runner import SequenceChunk
+from hetero import LLM, SamplingParams
+from hetero.protocols import TokenTree
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+def test_ladder_is_powers_of_two_within_the_token_cap():
+    ladder = bucket_ladder(max_seqs=48, max_query_len=17, max_tokens=256)
+    assert (64, 1) in ladder and (64, 4) in ladder and (8, 32) in ladder
+    assert (64, 8) not in ladder and (16, 32) not in ladder
+    assert all(b * q <= 256 for b, q in ladder)
+    assert ladder == sorted(ladder, key=lambda bq: (bq[0] * bq[1], bq[1]), reverse=True)
+
+
+def test_padding_layout_keeps_real_tokens_apart_from_padding():
+    tree = TokenTree(np.array([5, 6, 7]), np.array([-1, 0, -1]))
+    masks = [1] + [(int(m) << 1) | 1 for m in tree.ancestor_masks()]
+    chunks = [
+        SequenceChunk([11, 5, 6, 7], [20, 21, 22, 21], [3, 4], 20, [0, 1, 2, 3], masks),
+        SequenceChunk([12], [9], [7], 9, [0]),
+    ]
+    host = _host_inputs(chunks, num_seqs=4, query_len=4, block_size=16, max_blocks=3)
+    assert host["input_ids"][:5].tolist() == [11, 5, 6, 7, 12]
+    assert host["seq_lens"].tolist() == [24, 10, 1, 1]
+    assert host["slot_mapping"][:4].tolist() == [4 * 16 + 4 + i for i in range(4)]  # storage 20.. is in block 4
+    assert host["slot_mapping"][4].item() == 7 * 16 + 9
+    assert set(host["slot_mapping"][5:].tolist()) == {NULL_BLOCK * 16}
+    assert host["tree_mask"][:4].tolist() == masks
+    # The decode token sees itself (causal); its padding tokens only their own bit, beyond seq_len.
+    assert host["tree_mask"][4:8].tolist() == [1, 2, 4, 8]
+    assert host["block_tables"][2:].tolist() == [[NULL_BLOCK] * 3] * 2
+    assert host["rows"].tolist() == [0, 1, 2, 3, 4]
+    assert host["query_start_loc"].tolist() == [0, 4, 8, 12, 16]
+
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "def add(a, b):", "x", "Once upon a time there was"]
+
+
+@needs_cuda
+def test_graphs_match_eager_and_cpu(tiny_llama_dir):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    cpu = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=256)
+    expected = [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, greedy, use_tqdm=False)]
+    for eager in (True, False):
+        gpu = LLM(model=str(tiny_llama_dir), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8, enforce_eager=eager)
+        assert gpu.llm_engine.runner.graph_runner is None if eager else gpu.llm_engine.runner.graph_runner.graphs
+        got = [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, greedy, use_tqdm=False)]
+        assert got == expected, f"enforce_eager={eager}"
+
+
+@needs_cuda
+def test_graphs_verify_trees_losslessly(tiny_llama_dir):
+    from test_speculative import OracleProposer, speculative_llm
+
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    cpu = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=256)
+    truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in cpu.generate(PROMPTS, greedy, use_tqdm=False)}
+    proposer = OracleProposer(truth, "random", 12, 0.8, vocab=320, seed=5)
+    llm = speculative_llm(tiny_llama_dir, proposer, device="cuda", max_num_seqs=8)
+    llm.llm_engine.spec_control.min_samples = 10**9
+    assert llm.llm_engine.runner.graph_runner is not None
+    outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in outs} == truth
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
