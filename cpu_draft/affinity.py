@@ -1,0 +1,55 @@
+"""Which CPU cores the draft runs on, and pinning the current process to them.
+
+The GPU process keeps the first core(s) for its own Python loop and kernel launches, so
+the draft worker defaults to every other core it may use. ``HETERO_DRAFT_CPUS`` (a
+Linux cpulist such as ``"4-15"`` or ``"2,4-7"``) overrides the default.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+
+DRAFT_CPUS_ENV = "HETERO_DRAFT_CPUS"
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``"4-7,10"`` -> ``[4, 5, 6, 7, 10]``; raises ValueError naming the bad part."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise ValueError(f"bad CPU list entry {part!r} in {text!r}: expected N or N-M") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU range {part!r} in {text!r}")
+        cpus.update(range(first, last + 1))
+    if not cpus:
+        raise ValueError(f"CPU list {text!r} names no CPU")
+    return sorted(cpus)
+
+
+def default_draft_cpus(spec: Optional[str] = None) -> list[int]:
+    """The cores for the draft: ``spec``, else $HETERO_DRAFT_CPUS, else all usable cores but the first."""
+    spec = spec if spec is not None else os.environ.get(DRAFT_CPUS_ENV)
+    usable = sorted(os.sched_getaffinity(0))
+    if spec:
+        cpus = parse_cpu_list(spec)
+        unusable = sorted(set(cpus) - set(usable))
+        if unusable:
+            raise ValueError(f"draft CPUs {unusable} are not usable by this process (usable: {usable})")
+        return cpus
+    return usable[1:] if len(usable) > 1 else usable
+
+
+def pin_current_process(cpus: Sequence[int], num_threads: Optional[int] = None) -> int:
+    """Bind this process to ``cpus`` and size torch's intra-op pool; returns the thread count."""
+    os.sched_setaffinity(0, set(cpus))
+    threads = num_threads or len(cpus)
+    torch.set_num_threads(threads)
+    return threads

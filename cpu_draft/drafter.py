@@ -1,0 +1,338 @@
+"""The draft model with per-sequence KV that rolls back in O(1), drafting a whole batch at once.
+
+Each sequence has a *context* (its real tokens: prompt + output so far; the last one is the
+root of the next tree) and a paged KV cache holding ``kv_tokens``, the tokens whose K/V
+were computed, in position order. Drafting writes the draft chain into that cache, so
+``kv_tokens`` may run ahead of the context. Setting a new context keeps the longest
+common prefix of the two and truncates the rest: rollback is a length change plus
+freeing whole blocks past the end, never a copy. Stale K/V past the end is invisible
+(attention reads ``seq_len`` tokens) and is overwritten by the next write.
+
+A tree is a greedy chain, optionally with the next-best siblings of each chain node
+(``tree_width`` > 1): the siblings come from logits the chain already computed, so they
+cost no forward pass. Per depth level there is one batched forward over every sequence.
+
+The model is `gpu_target.model.CausalLM` run by `gpu_target.runner.ModelRunner` over a
+`KVCachePool`: the target's own code, on another device and dtype.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from gpu_target.attention import reference_attention
+from gpu_target.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks
+from gpu_target.loader import load_config, load_state_dict, resolve_model_path
+from gpu_target.model import CausalLM, build_model
+from gpu_target.runner import ModelRunner, SequenceChunk
+from hetero.protocols import TokenTree
+
+logger = logging.getLogger("hetero.cpu_draft")
+
+SeqId = Hashable
+SHORT_FEED_TOKENS = 16  # catch-up feeds up to this long share one forward; longer ones (prompts) run alone
+
+
+@dataclass(frozen=True)
+class DraftModelOptions:
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    int8_weights: bool = False
+    tree_width: int = 1  # 1: chains; w: each chain node comes with its w-1 next-best siblings
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 256
+    block_size: int = 16
+
+
+def tree_levels(max_nodes: int, width: int) -> list[int]:
+    """Nodes per depth level (one chain node plus siblings) for a budget of ``max_nodes``.
+
+    The chain is as deep as ``ceil(max_nodes / width)``; siblings fill the shallow levels first.
+    """
+    if max_nodes <= 0:
+        return []
+    width = max(1, min(width, max_nodes))
+    depth = -(-max_nodes // width)
+    siblings = max_nodes - depth
+    levels = []
+    for _ in range(depth):
+        extra = min(width - 1, siblings)
+        siblings -= extra
+        levels.append(1 + extra)
+    return levels
+
+
+@dataclass
+class _SeqState:
+    context: list[int] = field(default_factory=list)
+    kv_tokens: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    chain: list[int] = field(default_factory=list)  # the last drafted chain, drafted from `context`
+
+
+class _TreeBuilder:
+    """Grows one sequence's tree level by level from that level's top-k."""
+
+    def __init__(self, levels: list[int]):
+        self.levels = levels
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+        self.chain: list[int] = []
+        self._parent = -1
+        self._path_prob = 1.0
+
+    @property
+    def done(self) -> bool:
+        return len(self.chain) == len(self.levels)
+
+    def add_level(self, top_tokens: list[int], top_probs: list[float]) -> None:
+        count = self.levels[len(self.chain)]
+        chain_node = len(self.tokens)
+        for token, prob in zip(top_tokens[:count], top_probs[:count]):
+            self.tokens.append(token)
+            self.parents.append(self._parent)
+            self.scores.append(self._path_prob * prob)
+        self._parent = chain_node
+        self._path_prob *= top_probs[0]
+        self.chain.append(top_tokens[0])
+
+    def tree(self) -> TokenTree:
+        return TokenTree(np.asarray(self.tokens, np.int64), np.asarray(self.parents, np.int32), np.asarray(self.scores, np.float32))
+
+
+@dataclass
+class _Work:
+    index: int
+    state: _SeqState
+    builder: _TreeBuilder
+
+
+class Drafter:
+    def __init__(self, model: CausalLM, options: DraftModelOptions):
+        self.model = model
+        self.options = options
+        self.device = torch.device(options.device)
+        config = model.config
+        self.max_positions = config.max_position_embeddings
+        per_block = KVCachePool.bytes_per_block(config, options.block_size, options.dtype)
+        blocks_per_seq = -(-self.max_positions // options.block_size)
+        num_blocks = max(blocks_per_seq, min(options.kv_cache_bytes // per_block, options.max_num_seqs * blocks_per_seq))
+        self.kv_pool = KVCachePool(config, num_blocks, options.block_size, options.dtype, self.device)
+        self.allocator = BlockAllocator(num_blocks, options.block_size)
+        self.runner = ModelRunner(model, self.kv_pool, self.device, _attention_for(self.device))
+        self._seqs: dict[SeqId, _SeqState] = {}
+
+    @classmethod
+    def load(cls, model: str, options: DraftModelOptions) -> "Drafter":
+        """Load a draft checkpoint (HF directory or GGUF) onto ``options.device``."""
+        path = resolve_model_path(model)
+        config = load_config(path)
+        state = load_state_dict(path, config, options.dtype, options.device)
+        net = build_model(config, state, options.dtype, options.device)
+        del state
+        if options.int8_weights:
+            from cpu_draft.quantize import quantize_model_int8
+
+            net = quantize_model_int8(net, options.dtype)
+        elif torch.device(options.device).type == "cpu":
+            net = _maybe_ipex_optimize(net, options.dtype)
+        return cls(net, options)
+
+    # ------------------------------------------------------------ sequences
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def has(self, seq_id: SeqId) -> bool:
+        return seq_id in self._seqs
+
+    def context(self, seq_id: SeqId) -> list[int]:
+        return self._seqs[seq_id].context
+
+    def last_chain(self, seq_id: SeqId) -> list[int]:
+        return self._seqs[seq_id].chain
+
+    def kv_length(self, seq_id: SeqId) -> int:
+        return len(self._seqs[seq_id].kv_tokens)
+
+    def set_context(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
+        """The sequence's real tokens; the KV keeps its longest common prefix with them."""
+        state = self._seqs.setdefault(seq_id, _SeqState())
+        tokens = list(token_ids)
+        if not tokens:
+            raise ValueError(f"sequence {seq_id!r}: a context needs at least the root token")
+        if tokens != state.context:
+            state.chain = []
+        state.context = tokens
+        self._truncate(state, common_prefix_length(state.kv_tokens, tokens))
+
+    def release(self, seq_id: SeqId) -> None:
+        state = self._seqs.pop(seq_id, None)
+        if state is not None:
+            self.allocator.free_all(state.blocks)
+
+    def release_all(self) -> None:
+        for seq_id in list(self._seqs):
+            self.release(seq_id)
+
+    def kv_snapshot(self, seq_id: SeqId) -> torch.Tensor:
+        """K/V of the sequence's cached tokens: [layers, 2, kv_length, kv_heads, head_dim] (a copy)."""
+        state = self._seqs[seq_id]
+        storage = self.kv_pool.storage
+        blocks = torch.tensor(state.blocks, dtype=torch.long, device=storage.device)
+        gathered = storage[:, :, blocks].flatten(2, 3)
+        return gathered[:, :, : len(state.kv_tokens)].clone()
+
+    # -------------------------------------------------------------- drafting
+    def draft(
+        self,
+        requests: Sequence[tuple[SeqId, int]],
+        interrupt: Optional[Callable[[], bool]] = None,
+    ) -> Optional[list[TokenTree]]:
+        """One tree per (seq_id, max_nodes), from each sequence's current context.
+
+        ``interrupt`` is polled between depth levels; when it returns True drafting stops and
+        None is returned (the KV stays consistent, no chain is recorded).
+        """
+        trees = [TokenTree.empty() for _ in requests]
+        batch_ids = {seq_id for seq_id, _ in requests}
+        work: list[_Work] = []
+        for index, (seq_id, max_nodes) in enumerate(requests):
+            state = self._seqs[seq_id]
+            state.chain = []
+            levels = tree_levels(max_nodes, self.options.tree_width)
+            if not levels or len(state.context) + len(levels) > self.max_positions:
+                continue
+            self._truncate(state, min(len(state.kv_tokens), len(state.context) - 1))
+            if self._reserve(state, len(state.context) + len(levels) - 1, batch_ids):
+                work.append(_Work(index, state, _TreeBuilder(levels)))
+        if not work:
+            return trees
+        logits = self._catch_up([w.state for w in work])
+        active = work
+        while True:
+            self._add_levels(active, logits)
+            active = [w for w in active if not w.builder.done]
+            if not active:
+                break
+            if interrupt is not None and interrupt():
+                return None
+            logits = self._forward([w.state for w in active], [[w.builder.chain[-1]] for w in active])
+        for w in work:
+            w.state.chain = w.builder.chain
+            trees[w.index] = w.builder.tree()
+        return trees
+
+    def assume_accepted(self, seq_ids: Sequence[SeqId]) -> list[SeqId]:
+        """Extend each sequence's context by its last chain and the draft's guess of the bonus token.
+
+        One batched forward (the chain's last token); returns the sequences extended (those
+        with a chain whose KV is still in place). Used to draft step t+1 during step t.
+        """
+        states = []
+        for seq_id in seq_ids:
+            state = self._seqs.get(seq_id)
+            if state is None or not state.chain:
+                continue
+            expected = state.context + state.chain[:-1]
+            if len(state.kv_tokens) != len(expected) or state.kv_tokens[-len(state.chain) :] != expected[-len(state.chain) :]:
+                continue
+            if len(expected) + 2 > self.max_positions or not self._reserve(state, len(expected) + 1, set(seq_ids)):
+                continue
+            states.append((seq_id, state))
+        if not states:
+            return []
+        logits = self._forward([s for _, s in states], [[s.chain[-1]] for _, s in states])
+        guesses = logits.argmax(dim=-1).tolist()
+        for (_, state), guess in zip(states, guesses):
+            state.context = state.context + state.chain + [guess]
+            state.chain = []
+        return [seq_id for seq_id, _ in states]
+
+    # -------------------------------------------------------------- internals
+    def _add_levels(self, work: list[_Work], logits: torch.Tensor) -> None:
+        width = max(w.builder.levels[len(w.builder.chain)] for w in work)
+        top_logits, top_tokens = torch.topk(logits, width, dim=-1)
+        top_probs = torch.exp(top_logits - torch.logsumexp(logits, dim=-1, keepdim=True))
+        for w, tokens, probs in zip(work, top_tokens.tolist(), top_probs.tolist()):
+            w.builder.add_level(tokens, probs)
+
+    def _catch_up(self, states: list[_SeqState]) -> torch.Tensor:
+        """Feed every sequence's uncached context (at least its root); logits at each root, in order."""
+        feeds = [s.context[len(s.kv_tokens) :] for s in states]
+        short = [i for i, f in enumerate(feeds) if len(f) <= SHORT_FEED_TOKENS]
+        rows: list[Optional[torch.Tensor]] = [None] * len(states)
+        if short:
+            logits = self._forward([states[i] for i in short], [feeds[i] for i in short])
+            for row, i in enumerate(short):
+                rows[i] = logits[row]
+        for i, feed in enumerate(feeds):
+            if rows[i] is None:
+                rows[i] = self._forward([states[i]], [feed])[0]
+        return torch.stack(rows)
+
+    def _forward(self, states: list[_SeqState], feeds: list[list[int]]) -> torch.Tensor:
+        """Append ``feeds`` to the sequences' KV (blocks already reserved); logits of each feed's last token."""
+        chunks = []
+        for state, feed in zip(states, feeds):
+            start = len(state.kv_tokens)
+            chunks.append(SequenceChunk(feed, range(start, start + len(feed)), state.blocks, start, [len(feed) - 1]))
+            state.kv_tokens.extend(feed)
+        return self.runner.forward(chunks)
+
+    def _reserve(self, state: _SeqState, num_tokens: int, protected: set) -> bool:
+        """Blocks for ``num_tokens`` of KV; evicts the KV of sequences outside ``protected`` if short."""
+        needed = -(-num_tokens // self.options.block_size) - len(state.blocks)
+        if needed > self.allocator.num_free:
+            for seq_id, other in self._seqs.items():
+                if needed <= self.allocator.num_free:
+                    break
+                if seq_id not in protected and other.blocks:
+                    self._truncate(other, 0)
+        try:
+            for _ in range(needed):
+                state.blocks.append(self.allocator.allocate())
+        except OutOfBlocks:
+            logger.warning("draft KV cache is full: a sequence goes without a draft this step")
+            return False
+        return True
+
+    def _truncate(self, state: _SeqState, length: int) -> None:
+        del state.kv_tokens[length:]
+        keep = -(-length // self.options.block_size)
+        if len(state.blocks) > keep:
+            self.allocator.free_all(state.blocks[keep:])
+            del state.blocks[keep:]
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0 or a[:n] == b[:n]:
+        return n
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0])
+
+
+def _attention_for(device: torch.device):
+    if device.type == "cuda":
+        from gpu_target.triton_attention import paged_attention
+
+        return paged_attention
+    return reference_attention
+
+
+def _maybe_ipex_optimize(model: CausalLM, dtype: torch.dtype) -> CausalLM:
+    """IPEX's prepacked CPU linears, only when IPEX is installed and built for this torch."""
+    try:
+        import intel_extension_for_pytorch as ipex
+    except ImportError:
+        return model
+    if ipex.__version__.split("+")[0].rsplit(".", 1)[0] != torch.__version__.split("+")[0].rsplit(".", 1)[0]:
+        logger.warning("IPEX %s does not match torch %s; drafting with plain PyTorch", ipex.__version__, torch.__version__)
+        return model
+    return ipex.optimize(model, dtype=dtype, inplace=True)

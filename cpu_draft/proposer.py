@@ -1,0 +1,405 @@
+"""Draft-model proposers: the CPU worker process, or the same Drafter in the engine's process.
+
+Both keep no state the engine must trust: each ``propose`` carries every sequence's real
+tokens, and the drafter diffs them against what its KV holds. That is what makes
+``commit`` a no-op and recovery simple: after a worker fault the new worker is sent each
+sequence's full token ids with its next proposal and rebuilds its KV from them.
+
+Faults (worker mode): a worker that dies, answers garbage or stays silent for
+``reply_timeout_s`` is logged, killed and restarted in the background; until the new
+one reports READY, proposals are empty trees, so the engine decodes plainly and no
+request waits or changes. After ``MAX_CONSECUTIVE_FAILURES`` failed restarts the
+proposer gives up and stays empty.
+
+Knobs (``EngineConfig.extra`` key, else environment variable):
+``draft_tree_width`` / HETERO_DRAFT_TREE_WIDTH (1 = chains), ``draft_quantization`` /
+HETERO_DRAFT_QUANTIZATION (``int8`` for INT8 weights), ``draft_cpus`` / HETERO_DRAFT_CPUS
+(e.g. ``4-15``), ``draft_threads`` / HETERO_DRAFT_THREADS, ``draft_kv_cache_gib`` /
+HETERO_DRAFT_KV_CACHE_GIB, ``draft_reply_timeout_s`` / HETERO_DRAFT_REPLY_TIMEOUT_S,
+``draft_overlap`` / HETERO_DRAFT_OVERLAP (0 turns drafting ahead off).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import subprocess
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from cpu_draft.affinity import default_draft_cpus
+from cpu_draft.drafter import DraftModelOptions, Drafter, common_prefix_length
+from cpu_draft.messages import (
+    PROPOSE,
+    READY,
+    SHUTDOWN,
+    STAT_NAMES,
+    SYNC,
+    TREES,
+    ContextUpdate,
+    max_update_tokens,
+    read_trees,
+    split_updates,
+    update_arrays,
+)
+from cpu_draft.worker import WorkerOptions, launch_command
+from gpu_target.loader import load_config, load_tokenizer, resolve_model_path
+from gpu_target.model_config import ModelConfig
+from hetero.config import EngineConfig, cpu_has_native_bf16
+from hetero.protocols import ProposalRequest, TokenTree, Verdict
+from ipc import Channel, IPCError, RecvTimeoutError
+
+logger = logging.getLogger("hetero.cpu_draft")
+
+CHANNEL_PREFIX = "hetero-draft"
+SLOT_BYTES = 1 << 20
+NUM_SLOTS = 4
+HEARTBEAT_TIMEOUT_S = 10.0
+MAX_CONSECUTIVE_FAILURES = 5
+_VOCAB_SAMPLE = 512
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    tree_width: int = 1
+    int8_weights: bool = False
+    cpus: Optional[str] = None
+    num_threads: Optional[int] = None
+    kv_cache_gib: float = 1.0
+    reply_timeout_s: float = 10.0
+    start_timeout_s: float = 600.0
+    overlap: bool = True
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "DraftSettings":
+        def knob(key: str, convert, default):
+            value = config.extra.get(key, os.environ.get("HETERO_" + key.upper()))
+            if value is None or value == "":
+                return default
+            try:
+                return convert(value)
+            except ValueError:
+                raise ValueError(f"{key} (HETERO_{key.upper()}) has a bad value {value!r}") from None
+
+        quantization = knob("draft_quantization", str, "none")
+        if quantization not in ("none", "int8"):
+            raise ValueError(f"draft_quantization must be 'none' or 'int8', got {quantization!r}")
+        settings = cls(
+            tree_width=knob("draft_tree_width", int, 1),
+            int8_weights=quantization == "int8",
+            cpus=knob("draft_cpus", str, None),
+            num_threads=knob("draft_threads", int, None),
+            kv_cache_gib=knob("draft_kv_cache_gib", float, 1.0),
+            reply_timeout_s=knob("draft_reply_timeout_s", float, 10.0),
+            overlap=knob("draft_overlap", lambda v: str(v).lower() not in ("0", "false", "no"), True),
+        )
+        if settings.tree_width < 1:
+            raise ValueError(f"draft_tree_width must be at least 1, got {settings.tree_width}")
+        return settings
+
+
+def build_draft_proposer(config: EngineConfig, target_config: ModelConfig, tokenizer):
+    """The proposer for ``config.speculative_model``: a CPU worker process, or in-process on the target's device."""
+    draft_path = resolve_model_path(config.speculative_model)
+    check_vocabularies_match(target_config, tokenizer, load_config(draft_path), load_tokenizer(draft_path))
+    settings = DraftSettings.from_config(config)
+    if config.cpu_draft_worker:
+        cpus = tuple(default_draft_cpus(settings.cpus))
+        options = WorkerOptions(
+            model=str(draft_path),
+            draft=_model_options(config, settings, torch.device("cpu"), cpu_dtype(config.dtype)),
+            cpus=cpus,
+            num_threads=settings.num_threads,
+            overlap=settings.overlap,
+        )
+        return WorkerDraftProposer(options, settings.reply_timeout_s, settings.start_timeout_s)
+    device = config.resolve_device()
+    options = _model_options(config, settings, device, config.resolve_dtype(device))
+    return InProcessDraftProposer(Drafter.load(str(draft_path), options))
+
+
+def cpu_dtype(requested: str) -> torch.dtype:
+    """The draft's dtype on the CPU: FP32 or BF16 as asked, else BF16 where the CPU does it natively."""
+    if requested == "float32" or requested == "float":
+        return torch.float32
+    if requested == "bfloat16":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def _model_options(config: EngineConfig, settings: DraftSettings, device: torch.device, dtype: torch.dtype) -> DraftModelOptions:
+    return DraftModelOptions(
+        dtype=dtype,
+        device=str(device),
+        int8_weights=settings.int8_weights,
+        tree_width=settings.tree_width,
+        kv_cache_bytes=int(settings.kv_cache_gib * 2**30),
+        max_num_seqs=config.max_num_seqs,
+        block_size=config.block_size,
+    )
+
+
+def check_vocabularies_match(target_config: ModelConfig, target_tokenizer, draft_config: ModelConfig, draft_tokenizer) -> None:
+    """ValueError unless the draft's vocabulary is the target's: same size, same token for sampled ids."""
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise ValueError(
+            f"speculative_model has a vocabulary of {draft_config.vocab_size} tokens but the target model has "
+            f"{target_config.vocab_size}: the draft must share the target's tokenizer"
+        )
+    size = min(len(target_tokenizer), len(draft_tokenizer))
+    if len(target_tokenizer) != len(draft_tokenizer):
+        raise ValueError(
+            f"speculative_model's tokenizer has {len(draft_tokenizer)} tokens but the target's has "
+            f"{len(target_tokenizer)}: the draft must share the target's tokenizer"
+        )
+    ids = sorted(set(np.linspace(0, size - 1, num=min(size, _VOCAB_SAMPLE), dtype=np.int64).tolist()) | set(target_tokenizer.all_special_ids))
+    ours, theirs = target_tokenizer.convert_ids_to_tokens(ids), draft_tokenizer.convert_ids_to_tokens(ids)
+    for token_id, target_token, draft_token in zip(ids, ours, theirs):
+        if target_token != draft_token:
+            raise ValueError(
+                f"speculative_model's tokenizer maps id {token_id} to {draft_token!r} but the target's maps it to "
+                f"{target_token!r}: the draft must share the target's tokenizer"
+            )
+
+
+class InProcessDraftProposer:
+    """The Drafter run synchronously in the engine's process, on the engine's device (vLLM's arrangement)."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+
+    def propose(self, batch: Sequence[ProposalRequest]) -> list[TokenTree]:
+        for request in batch:
+            self.drafter.set_context(request.request_id, request.token_ids)
+        return self.drafter.draft([(r.request_id, r.max_nodes) for r in batch])
+
+    def commit(self, verdicts: Sequence[Verdict]) -> None:
+        """Nothing to do: the next ``propose`` carries the accepted tokens and the drafter rolls back to them."""
+
+    def release(self, request_id: str) -> None:
+        self.drafter.release(request_id)
+
+
+class _WorkerProcess:
+    """One draft worker process and the channel it serves."""
+
+    def __init__(self, options: WorkerOptions):
+        self.channel = Channel.create(CHANNEL_PREFIX, NUM_SLOTS, SLOT_BYTES, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+        try:
+            self.process = subprocess.Popen(launch_command(dataclasses.asdict(self.channel.spec), options), stdin=subprocess.DEVNULL)
+        except BaseException:
+            self.channel.close()
+            raise
+        self.ready = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def poll_ready(self) -> bool:
+        """True once READY arrived; never waits."""
+        if not self.ready:
+            message = self.channel.try_recv()
+            if message is not None:
+                if message.kind != READY:
+                    raise IPCError(f"draft worker sent message kind {message.kind} before READY")
+                self.ready = True
+        return self.ready
+
+    def wait_ready(self, timeout_s: float, model: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready:
+            if not self.is_alive():
+                raise RuntimeError(f"the draft worker exited with code {self.process.returncode} while loading {model}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the draft worker did not load {model} within {timeout_s} s")
+            try:
+                message = self.channel.recv(timeout=0.2)
+            except RecvTimeoutError:
+                continue
+            if message.kind != READY:
+                raise IPCError(f"draft worker sent message kind {message.kind} before READY")
+            self.ready = True
+
+    def stop(self, graceful: bool) -> None:
+        if graceful and self.ready and self.is_alive():
+            try:
+                self.channel.send(SHUTDOWN, {}, timeout=1.0)
+                self.process.wait(5.0)
+            except (IPCError, subprocess.TimeoutExpired):
+                pass
+        if self.is_alive():
+            self.process.kill()
+        self.process.wait()
+        self.channel.close()
+
+
+@dataclass
+class _Slot:
+    """The current worker, held apart from the proposer so that its finalizer can stop it."""
+
+    worker: Optional[_WorkerProcess] = None
+
+    def stop(self, graceful: bool = True) -> None:
+        worker, self.worker = self.worker, None
+        if worker is not None:
+            worker.stop(graceful)
+
+
+@dataclass
+class _Counters:
+    values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAT_NAMES, 0.0))
+
+    def add(self, other: dict[str, float]) -> None:
+        for name in STAT_NAMES:
+            self.values[name] += other.get(name, 0.0)
+
+
+class WorkerDraftProposer:
+    """Proposals from a draft worker process over a shared-memory channel, with restart on failure."""
+
+    def __init__(self, options: WorkerOptions, reply_timeout_s: float = 10.0, start_timeout_s: float = 600.0):
+        self.options = options
+        self.reply_timeout_s = reply_timeout_s
+        self.restarts = 0
+        self.faults = 0
+        self._consecutive_failures = 0
+        self._ids: dict[str, int] = {}
+        self._next_id = 0
+        self._sent: dict[int, list[int]] = {}  # what the current worker was told of each sequence
+        self._released: list[int] = []
+        self._past = _Counters()  # stats of workers that are gone
+        self._current: dict[str, float] = {}
+        self._slot = _Slot(_WorkerProcess(options))
+        self._finalizer = weakref.finalize(self, self._slot.stop)
+        try:
+            self._slot.worker.wait_ready(start_timeout_s, options.model)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def worker_pid(self) -> Optional[int]:
+        worker = self._slot.worker
+        return worker.pid if worker is not None else None
+
+    def poll_ready(self) -> bool:
+        """Whether a worker is up and has loaded its model; notices (and restarts) one that died starting."""
+        return self._ensure_ready()
+
+    def stats(self) -> dict[str, Any]:
+        totals = _Counters()
+        totals.add(self._past.values)
+        totals.add(self._current)
+        values = dict(totals.values)
+        busy = values["hidden_s"] + values["exposed_s"]
+        values["overlap_share"] = values["hidden_s"] / busy if busy else 0.0
+        values.update(restarts=self.restarts, faults=self.faults)
+        return values
+
+    # ------------------------------------------------------------- protocol
+    def propose(self, batch: Sequence[ProposalRequest]) -> list[TokenTree]:
+        empty = [TokenTree.empty() for _ in batch]
+        if not batch or not self._ensure_ready():
+            return empty
+        worker = self._slot.worker
+        seq_ids = [self._seq_id(r.request_id) for r in batch]
+        updates = [u for u in (self._update(s, r.token_ids) for s, r in zip(seq_ids, batch)) if u is not None]
+        groups = split_updates(updates, max_update_tokens(SLOT_BYTES, len(batch)))
+        try:
+            for index, group in enumerate(groups):
+                arrays = update_arrays(group, self._released if index == 0 else ())
+                if index < len(groups) - 1:
+                    worker.channel.send(SYNC, arrays, timeout=self.reply_timeout_s)
+                    continue
+                arrays["batch"] = np.asarray(seq_ids, np.int64)
+                arrays["max_nodes"] = np.asarray([r.max_nodes for r in batch], np.int64)
+                worker.channel.send(PROPOSE, arrays, timeout=self.reply_timeout_s)
+            self._released = []
+            reply = worker.channel.recv(timeout=self.reply_timeout_s)
+            if reply.kind != TREES:
+                raise IPCError(f"expected TREES, got message kind {reply.kind}")
+            trees = read_trees(reply.arrays)
+            self._current = dict(zip(STAT_NAMES, reply.arrays["stats"].tolist()))
+            worker.channel.release()
+            if len(trees) != len(batch):
+                raise IPCError(f"asked for {len(batch)} trees, got {len(trees)}")
+        except (IPCError, ValueError) as exc:
+            self._fail(exc)
+            return empty
+        self._consecutive_failures = 0
+        return trees
+
+    def commit(self, verdicts: Sequence[Verdict]) -> None:
+        """Nothing to send: the next ``propose`` carries the accepted tokens, and the worker rolls back to them."""
+
+    def release(self, request_id: str) -> None:
+        seq_id = self._ids.pop(request_id, None)
+        if seq_id is not None and self._sent.pop(seq_id, None) is not None:
+            self._released.append(seq_id)
+
+    def close(self) -> None:
+        """Stop the worker (SHUTDOWN, then SIGKILL if it lingers) and remove the channel."""
+        self._finalizer()
+
+    # ------------------------------------------------------------- internals
+    def _seq_id(self, request_id: str) -> int:
+        seq_id = self._ids.get(request_id)
+        if seq_id is None:
+            seq_id = self._ids[request_id] = self._next_id
+            self._next_id += 1
+        return seq_id
+
+    def _update(self, seq_id: int, token_ids: Sequence[int]) -> Optional[ContextUpdate]:
+        """The change from what the worker holds for ``seq_id`` to ``token_ids``; None when there is none."""
+        sent = self._sent.setdefault(seq_id, [])
+        keep = common_prefix_length(sent, token_ids)
+        if keep == len(sent) == len(token_ids):
+            return None
+        new_tokens = list(token_ids[keep:])
+        del sent[keep:]
+        sent.extend(new_tokens)
+        return ContextUpdate(seq_id, keep, new_tokens)
+
+    def _ensure_ready(self) -> bool:
+        worker = self._slot.worker
+        if worker is None:
+            return False
+        try:
+            if worker.poll_ready():
+                return True
+        except IPCError as exc:
+            self._fail(exc)
+            return False
+        if not worker.is_alive():
+            self._fail(RuntimeError(f"it exited with code {worker.process.returncode} while starting"))
+        return False
+
+    def _fail(self, error: BaseException) -> None:
+        """Log, kill, forget what the worker knew, and start a fresh one (or give up after repeated failures)."""
+        worker = self._slot.worker
+        self.faults += 1
+        self._consecutive_failures += 1
+        logger.warning(
+            "draft worker (pid %s) failed: %s; decoding without drafts until it is restarted",
+            worker.pid if worker else None,
+            error,
+        )
+        self._past.add(self._current)
+        self._current = {}
+        self._slot.stop(graceful=False)
+        self._sent.clear()
+        self._released = []
+        if self._consecutive_failures > MAX_CONSECUTIVE_FAILURES:
+            logger.error("draft worker failed %d times in a row; speculative decoding stays off", self._consecutive_failures)
+            return
+        self._slot.worker = _WorkerProcess(self.options)
+        self.restarts += 1

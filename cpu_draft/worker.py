@@ -1,0 +1,201 @@
+"""The draft worker process: owns a Drafter, answers PROPOSE messages, drafts ahead between them.
+
+Started as ``python -m cpu_draft.worker '<json>'``: a fresh interpreter like multiprocessing's
+spawn, but one that does not re-run the user's main script (spawn would, and a script
+without an ``if __name__ == "__main__"`` guard would then start a second engine).
+
+Overlap: right after answering step t the worker assumes its whole chain is accepted,
+guesses the bonus token with the draft itself, and drafts step t+1 from there while the
+GPU verifies step t. When the next PROPOSE arrives, a sequence whose real context equals
+the guessed one gets the tree drafted ahead as it is; any other sequence has its KV cut
+back to the longest prefix it shares with the real context (the accepted part of the
+chain is usually still there) and is drafted again. Drafting ahead stops at the next
+depth level once a message is waiting, so it delays a request by at most one forward.
+
+Stats: ``exposed_s`` is draft time between receiving PROPOSE and replying (the
+coordinator waits for it); ``hidden_s`` is drafting-ahead time between replying and
+the next message (behind the target's verification). Overlap share = hidden / (hidden + exposed).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from cpu_draft.affinity import pin_current_process
+from cpu_draft.drafter import DraftModelOptions, Drafter
+from cpu_draft.messages import PROPOSE, READY, SHUTDOWN, STAT_NAMES, SYNC, TREES, read_updates, tree_arrays
+from hetero.protocols import TokenTree
+from ipc import Channel, Message, PeerDeadError
+
+logger = logging.getLogger("hetero.cpu_draft.worker")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    model: str
+    draft: DraftModelOptions
+    cpus: tuple[int, ...]
+    num_threads: Optional[int] = None
+    overlap: bool = True
+
+    def to_json(self) -> str:
+        draft = dict(vars(self.draft), dtype=str(self.draft.dtype).removeprefix("torch."))
+        return json.dumps(dict(model=self.model, draft=draft, cpus=list(self.cpus), num_threads=self.num_threads, overlap=self.overlap))
+
+    @classmethod
+    def from_json(cls, text: str) -> "WorkerOptions":
+        data = json.loads(text)
+        draft = DraftModelOptions(**dict(data["draft"], dtype=getattr(torch, data["draft"]["dtype"])))
+        return cls(data["model"], draft, tuple(data["cpus"]), data["num_threads"], data["overlap"])
+
+
+@dataclass
+class _Predrafted:
+    context: list[int]
+    max_nodes: int
+    tree: TokenTree
+
+
+@dataclass
+class WorkerStats:
+    exposed_s: float = 0.0
+    hidden_s: float = 0.0
+    predraft_hits: int = 0
+    predraft_misses: int = 0
+
+    def as_list(self) -> list[float]:
+        return [float(getattr(self, name)) for name in STAT_NAMES]
+
+
+@dataclass
+class DraftService:
+    """The worker's drafting state, apart from the process plumbing (tests drive it directly)."""
+
+    drafter: Drafter
+    overlap: bool = True
+    contexts: dict[int, list[int]] = field(default_factory=dict)
+    predrafted: dict[int, _Predrafted] = field(default_factory=dict)
+    stats: WorkerStats = field(default_factory=WorkerStats)
+
+    def apply_updates(self, arrays) -> None:
+        for seq_id in arrays["released"].tolist():
+            self.contexts.pop(seq_id, None)
+            self.predrafted.pop(seq_id, None)
+            self.drafter.release(seq_id)
+        for update in read_updates(arrays):
+            context = self.contexts.get(update.seq_id, [])
+            if update.keep > len(context):
+                raise RuntimeError(f"sequence {update.seq_id}: told to keep {update.keep} tokens of {len(context)}")
+            self.contexts[update.seq_id] = context[: update.keep] + update.new_tokens
+
+    def propose(self, batch: list[tuple[int, int]]) -> list[TokenTree]:
+        """Trees for (seq_id, max_nodes): drafted ahead where the guess held, else drafted now."""
+        trees: dict[int, TokenTree] = {}
+        to_draft = []
+        for seq_id, max_nodes in batch:
+            context = self.contexts[seq_id]
+            ahead = self.predrafted.pop(seq_id, None)
+            if ahead is not None and ahead.max_nodes == max_nodes and ahead.context == context:
+                trees[seq_id] = ahead.tree
+                self.stats.predraft_hits += 1
+                continue
+            if ahead is not None:
+                self.stats.predraft_misses += 1
+            self.drafter.set_context(seq_id, context)
+            to_draft.append((seq_id, max_nodes))
+        trees.update(zip((s for s, _ in to_draft), self.drafter.draft(to_draft)))
+        return [trees[seq_id] for seq_id, _ in batch]
+
+    def draft_ahead(self, batch: list[tuple[int, int]], message_waiting) -> None:
+        """Draft the next step assuming full acceptance, until done or a message is waiting."""
+        if not self.overlap or message_waiting():
+            return
+        budgets = dict(batch)
+        extended = self.drafter.assume_accepted([s for s, n in batch if n > 0])
+        if not extended or message_waiting():
+            return
+        requests = [(seq_id, budgets[seq_id]) for seq_id in extended]
+        trees = self.drafter.draft(requests, interrupt=message_waiting)
+        if trees is None:
+            return
+        for (seq_id, max_nodes), tree in zip(requests, trees):
+            self.predrafted[seq_id] = _Predrafted(list(self.drafter.context(seq_id)), max_nodes, tree)
+
+
+class _Loop:
+    def __init__(self, service: DraftService, channel: Channel):
+        self.service = service
+        self.channel = channel
+        self._pending: Optional[Message] = None
+
+    def message_waiting(self) -> bool:
+        if self._pending is None:
+            message = self.channel.try_recv()
+            if message is not None:
+                self._pending = message.copy()
+        return self._pending is not None
+
+    def next_message(self) -> Message:
+        if self._pending is not None:
+            message, self._pending = self._pending, None
+            return message
+        return self.channel.recv()
+
+    def run(self) -> None:
+        while True:
+            message = self.next_message()
+            if message.kind == SHUTDOWN:
+                return
+            if message.kind not in (SYNC, PROPOSE):
+                raise RuntimeError(f"draft worker got an unknown message kind {message.kind}")
+            started = time.perf_counter()
+            self.service.apply_updates(message.arrays)
+            if message.kind == SYNC:
+                continue
+            batch = list(zip(message.arrays["batch"].tolist(), message.arrays["max_nodes"].tolist()))
+            trees = self.service.propose(batch)
+            stats = self.service.stats
+            stats.exposed_s += time.perf_counter() - started
+            self.channel.send(TREES, tree_arrays(trees, stats.as_list()))
+            ahead_started = time.perf_counter()
+            self.service.draft_ahead(batch, self.message_waiting)
+            stats.hidden_s += time.perf_counter() - ahead_started
+
+
+def worker_main(spec: dict, options: WorkerOptions) -> None:
+    """Pin, load, attach, serve until SHUTDOWN or the owner dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s draft-worker %(levelname)s %(message)s")
+    threads = pin_current_process(options.cpus, options.num_threads)
+    drafter = Drafter.load(options.model, options.draft)
+    try:
+        channel = Channel.attach(spec)
+    except PeerDeadError:
+        logger.info("the coordinator is gone before the model loaded; exiting")
+        return
+    logger.info("pid %d drafting with %s on cpus %s, %d threads", os.getpid(), options.model, list(options.cpus), threads)
+    try:
+        channel.send(READY, {"pid": np.asarray([os.getpid()], np.int64)})
+        _Loop(DraftService(drafter, options.overlap), channel).run()
+    except PeerDeadError:
+        logger.info("the coordinator is gone; exiting")
+    finally:
+        channel.close()
+
+
+def launch_command(spec: dict, options: WorkerOptions) -> list[str]:
+    return [sys.executable, "-m", "cpu_draft.worker", json.dumps({"spec": spec, "options": options.to_json()})]
+
+
+if __name__ == "__main__":
+    arguments = json.loads(sys.argv[1])
+    worker_main(arguments["spec"], WorkerOptions.from_json(arguments["options"]))

@@ -1,0 +1,234 @@
+"""The draft-model proposers: KV rollback, greedy equivalence, worker faults, vocabulary checks."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from cpu_draft.drafter import DraftModelOptions, Drafter, tree_levels
+from cpu_draft.messages import ContextUpdate, read_updates, split_updates, update_arrays
+from hetero import LLM, SamplingParams
+from ipc.segment import SHM_DIR, owner_pid_of
+from tiny_models import save_tiny_model
+
+K = 4
+PROMPTS = [
+    "The capital of France is",
+    "Hello, my name is",
+    "def add(a, b):",
+    "Speculative decoding drafts tokens on the CPU and",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_draft_channel_left():
+    """Runs last in this module: every worker channel this process created is gone from /dev/shm."""
+    yield
+    left = [n for n in os.listdir(SHM_DIR) if n.startswith("hetero-draft") and owner_pid_of(n) == os.getpid()]
+    assert not left, f"draft channels left in {SHM_DIR}: {left}"
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory):
+    """A smaller random model with the target's tokenizer: mostly rejected."""
+    return save_tiny_model(
+        tmp_path_factory.mktemp("tiny-draft"), "llama", seed=7, hidden_size=32, intermediate_size=64, num_hidden_layers=1
+    )
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32")
+    return {
+        "batch1": [_tokens(llm.generate(p, GREEDY, use_tqdm=False))[0] for p in PROMPTS],
+        "batch4": _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)),
+    }
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _always_speculate(llm: LLM) -> None:
+    """Keep the engine from switching speculation off when the tiny draft measures slower than plain decoding."""
+    llm.llm_engine.spec_control.min_samples = 10**9
+
+
+def _close(llm: LLM) -> None:
+    proposer = llm.llm_engine.proposer
+    if hasattr(proposer, "close"):
+        proposer.close()
+
+
+# ----------------------------------------------------------------- drafter
+def _drafter(model_dir, **options) -> Drafter:
+    return Drafter.load(str(model_dir), DraftModelOptions(dtype=torch.float32, **options))
+
+
+def test_rollback_leaves_kv_as_if_rejected_tokens_never_happened(tiny_llama_dir):
+    prompt = list(range(40, 71))
+    speculated = _drafter(tiny_llama_dir)
+    speculated.set_context("s", prompt)
+    chain = speculated.draft([("s", 6)])[0].tokens.tolist()
+    assert speculated.kv_length("s") == len(prompt) + 5  # the chain's K/V, all but its last token
+    bonus = (chain[2] + 1) % speculated.vocab_size  # the target rejected chain[2] and chose another token
+    accepted = prompt + chain[:2] + [bonus]
+    speculated.set_context("s", accepted)
+
+    fresh = _drafter(tiny_llama_dir)  # sees the accepted tokens only, fed the same way (one per forward)
+    fresh.set_context("s", prompt)
+    assert fresh.draft([("s", 3)])[0].tokens.tolist() == chain[:3]
+    fresh.set_context("s", accepted)
+
+    assert speculated.kv_length("s") == fresh.kv_length("s") == len(prompt) + 2
+    assert torch.equal(speculated.kv_snapshot("s"), fresh.kv_snapshot("s"))
+    assert speculated.allocator.num_free == fresh.allocator.num_free  # blocks past the end went back
+    next_speculated = speculated.draft([("s", 5)])[0]
+    next_fresh = fresh.draft([("s", 5)])[0]
+    assert next_speculated.tokens.tolist() == next_fresh.tokens.tolist()
+    assert torch.equal(speculated.kv_snapshot("s"), fresh.kv_snapshot("s"))
+
+    cold = _drafter(tiny_llama_dir)  # a drafter that prefills the accepted context in one go agrees too
+    cold.set_context("s", accepted)
+    assert cold.draft([("s", 5)])[0].tokens.tolist() == next_fresh.tokens.tolist()
+
+
+def test_batched_drafting_matches_one_sequence_at_a_time(tiny_llama_dir):
+    contexts = {"a": list(range(10, 30)), "b": list(range(100, 103)), "c": list(range(7, 60))}
+    batched = _drafter(tiny_llama_dir, tree_width=3)
+    for seq_id, tokens in contexts.items():
+        batched.set_context(seq_id, tokens)
+    together = batched.draft([(s, 7) for s in contexts])
+    for (seq_id, tokens), tree in zip(contexts.items(), together):
+        alone = _drafter(tiny_llama_dir, tree_width=3)
+        alone.set_context(seq_id, tokens)
+        assert alone.draft([(seq_id, 7)])[0].tokens.tolist() == tree.tokens.tolist()
+        assert len(tree) == 7 and tree.depths().max() == 3  # ceil(7 / 3) levels, siblings on the first two
+
+
+def test_tree_levels_respect_the_budget():
+    assert tree_levels(0, 2) == []
+    assert tree_levels(4, 1) == [1, 1, 1, 1]
+    assert tree_levels(5, 2) == [2, 2, 1]
+    assert tree_levels(16, 4) == [4, 4, 4, 4]
+    for budget in range(1, 64):
+        for width in range(1, 6):
+            assert sum(tree_levels(budget, width)) == budget
+
+
+def test_int8_weights_stay_close_to_float(tiny_llama_dir):
+    float_drafter = _drafter(tiny_llama_dir)
+    int8_drafter = _drafter(tiny_llama_dir, int8_weights=True)
+    assert type(int8_drafter.model.layers[0].mlp.down_proj).__name__ == "Int8Linear"
+    hidden = torch.randn(5, float_drafter.model.config.hidden_size)
+    for name in ("qkv_proj", "o_proj"):
+        reference = getattr(float_drafter.model.layers[0].self_attn, name)
+        quantized = getattr(int8_drafter.model.layers[0].self_attn, name)
+        x = hidden if name == "qkv_proj" else torch.randn(5, reference.in_features)
+        error = (quantized(x) - reference(x)).norm() / reference(x).norm()
+        assert error < 0.02
+
+
+def test_update_messages_round_trip_when_split():
+    updates = [ContextUpdate(1, 0, list(range(25))), ContextUpdate(2, 7, []), ContextUpdate(3, 4, [9, 8, 7])]
+    contexts: dict[int, list[int]] = {2: list(range(50, 60)), 3: [1, 2, 3, 4, 5]}
+    for group in split_updates(updates, max_tokens=10):
+        assert sum(len(u.new_tokens) for u in group) <= 10
+        for u in read_updates(update_arrays(group)):
+            contexts[u.seq_id] = contexts.get(u.seq_id, [])[: u.keep] + u.new_tokens
+    assert contexts == {1: list(range(25)), 2: list(range(50, 57)), 3: [1, 2, 3, 4, 9, 8, 7]}
+
+
+# ------------------------------------------------------ engine equivalence
+@pytest.mark.parametrize(
+    "worker, draft, tree_width",
+    [(True, "same", 1), (True, "other", 1), (False, "same", 1), (False, "other", 1), (False, "other", 3)],
+)
+def test_greedy_output_equals_plain_decoding(
+    worker, draft, tree_width, tiny_llama_dir, other_draft_dir, plain_outputs, monkeypatch
+):
+    monkeypatch.setenv("HETERO_DRAFT_TREE_WIDTH", str(tree_width))
+    draft_dir = tiny_llama_dir if draft == "same" else other_draft_dir
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        speculative_model=str(draft_dir),
+        num_speculative_tokens=K if tree_width == 1 else 2 * K,
+        cpu_draft_worker=worker,
+        dtype="float32",
+    )
+    _always_speculate(llm)
+    try:
+        assert [_tokens(llm.generate(p, GREEDY, use_tqdm=False))[0] for p in PROMPTS] == plain_outputs["batch1"]
+        assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == plain_outputs["batch4"]
+        stats = llm.llm_engine.spec_stats
+        assert stats.num_steps > 0 and stats.mean_accepted_length >= 1.0
+        if draft == "same":
+            assert stats.mean_accepted_length > 1 + 0.5 * K
+        if worker:
+            overlap = llm.llm_engine.proposer.stats()
+            assert overlap["faults"] == 0 and overlap["hidden_s"] > 0
+            if draft == "same":
+                assert overlap["predraft_hits"] > 0 and overlap["overlap_share"] > 0
+    finally:
+        _close(llm)
+
+
+def test_killed_worker_loses_no_request_and_is_restarted(tiny_llama_dir, plain_outputs):
+    llm = LLM(
+        model=str(tiny_llama_dir), speculative_model=str(tiny_llama_dir), num_speculative_tokens=K,
+        cpu_draft_worker=True, dtype="float32",
+    )
+    _always_speculate(llm)
+    engine, proposer = llm.llm_engine, llm.llm_engine.proposer
+    try:
+        first_pid = proposer.worker_pid
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, GREEDY)
+        finished, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = list(output.outputs[0].token_ids)
+            steps += 1
+            if steps == 3:
+                assert engine.spec_stats.num_steps > 0  # the worker was drafting when it died
+                os.kill(first_pid, signal.SIGKILL)
+        assert [finished[str(i)] for i in range(len(PROMPTS))] == plain_outputs["batch4"]
+        assert proposer.faults == 1 and proposer.restarts == 1
+
+        deadline = time.monotonic() + 60
+        while not proposer.poll_ready():
+            assert time.monotonic() < deadline, "the draft worker did not come back"
+            time.sleep(0.1)
+        assert proposer.worker_pid != first_pid
+        accepted_before = engine.spec_stats.num_accepted_tokens
+        assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == plain_outputs["batch4"]
+        assert engine.spec_stats.num_accepted_tokens > accepted_before  # the new worker drafts again
+    finally:
+        _close(llm)
+
+
+# ------------------------------------------------------------------ errors
+def test_vocabulary_size_mismatch_is_a_clear_error(tiny_llama_dir, tmp_path):
+    from tiny_models import build_tokenizer
+
+    bigger = save_tiny_model(tmp_path / "bigger", "llama", vocab_size=len(build_tokenizer()) + 8)
+    with pytest.raises(ValueError, match="vocabulary of .* tokens but the target model has"):
+        LLM(model=str(tiny_llama_dir), speculative_model=str(bigger), num_speculative_tokens=K, dtype="float32")
+
+
+def test_tokenizer_mismatch_is_a_clear_error(tiny_llama_dir, tmp_path):
+    shuffled = save_tiny_model(tmp_path / "shuffled", "llama")
+    tokenizer_file = shuffled / "tokenizer.json"
+    data = json.loads(tokenizer_file.read_text())
+    vocab = data["model"]["vocab"]
+    first, second = [t for t, i in vocab.items() if i in (100, 200)]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    tokenizer_file.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="tokenizer maps id 100"):
+        LLM(model=str(tiny_llama_dir), speculative_model=str(shuffled), num_speculative_tokens=K, cpu_draft_worker=True)
