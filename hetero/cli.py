@@ -1,0 +1,249 @@
+"""`hetero serve MODEL [options]`: vLLM's and TACO-LLM's server flags, or a YAML `--config`.
+
+Every flag comes from one table, `FLAGS`. An engine flag is named after its
+`EngineConfig` field and takes that field's default, so the CLI and the engine cannot
+drift apart (a test checks that every field has a flag). `--config file.yaml` works as
+in vLLM: keys are flag names, and flags given on the command line override the file.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import yaml
+
+from hetero import __version__
+from hetero.config import EngineConfig
+
+_NO_DEFAULT = object()
+_UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """argparse type for a JSON object given inline (as vLLM's --speculative-config)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line option. `type=None` makes a --flag/--no-flag boolean."""
+
+    name: str  # the argparse dest; for engine flags, the EngineConfig field
+    help: str
+    type: Optional[Callable[[str], Any]] = str
+    engine: bool = True
+    default: Any = _NO_DEFAULT  # server flags only: engine flags take EngineConfig's
+    nargs: Optional[str] = None
+    choices: Optional[Sequence[str]] = None
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+FLAGS: tuple[Flag, ...] = (
+    # --- the HTTP server
+    Flag("host", "Address to listen on.", engine=False, default="0.0.0.0"),
+    Flag("port", "Port to listen on.", int, engine=False, default=8000),
+    Flag("api_key", "Bearer key required on /v1/* (default: $HETERO_API_KEY; none = open).", engine=False,
+         default=None),
+    Flag("served_model_name", "Model name(s) the API answers to (default: the model argument).", engine=False,
+         default=None, nargs="+"),
+    Flag("chat_template", "Chat template file or inline Jinja text (default: the tokenizer's).", engine=False,
+         default=None),
+    Flag("uvicorn_log_level", "uvicorn's log level.", engine=False, default="info", choices=_UVICORN_LOG_LEVELS),
+    Flag("shutdown_timeout", "Seconds in-flight requests get to finish on SIGTERM before they are aborted.",
+         float, engine=False, default=30.0),
+    # --- the model and its memory (vLLM's names)
+    Flag("tokenizer", "Tokenizer directory (default: the model's)."),
+    Flag("trust_remote_code", "Allow custom code from the model repository.", None),
+    Flag("dtype", "Weights and activations: auto, float32, float16 (half) or bfloat16."),
+    Flag("seed", "Random seed for sampling without a per-request seed.", int),
+    Flag("max_model_len", "Context length: prompt plus output (default: the model's).", int),
+    Flag("max_num_seqs", "Most sequences in one batch.", int),
+    Flag("max_num_batched_tokens", "Most tokens in one step; longer prefills are chunked (default: max(2048, max_num_seqs)).", int),
+    Flag("gpu_memory_utilization", "Fraction of GPU memory hetero may use (weights + KV cache).", float),
+    Flag("kv_cache_space", "GiB of KV cache when the target runs on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).", float),
+    Flag("block_size", "Tokens per KV cache block: 8, 16, 32, 64 or 128.", int),
+    Flag("enable_prefix_caching", "Reuse the KV of prompts' shared prefixes.", None),
+    Flag("enforce_eager", "Never capture CUDA graphs.", None),
+    Flag("tensor_parallel_size", "GPUs for the target model (only 1 is supported).", int),
+    Flag("device", "Where the target runs: auto, cpu, cuda or cuda:N."),
+    # --- speculation (vLLM and TACO-LLM names)
+    Flag("speculative_model", "Draft model directory or .gguf; drafts on the CPU."),
+    Flag("num_speculative_tokens", "Draft tokens (tree nodes) per sequence per step, 1-63.", int),
+    Flag("speculative_config", 'vLLM\'s speculative config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\'.',
+         json_object),
+    Flag("cpu_draft_worker", "TACO-LLM: run the draft model in its own CPU worker process.", None),
+    Flag("lookahead_cache_config_dir", "TACO-LLM: directory with the lookahead cache's config; enables it."),
+    Flag("cpu_decoding_memory_utilization", "TACO-LLM: fraction of host memory for the CPU draft worker.", float),
+    Flag("ignore_prompt_for_lookahead_cache", "TACO-LLM: learn the lookahead cache from outputs only.", None),
+)
+
+_BY_OPTION = {flag.option: flag for flag in FLAGS}
+
+
+def _engine_defaults() -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
+
+
+def _add_flag(group: argparse._ArgumentGroup, flag: Flag, default: Any) -> None:
+    described = "(default:" in flag.help
+    help_text = flag.help if described else flag.help + " (default: %(default)s)"
+    kwargs: dict[str, Any] = {"dest": flag.name, "default": default, "help": help_text}
+    if flag.type is None:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs.update(type=flag.type, nargs=flag.nargs, choices=flag.choices)
+    group.add_argument(flag.option, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hetero", description="hetero: speculative-decoding LLM inference.")
+    parser.add_argument("--version", action="version", version=f"hetero {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve}")
+    serve = commands.add_parser(
+        "serve",
+        help="Start the OpenAI-compatible HTTP server.",
+        description="Serve MODEL over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, ...).",
+        allow_abbrev=False,
+    )
+    serve.add_argument("model", nargs="?", help="HF model directory, .gguf file or packaged model name "
+                       "(may instead be given as `model:` in --config).")
+    serve.add_argument("--config", help="YAML file of options (keys are flag names); command-line flags override it.")
+    engine_defaults = _engine_defaults()
+    server_group = serve.add_argument_group("server")
+    engine_group = serve.add_argument_group("engine")
+    for flag in FLAGS:
+        if flag.engine:
+            _add_flag(engine_group, flag, engine_defaults[flag.name])
+        else:
+            _add_flag(server_group, flag, flag.default)
+    return parser
+
+
+# ------------------------------------------------------------------ --config
+def config_file_args(path: str) -> tuple[Optional[str], list[str]]:
+    """(model, argv) from a vLLM-style YAML config; ValueError names what is wrong."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read --config {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path} is not valid YAML: {exc}") from exc
+    if data is None:
+        return None, []
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path} must be a mapping of option names to values")
+    model = data.pop("model", None)
+    argv: list[str] = []
+    for key, value in data.items():
+        option = "--" + str(key).replace("_", "-")
+        flag = _BY_OPTION.get(option)
+        if flag is None:
+            raise ValueError(f"unknown option {key!r} in --config {path}")
+        argv.extend(_file_value_args(flag, value))
+    return (str(model) if model is not None else None), argv
+
+
+def _file_value_args(flag: Flag, value: Any) -> list[str]:
+    if value is None:
+        return []
+    if flag.type is None:
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag.name} must be true or false in --config, got {value!r}")
+        return [flag.option if value else "--no-" + flag.option[2:]]
+    if isinstance(value, dict):
+        return [flag.option, json.dumps(value)]
+    if isinstance(value, list):
+        return [flag.option, *map(str, value)]
+    return [flag.option, str(value)]
+
+
+def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse `hetero ...` arguments, folding in --config; exits with a usage error when bad."""
+    parser = build_parser()
+    argv = list(argv)
+    args = parser.parse_args(argv)
+    if args.config:
+        try:
+            file_model, file_argv = config_file_args(args.config)
+        except ValueError as exc:
+            parser.error(str(exc))
+        command_at = argv.index(args.command)
+        args = parser.parse_args(argv[: command_at + 1] + file_argv + argv[command_at + 1 :])
+        args.model = args.model or file_model
+    if not args.model:
+        parser.error("the model is required: `hetero serve MODEL` or `model:` in --config")
+    return args
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_kwargs(args.model, **{f.name: getattr(args, f.name) for f in FLAGS if f.engine})
+
+
+def load_chat_template(value: Optional[str]) -> Optional[str]:
+    """vLLM's --chat-template: a file's contents, or the argument itself when it is a template."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+# ------------------------------------------------------------------ serve
+def build_server_app(args: argparse.Namespace):
+    """The engine and the app for parsed `serve` arguments; ValueError/TypeError when they are bad."""
+    from hetero.engine import LLMEngine
+    from hetero.server import ServerSettings, build_app
+
+    config = engine_config_from_args(args)
+    settings = ServerSettings(
+        served_model_names=args.served_model_name or [args.model],
+        api_key=args.api_key or os.environ.get("HETERO_API_KEY") or None,
+        chat_template=load_chat_template(args.chat_template),
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    return build_app(LLMEngine(config), settings)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_serve_args(sys.argv[1:] if argv is None else argv)
+    try:
+        app = build_server_app(args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"hetero serve: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    import uvicorn
+
+    # uvicorn turns SIGTERM/SIGINT into a graceful stop: no new connections, in-flight
+    # responses finish (up to shutdown_timeout), then the app's lifespan drains the engine.
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+
+
+if __name__ == "__main__":
+    main()
