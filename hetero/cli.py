@@ -70,6 +70,8 @@ FLAGS: tuple[Flag, ...] = (
     # --- the model and its memory (vLLM's names)
     Flag("tokenizer", "Tokenizer directory (default: the model's)."),
     Flag("trust_remote_code", "Allow custom code from the model repository.", None),
+    Flag("skip_tokenizer_init", "Load no tokenizer: prompts must be token ids and outputs carry no text.", None),
+    Flag("load_format", "auto (the checkpoint), or dummy: random weights in its shapes, for timing."),
     Flag("dtype", "Weights and activations: auto, float32, float16 (half) or bfloat16."),
     Flag("seed", "Random seed for sampling without a per-request seed.", int),
     Flag("max_model_len", "Context length: prompt plus output (default: the model's).", int),

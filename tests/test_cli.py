@@ -1,0 +1,150 @@
+"""`hetero serve`: flags from one table, --config as vLLM reads it, errors, SIGTERM."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from hetero.cli import FLAGS, engine_config_from_args, main, parse_serve_args
+from hetero.config import EngineConfig
+from server_helpers import LOOPBACK, free_port, wait_until
+
+HETERO = shutil.which("hetero", path=os.path.dirname(sys.executable))
+
+
+def test_every_engine_config_field_has_exactly_one_flag():
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "extra"}
+    engine_flags = [f.name for f in FLAGS if f.engine]
+    assert sorted(engine_flags) == sorted(fields)
+    assert len({f.option for f in FLAGS}) == len(FLAGS)
+
+
+def test_help_documents_every_flag():
+    assert HETERO, "the `hetero` console script is not installed in this venv"
+    result = subprocess.run([HETERO, "serve", "-h"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    for flag in FLAGS:
+        assert flag.option in result.stdout
+    assert "--config" in result.stdout
+
+
+def test_defaults_come_from_engine_config_and_flags_reach_it():
+    args = parse_serve_args(["serve", "m"])
+    assert engine_config_from_args(args) == EngineConfig(model="m")
+    args = parse_serve_args([
+        "serve", "m", "--max-model-len", "512", "--enable-prefix-caching", "--dtype", "float32",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}', "--cpu-draft-worker",
+        "--lookahead-cache-config-dir", "/tmp/la", "--kv-cache-space", "2.5",
+    ])
+    config = engine_config_from_args(args)
+    assert (config.max_model_len, config.enable_prefix_caching, config.dtype) == (512, True, "float32")
+    assert config.speculative_config == {"method": "ngram", "num_speculative_tokens": 4}
+    assert config.num_speculative_tokens == 4 and config.cpu_draft_worker and config.kv_cache_space == 2.5
+    assert config.lookahead_cache_config_dir == "/tmp/la"
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "m", "--no-such-flag"],
+    ["serve", "m", "--max-model"],  # abbreviations are not accepted
+    ["serve", "m", "--max-num-seqs", "many"],
+    ["serve", "m", "--speculative-config", "{not json"],
+    ["serve"],  # no model
+])
+def test_bad_command_lines_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_serve_args(argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_bad_engine_values_exit_with_the_field_named(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "m", "--max-num-seqs", "0"])
+    assert exit_info.value.code == 2
+    assert "max_num_seqs" in capsys.readouterr().err
+
+
+def test_config_file_is_read_like_vllm_and_the_command_line_wins(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        "model: /models/m\nport: 9001\nmax-model-len: 1024\nmax_num_seqs: 8\nenable-prefix-caching: true\n"
+        "enforce-eager: false\nserved-model-name: [a, b]\nspeculative-config:\n  method: ngram\n"
+        "  num_speculative_tokens: 3\n"
+    )
+    args = parse_serve_args(["serve", "--config", str(path), "--port", "9002"])
+    assert args.model == "/models/m" and args.port == 9002 and args.served_model_name == ["a", "b"]
+    config = engine_config_from_args(args)
+    assert (config.max_model_len, config.max_num_seqs, config.enable_prefix_caching) == (1024, 8, True)
+    assert config.num_speculative_tokens == 3
+    assert parse_serve_args(["serve", "other", "--config", str(path)]).model == "other"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("bogus-key: 1\n", "bogus-key"),
+    ("enable-prefix-caching: maybe\n", "enable_prefix_caching"),
+    ("- a list\n", "mapping"),
+    ("port: [unclosed\n", "YAML"),
+])
+def test_bad_config_files_are_usage_errors(tmp_path, capsys, content, message):
+    path = tmp_path / "serve.yaml"
+    path.write_text(content)
+    with pytest.raises(SystemExit):
+        parse_serve_args(["serve", "m", "--config", str(path)])
+    assert message in capsys.readouterr().err
+
+
+def test_sigterm_lets_an_in_flight_stream_finish_then_exits(tiny_llama_dir):
+    port = free_port()
+    base = f"http://{LOOPBACK}:{port}"
+    process = subprocess.Popen(
+        [HETERO, "serve", str(tiny_llama_dir), "--host", LOOPBACK, "--port", str(port), "--dtype", "float32",
+         "--max-model-len", "512", "--served-model-name", "tiny", "--uvicorn-log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(base + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return process.poll() is not None
+
+        assert wait_until(healthy, timeout=60) and process.poll() is None, "the server did not come up"
+        lines: list[str] = []
+        first_event = threading.Event()
+
+        def stream() -> None:
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 500, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line:
+                        lines.append(line)
+                        first_event.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first_event.wait(30)
+        process.send_signal(signal.SIGTERM)
+        lines_at_signal = len(lines)
+        reader.join(60)
+        # uvicorn re-raises the captured SIGTERM once it has shut down gracefully.
+        assert process.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert lines[-1] == "data: [DONE]"
+    assert len(lines) > lines_at_signal + 1, "the stream should have gone on after SIGTERM"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(e["choices"][0]["text"]) for e in events) > 0
+    with pytest.raises(httpx.TransportError):
+        httpx.get(base + "/health", timeout=2)
