@@ -228,6 +228,23 @@ class Drafter:
             trees[w.index] = w.builder.tree()
         return trees
 
+    def shrink_last_draft(self, seq_id: SeqId, tree: TokenTree, max_nodes: int) -> TokenTree:
+        """The tree ``draft`` would have made with a budget of ``max_nodes`` <= the one ``tree`` had.
+
+        ``tree`` must be the sequence's last draft: same logits, so the smaller tree is the
+        first nodes of each of its levels. The recorded chain and the KV shrink to match.
+        """
+        state = self._seqs[seq_id]
+        have = tree_levels(len(tree), self.options.tree_width)
+        want = tree_levels(max_nodes, self.options.tree_width)
+        starts, new_starts = np.cumsum([0] + have), np.cumsum([0] + want)
+        keep = np.asarray([starts[d] + i for d, n in enumerate(want) for i in range(n)], np.int64)
+        parents = np.asarray([-1 if d == 0 else new_starts[d - 1] for d, n in enumerate(want) for _ in range(n)], np.int32)
+        scores = tree.scores[keep] if tree.scores is not None else None
+        state.chain = state.chain[: len(want)]
+        self._truncate(state, len(state.context) + max(len(want) - 1, 0))
+        return TokenTree(tree.tokens[keep], parents, scores)
+
     def assume_accepted(self, seq_ids: Sequence[SeqId]) -> list[SeqId]:
         """Extend each sequence's context by its last chain and the draft's guess of the bonus token.
 

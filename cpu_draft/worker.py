@@ -104,8 +104,8 @@ class DraftService:
         for seq_id, max_nodes in batch:
             context = self.contexts[seq_id]
             ahead = self.predrafted.pop(seq_id, None)
-            if ahead is not None and ahead.max_nodes == max_nodes and ahead.context == context:
-                trees[seq_id] = ahead.tree
+            if ahead is not None and max_nodes <= ahead.max_nodes and ahead.context == context:
+                trees[seq_id] = self.drafter.shrink_last_draft(seq_id, ahead.tree, max_nodes)
                 self.stats.predraft_hits += 1
                 continue
             if ahead is not None:

@@ -111,6 +111,19 @@ def test_batched_drafting_matches_one_sequence_at_a_time(tiny_llama_dir):
         assert len(tree) == 7 and tree.depths().max() == 3  # ceil(7 / 3) levels, siblings on the first two
 
 
+@pytest.mark.parametrize("width", [1, 2])
+def test_a_draft_shrunk_to_a_smaller_budget_equals_drafting_with_it(tiny_llama_dir, width):
+    context = list(range(30, 52))
+    big, small = _drafter(tiny_llama_dir, tree_width=width), _drafter(tiny_llama_dir, tree_width=width)
+    big.set_context("s", context)
+    small.set_context("s", context)
+    shrunk = big.shrink_last_draft("s", big.draft([("s", 9)])[0], 5)
+    expected = small.draft([("s", 5)])[0]
+    assert shrunk.tokens.tolist() == expected.tokens.tolist()
+    assert shrunk.parents.tolist() == expected.parents.tolist()
+    assert big.last_chain("s") == small.last_chain("s") and big.kv_length("s") == small.kv_length("s")
+
+
 def test_tree_levels_respect_the_budget():
     assert tree_levels(0, 2) == []
     assert tree_levels(4, 1) == [1, 1, 1, 1]
@@ -209,6 +222,23 @@ def test_killed_worker_loses_no_request_and_is_restarted(tiny_llama_dir, plain_o
         accepted_before = engine.spec_stats.num_accepted_tokens
         assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == plain_outputs["batch4"]
         assert engine.spec_stats.num_accepted_tokens > accepted_before  # the new worker drafts again
+    finally:
+        _close(llm)
+
+
+def test_hung_worker_times_out_and_is_replaced(tiny_llama_dir, plain_outputs, monkeypatch):
+    monkeypatch.setenv("HETERO_DRAFT_REPLY_TIMEOUT_S", "1")
+    llm = LLM(
+        model=str(tiny_llama_dir), speculative_model=str(tiny_llama_dir), num_speculative_tokens=K,
+        cpu_draft_worker=True, dtype="float32",
+    )
+    _always_speculate(llm)
+    proposer = llm.llm_engine.proposer
+    hung_pid = proposer.worker_pid
+    os.kill(hung_pid, signal.SIGSTOP)  # alive, but never answers
+    try:
+        assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == plain_outputs["batch4"]
+        assert proposer.faults == 1 and proposer.restarts == 1 and proposer.worker_pid != hung_pid
     finally:
         _close(llm)
 
