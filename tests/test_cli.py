@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest

@@ -164,7 +164,14 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings) -> APIRou
     return router
 
 
+def _require_tokenizer(engine: LLMEngine, what: str):
+    if engine.tokenizer is None:
+        raise APIError(400, f"{what} needs a tokenizer, and this server runs with --skip-tokenizer-init")
+    return engine.tokenizer
+
+
 def _render_chat(engine: LLMEngine, body: ChatCompletionRequest, default_template: Optional[str]) -> dict[str, Any]:
+    _require_tokenizer(engine, "a chat request")
     try:
         return render_chat_prompt(
             engine.tokenizer,
@@ -380,7 +387,8 @@ def _service_routes(async_engine: AsyncLLMEngine, metrics: ServerMetrics, settin
             chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
             tokens = _render_chat(engine, chat, settings.chat_template)["prompt_token_ids"]
         else:
-            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokenizer = _require_tokenizer(engine, "tokenizing")
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": list(tokens)}
 
     @router.post("/detokenize")
@@ -391,6 +399,6 @@ def _service_routes(async_engine: AsyncLLMEngine, metrics: ServerMetrics, settin
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is out of the vocabulary range [0, {vocab})", param="tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return {"prompt": _require_tokenizer(engine, "detokenizing").decode(body.tokens)}
 
     return router
