@@ -97,7 +97,7 @@ class CudaGraphRunner:
             max_query_len=query_len,
             max_seq_len=self.max_model_len,
             query_lens_host=[query_len] * num_seqs,
-            seq_lens_host=[],
+            seq_lens_host=[self.max_model_len] * num_seqs,  # upper bounds; the kernel reads seq_lens
         )
 
     @torch.inference_mode()

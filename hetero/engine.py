@@ -116,10 +116,16 @@ class LLMEngine:
         per_block = KVCachePool.bytes_per_block(self.model_config, c.block_size, self.dtype)
         blocks_per_seq = -(-self.max_model_len // c.block_size)
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * c.gpu_memory_utilization - (total - free) - _GPU_ACTIVATION_RESERVE_GIB * 2**30
+            ours = torch.cuda.memory_allocated(self.device)
+            others = total - free - torch.cuda.memory_reserved(self.device)
+            budget = total * c.gpu_memory_utilization - others - ours - _GPU_ACTIVATION_RESERVE_GIB * 2**30
             num_blocks = int(budget // per_block)
-            knob = "gpu_memory_utilization"
+            knob = (
+                f"gpu_memory_utilization (GPU {total / 2**30:.1f} GiB, this process's tensors {ours / 2**30:.1f} GiB, "
+                f"other processes {others / 2**30:.1f} GiB)"
+            )
         else:
             space = c.kv_cache_space or _CPU_DEFAULT_KV_GIB
             num_blocks = min(int(space * 2**30 // per_block), c.max_num_seqs * blocks_per_seq + 1)

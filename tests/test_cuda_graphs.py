@@ -51,10 +51,12 @@ def test_graphs_match_eager_and_cpu(tiny_llama_dir):
     cpu = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=256)
     expected = [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, greedy, use_tqdm=False)]
     for eager in (True, False):
-        gpu = LLM(model=str(tiny_llama_dir), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8, enforce_eager=eager)
+        gpu = LLM(model=str(tiny_llama_dir), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8,
+                  enforce_eager=eager, gpu_memory_utilization=0.3)
         assert gpu.llm_engine.runner.graph_runner is None if eager else gpu.llm_engine.runner.graph_runner.graphs
         got = [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, greedy, use_tqdm=False)]
         assert got == expected, f"enforce_eager={eager}"
+        del gpu
 
 
 @needs_cuda
@@ -65,7 +67,7 @@ def test_graphs_verify_trees_losslessly(tiny_llama_dir):
     cpu = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=256)
     truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in cpu.generate(PROMPTS, greedy, use_tqdm=False)}
     proposer = OracleProposer(truth, "random", 12, 0.8, vocab=320, seed=5)
-    llm = speculative_llm(tiny_llama_dir, proposer, device="cuda", max_num_seqs=8)
+    llm = speculative_llm(tiny_llama_dir, proposer, device="cuda", max_num_seqs=8, gpu_memory_utilization=0.3)
     llm.llm_engine.spec_control.min_samples = 10**9
     assert llm.llm_engine.runner.graph_runner is not None
     outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
