@@ -24,7 +24,7 @@ from typing import Callable, Hashable, Optional, Sequence
 import numpy as np
 import torch
 
-from gpu_target.attention import reference_attention
+from cpu_draft.attention import PerForwardAttention
 from gpu_target.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks
 from gpu_target.loader import load_config, load_state_dict, resolve_model_path
 from gpu_target.model import CausalLM, build_model
@@ -340,7 +340,7 @@ def _attention_for(device: torch.device):
         from gpu_target.triton_attention import paged_attention
 
         return paged_attention
-    return reference_attention
+    return PerForwardAttention()
 
 
 def _maybe_ipex_optimize(model: CausalLM, dtype: torch.dtype) -> CausalLM:

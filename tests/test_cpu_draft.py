@@ -124,6 +124,27 @@ def test_a_draft_shrunk_to_a_smaller_budget_equals_drafting_with_it(tiny_llama_d
     assert big.last_chain("s") == small.last_chain("s") and big.kv_length("s") == small.kv_length("s")
 
 
+def test_per_forward_attention_equals_the_reference():
+    from cpu_draft.attention import PerForwardAttention
+    from gpu_target.attention import reference_attention
+    from gpu_target.runner import ModelRunner, SequenceChunk
+
+    runner = ModelRunner.__new__(ModelRunner)  # only build_inputs is used: no model needed
+    runner.block_size, runner.device = 4, torch.device("cpu")
+    chunks = [  # a prefill chunk, a decode token, a short catch-up, over scattered blocks
+        SequenceChunk(list(range(6)), range(0, 6), [3, 7], 0, [5]),
+        SequenceChunk([1], [9], [0, 5, 9], 9, [0]),
+        SequenceChunk([2, 3], [4, 5], [2, 8], 4, [1]),
+    ]
+    _, _, meta, _ = runner.build_inputs(chunks)
+    generator = torch.Generator().manual_seed(0)
+    attention = PerForwardAttention()
+    for _ in range(2):  # two "layers" of one forward share the prepared indices and mask
+        k_cache, v_cache = (torch.randn(10, 4, 2, 8, generator=generator) for _ in range(2))
+        query = torch.randn(meta.num_tokens, 4, 8, generator=generator)
+        assert torch.equal(attention(query, k_cache, v_cache, meta, 0.3), reference_attention(query, k_cache, v_cache, meta, 0.3))
+
+
 def test_tree_levels_respect_the_budget():
     assert tree_levels(0, 2) == []
     assert tree_levels(4, 1) == [1, 1, 1, 1]
