@@ -31,7 +31,7 @@ from bench._machine import describe_machine
 from cpu_draft.affinity import default_draft_cpus, pin_current_process
 from cpu_draft.drafter import DraftModelOptions, Drafter
 from cpu_draft.quantize import quantize_model_int8
-from gpu_target.loader import load_config, load_state_dict, parameter_shapes, resolve_model_path
+from gpu_target.loader import load_config, parameter_shapes, resolve_model_path
 from gpu_target.model import build_model
 from gpu_target.model_config import ModelConfig
 

@@ -36,7 +36,7 @@ class PerForwardAttention:
         if meta is not self._meta:
             self._meta, self._prepared = meta, _prepare(meta, k_cache.shape[1], group, query.device)
         prep = self._prepared
-        B, Q, S = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+        B, Q = meta.num_seqs, meta.max_query_len
         k = k_cache.view(-1, KVH, D)[prep.slots].to(query.dtype).permute(0, 2, 1, 3)  # [B, KVH, S, D]
         v = v_cache.view(-1, KVH, D)[prep.slots].to(query.dtype).permute(0, 2, 1, 3)
         padded = query.new_zeros(B * Q, H, D)
