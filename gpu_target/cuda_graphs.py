@@ -7,9 +7,10 @@ costs a few host-to-device copies and one graph launch instead of hundreds of ke
 launches from Python, which is what keeps batch-1 decode near the memory roofline.
 
 Padding never touches real data: padding tokens write their K/V into the reserved null
-block (block 0, which the allocator never hands out), padding sequences read only that
-block, and padding tokens inside a real sequence see only its cached context (their tree
-bit lies beyond the sequence length), so no real token sees them.
+block (block 0, which the allocator never hands out) and padding sequences read only that
+block. A real sequence with n < Q tokens is given ``seq_len = cached + Q``, because the
+kernel derives the cached length as ``seq_len - Q``; its padding tokens sit at storage
+indices no real token's tree bits name, so no real token sees them.
 """
 from __future__ import annotations
 
@@ -63,15 +64,9 @@ class CudaGraphRunner:
         self.query_buckets = sorted({q for _, q in self.ladder})
         max_b = max(self.seq_buckets)
         max_t = max(b * q for b, q in self.ladder)
-        self.max_blocks_per_seq = -(-max_model_len // self.block_size) + 1
-        dev = self.device
-        self.input_ids = torch.zeros(max_t, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_t, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.zeros(max_t, dtype=torch.int64, device=dev)
-        self.tree_mask = torch.zeros(max_t, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(max_b, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.zeros(max_b + 1, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(max_b, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.max_blocks_per_seq = -(-(max_model_len + max(self.query_buckets)) // self.block_size)
+        self.device_buffers = allocate_buffers(max_t, max_b, self.max_blocks_per_seq, self.device)
+        self.host_buffers = allocate_buffers(max_t, max_b, self.max_blocks_per_seq, "cpu", pin=True)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.capture_seconds = 0.0
@@ -87,13 +82,13 @@ class CudaGraphRunner:
         return self.capture_seconds
 
     def _metadata(self, num_seqs: int, query_len: int) -> AttentionMetadata:
-        tokens = num_seqs * query_len
+        buffers = bucket_view(self.device_buffers, num_seqs, query_len)
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: num_seqs + 1],
-            seq_lens=self.seq_lens[:num_seqs],
-            block_tables=self.block_tables[:num_seqs],
-            slot_mapping=self.slot_mapping[:tokens],
-            tree_mask=self.tree_mask[:tokens] if query_len > 1 else None,
+            query_start_loc=buffers["query_start_loc"],
+            seq_lens=buffers["seq_lens"],
+            block_tables=buffers["block_tables"],
+            slot_mapping=buffers["slot_mapping"],
+            tree_mask=buffers["tree_mask"] if query_len > 1 else None,
             max_query_len=query_len,
             max_seq_len=self.max_model_len,
             query_lens_host=[query_len] * num_seqs,
@@ -104,15 +99,15 @@ class CudaGraphRunner:
     def _forward(self, num_seqs: int, query_len: int) -> torch.Tensor:
         from gpu_target.triton_attention import paged_attention
 
-        tokens = num_seqs * query_len
+        buffers = bucket_view(self.device_buffers, num_seqs, query_len)
         attention = functools.partial(paged_attention, max_query_len=query_len, max_seq_len=self.max_model_len)
         hidden = self.model(
-            self.input_ids[:tokens], self.positions[:tokens], self.kv_pool.layers, self._metadata(num_seqs, query_len), attention
+            buffers["input_ids"], buffers["positions"], self.kv_pool.layers, self._metadata(num_seqs, query_len), attention
         )
         return self.model.compute_logits(hidden)
 
     def _capture(self, num_seqs: int, query_len: int) -> None:
-        self._fill_padding(num_seqs, query_len, real_seqs=0)
+        self._stage([], num_seqs, query_len)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -135,76 +130,81 @@ class CudaGraphRunner:
         bucket = (_round_up(len(chunks), self.seq_buckets), _round_up(longest, self.query_buckets))
         return bucket if bucket in self.graphs else None
 
-    def _fill_padding(self, num_seqs: int, query_len: int, real_seqs: int) -> None:
-        """Point the padding sequences of a bucket at the null block."""
-        pad = slice(real_seqs, num_seqs)
-        self.seq_lens[pad] = 1
-        self.block_tables[pad] = NULL_BLOCK
-        self.query_start_loc[: num_seqs + 1] = torch.arange(0, (num_seqs + 1) * query_len, query_len, device=self.device)
-        tokens = slice(real_seqs * query_len, num_seqs * query_len)
-        self.input_ids[tokens] = 0
-        self.positions[tokens] = 0
-        self.slot_mapping[tokens] = NULL_BLOCK * self.block_size
-        self.tree_mask[tokens] = 1
+    def _stage(self, chunks: Sequence[SequenceChunk], num_seqs: int, query_len: int) -> list[int]:
+        """Lay the chunks out on the host and copy them into the bucket's device buffers."""
+        host = bucket_view(self.host_buffers, num_seqs, query_len)
+        rows = fill_host_inputs(host, chunks, query_len, self.block_size)
+        device = bucket_view(self.device_buffers, num_seqs, query_len)
+        for name in BUFFER_NAMES:
+            device[name].copy_(host[name], non_blocking=True)
+        return rows
 
     def run(self, chunks: Sequence[SequenceChunk], bucket: tuple[int, int]) -> torch.Tensor:
         """Replay the bucket's graph for `chunks`; logits of every real token, in chunk order."""
-        num_seqs, query_len = bucket
-        host = _host_inputs(chunks, num_seqs, query_len, self.block_size, self.max_blocks_per_seq)
-        tokens = num_seqs * query_len
-        self.input_ids[:tokens].copy_(host["input_ids"], non_blocking=True)
-        self.positions[:tokens].copy_(host["positions"], non_blocking=True)
-        self.slot_mapping[:tokens].copy_(host["slot_mapping"], non_blocking=True)
-        self.tree_mask[:tokens].copy_(host["tree_mask"], non_blocking=True)
-        self.seq_lens[:num_seqs].copy_(host["seq_lens"], non_blocking=True)
-        self.block_tables[:num_seqs].copy_(host["block_tables"], non_blocking=True)
-        self.query_start_loc[: num_seqs + 1].copy_(host["query_start_loc"], non_blocking=True)
+        rows = self._stage(chunks, *bucket)
         graph, logits = self.graphs[bucket]
         graph.replay()
-        rows = torch.from_numpy(host["rows"]).to(self.device, non_blocking=True)
-        return logits.index_select(0, rows)
+        if rows == list(range(len(rows))):
+            return logits[: len(rows)]
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return logits.index_select(0, index)
 
 
-def _host_inputs(chunks: Sequence[SequenceChunk], num_seqs: int, query_len: int, block_size: int, max_blocks: int) -> dict[str, torch.Tensor]:
-    """The bucket's input buffers on the host, padding included (pinned for async copies)."""
-    tokens = num_seqs * query_len
-    input_ids = np.zeros(tokens, np.int64)
-    positions = np.zeros(tokens, np.int64)
-    slot_mapping = np.full(tokens, NULL_BLOCK * block_size, np.int64)
-    tree_mask = np.ones(tokens, np.int64)
-    seq_lens = np.ones(num_seqs, np.int32)
-    block_tables = np.full((num_seqs, max_blocks), NULL_BLOCK, np.int32)
-    rows = []
+BUFFER_NAMES = ("input_ids", "positions", "slot_mapping", "tree_mask", "seq_lens", "block_tables", "query_start_loc")
+
+
+def allocate_buffers(max_tokens: int, max_seqs: int, max_blocks: int, device, pin: bool = False) -> dict[str, torch.Tensor]:
+    """One set of bucket input buffers: static on the device, or (pinned) staging on the host."""
+    int64 = dict(dtype=torch.int64, device=device)
+    int32 = dict(dtype=torch.int32, device=device)
+    buffers = dict(
+        input_ids=torch.zeros(max_tokens, **int64),
+        positions=torch.zeros(max_tokens, **int64),
+        slot_mapping=torch.zeros(max_tokens, **int64),
+        tree_mask=torch.zeros(max_tokens, **int64),
+        seq_lens=torch.zeros(max_seqs, **int32),
+        block_tables=torch.zeros(max_seqs, max_blocks, **int32),
+        query_start_loc=torch.zeros(max_seqs + 1, **int32),
+    )
+    return {name: t.pin_memory() for name, t in buffers.items()} if pin else buffers
+
+
+def bucket_view(buffers: dict[str, torch.Tensor], num_seqs: int, query_len: int) -> dict[str, torch.Tensor]:
+    """The leading slices of `buffers` that a (num_seqs, query_len) bucket uses."""
+    per_token = num_seqs * query_len
+    sizes = dict(seq_lens=num_seqs, block_tables=num_seqs, query_start_loc=num_seqs + 1)
+    return {name: buffers[name][: sizes.get(name, per_token)] for name in BUFFER_NAMES}
+
+
+def fill_host_inputs(host: dict[str, torch.Tensor], chunks: Sequence[SequenceChunk], query_len: int, block_size: int) -> list[int]:
+    """Lay `chunks` out in a bucket's host buffers as uniform sequences of `query_len` tokens.
+
+    Every slot not covered by a chunk is padding aimed at the null block. Returns the flat
+    rows of the tokens whose logits were asked for, in chunk order.
+    """
+    arrays = {name: tensor.numpy() for name, tensor in host.items()}
+    num_seqs = len(arrays["seq_lens"])
+    arrays["input_ids"][:] = 0
+    arrays["positions"][:] = 0
+    arrays["slot_mapping"][:] = NULL_BLOCK * block_size
+    arrays["tree_mask"][:] = np.tile(np.left_shift(np.int64(1), np.arange(query_len, dtype=np.int64)), num_seqs)
+    arrays["seq_lens"][:] = query_len
+    arrays["block_tables"][:] = NULL_BLOCK
+    arrays["query_start_loc"][:] = np.arange(0, (num_seqs + 1) * query_len, query_len, dtype=np.int32)
+    rows: list[int] = []
     for b, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
         start = b * query_len
-        input_ids[start : start + n] = chunk.token_ids
-        positions[start : start + n] = chunk.positions
+        arrays["input_ids"][start : start + n] = chunk.token_ids
+        arrays["positions"][start : start + n] = chunk.positions
         table = np.asarray(chunk.block_table, np.int64)
         storage = np.arange(chunk.num_cached, chunk.num_cached + n)
-        slot_mapping[start : start + n] = table[storage // block_size] * block_size + storage % block_size
-        padding_bits = np.left_shift(np.int64(1), np.arange(n, query_len, dtype=np.int64))
+        arrays["slot_mapping"][start : start + n] = table[storage // block_size] * block_size + storage % block_size
         if chunk.tree_mask is not None:
-            tree_mask[start : start + n] = chunk.tree_mask
+            arrays["tree_mask"][start : start + n] = chunk.tree_mask
         else:
-            tree_mask[start : start + n] = np.left_shift(np.int64(2), np.arange(n, dtype=np.int64)) - 1  # causal
-        tree_mask[start + n : start + query_len] = padding_bits
-        seq_lens[b] = chunk.num_cached + n
-        block_tables[b, : len(table)] = table
+            arrays["tree_mask"][start : start + n] = np.left_shift(np.int64(2), np.arange(n, dtype=np.int64)) - 1
+        arrays["seq_lens"][b] = chunk.num_cached + query_len
+        arrays["block_tables"][b, : len(table)] = table
         rows.extend(start + i for i in chunk.logits_indices)
-    query_start_loc = np.arange(0, (num_seqs + 1) * query_len, query_len, dtype=np.int32)
-    arrays = dict(
-        input_ids=input_ids,
-        positions=positions,
-        slot_mapping=slot_mapping,
-        tree_mask=tree_mask,
-        seq_lens=seq_lens,
-        block_tables=block_tables,
-        query_start_loc=query_start_loc,
-    )
-    pin = torch.cuda.is_available()
-    out = {name: torch.from_numpy(value) for name, value in arrays.items()}
-    if pin:
-        out = {name: tensor.pin_memory() for name, tensor in out.items()}
-    out["rows"] = np.asarray(rows, np.int64)
-    return out
+    return rows

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_target.cuda_graphs import NULL_BLOCK, _host_inputs, bucket_ladder
+from gpu_target.cuda_graphs import NULL_BLOCK, allocate_buffers, bucket_ladder, bucket_view, fill_host_inputs
 from gpu_target.runner import SequenceChunk
 from hetero import LLM, SamplingParams
 from hetero.protocols import TokenTree
@@ -28,9 +28,12 @@ def test_padding_layout_keeps_real_tokens_apart_from_padding():
         SequenceChunk([11, 5, 6, 7], [20, 21, 22, 21], [3, 4], 20, [0, 1, 2, 3], masks),
         SequenceChunk([12], [9], [7], 9, [0]),
     ]
-    host = _host_inputs(chunks, num_seqs=4, query_len=4, block_size=16, max_blocks=3)
+    host = bucket_view(allocate_buffers(max_tokens=32, max_seqs=8, max_blocks=3, device="cpu"), num_seqs=4, query_len=4)
+    host["tree_mask"].fill_(-7)  # stale values from an earlier step must all be overwritten
+    rows = fill_host_inputs(host, chunks, query_len=4, block_size=16)
     assert host["input_ids"][:5].tolist() == [11, 5, 6, 7, 12]
-    assert host["seq_lens"].tolist() == [24, 10, 1, 1]
+    # The kernel reads cached = seq_len - Q, so every sequence's length counts the padded Q.
+    assert host["seq_lens"].tolist() == [24, 13, 4, 4]
     assert host["slot_mapping"][:4].tolist() == [4 * 16 + 4 + i for i in range(4)]  # storage 20.. is in block 4
     assert host["slot_mapping"][4].item() == 7 * 16 + 9
     assert set(host["slot_mapping"][5:].tolist()) == {NULL_BLOCK * 16}
@@ -38,7 +41,8 @@ def test_padding_layout_keeps_real_tokens_apart_from_padding():
     # The decode token sees itself (causal); its padding tokens only their own bit, beyond seq_len.
     assert host["tree_mask"][4:8].tolist() == [1, 2, 4, 8]
     assert host["block_tables"][2:].tolist() == [[NULL_BLOCK] * 3] * 2
-    assert host["rows"].tolist() == [0, 1, 2, 3, 4]
+    assert host["tree_mask"][8:].tolist() == [1, 2, 4, 8] * 2
+    assert rows == [0, 1, 2, 3, 4]
     assert host["query_start_loc"].tolist() == [0, 4, 8, 12, 16]
 
 
@@ -60,16 +64,17 @@ def test_graphs_match_eager_and_cpu(tiny_llama_dir):
 
 
 @needs_cuda
-def test_graphs_verify_trees_losslessly(tiny_llama_dir):
+@pytest.mark.parametrize("eager", [True, False])
+def test_gpu_verifies_trees_losslessly(tiny_llama_dir, eager):
     from test_speculative import OracleProposer, speculative_llm
 
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     cpu = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=256)
     truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in cpu.generate(PROMPTS, greedy, use_tqdm=False)}
     proposer = OracleProposer(truth, "random", 12, 0.8, vocab=320, seed=5)
-    llm = speculative_llm(tiny_llama_dir, proposer, device="cuda", max_num_seqs=8, gpu_memory_utilization=0.3)
+    llm = speculative_llm(tiny_llama_dir, proposer, device="cuda", max_num_seqs=8, gpu_memory_utilization=0.3, enforce_eager=eager)
     llm.llm_engine.spec_control.min_samples = 10**9
-    assert llm.llm_engine.runner.graph_runner is not None
+    assert (llm.llm_engine.runner.graph_runner is None) == eager
     outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     assert {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in outs} == truth
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
