@@ -6,6 +6,10 @@ controller measures, per batch-size bucket, the tokens per second that steps wit
 without speculation actually deliver; where speculating is measured slower it stops,
 probing one speculative step every `probe_interval` steps to notice when acceptance
 recovers (and one plain step as often while speculating, to keep the comparison fresh).
+Each probe that confirms the current choice doubles that bucket's probe interval, up to
+`max_probe_interval`; a probe that overturns it resets the interval. A losing option is
+therefore tried ever more rarely, which matters at large batches, where one speculative
+step costs more than a plain one.
 """
 from __future__ import annotations
 
@@ -25,14 +29,24 @@ class _Throughput:
 
 
 class SpeculationController:
-    def __init__(self, max_nodes_per_seq: int, target_parallelism: int, probe_interval: int = 32, min_samples: int = 3):
+    def __init__(
+        self,
+        max_nodes_per_seq: int,
+        target_parallelism: int,
+        probe_interval: int = 16,
+        max_probe_interval: int = 1024,
+        min_samples: int = 3,
+    ):
         self.max_nodes_per_seq = max_nodes_per_seq
         self.target_parallelism = target_parallelism
         self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
         self.min_samples = min_samples
         self._speculative: dict[int, _Throughput] = {}
         self._plain: dict[int, _Throughput] = {}
-        self._steps: dict[int, int] = {}
+        self._interval: dict[int, int] = {}
+        self._countdown: dict[int, int] = {}
+        self._winner_at_last_probe: dict[int, bool] = {}
 
     @staticmethod
     def bucket(num_seqs: int) -> int:
@@ -44,18 +58,23 @@ class SpeculationController:
         if per_seq == 0:
             return 0
         bucket = self.bucket(num_seqs)
-        step = self._steps.get(bucket, 0)
-        self._steps[bucket] = step + 1
         spec = self._speculative.setdefault(bucket, _Throughput())
         plain = self._plain.setdefault(bucket, _Throughput())
         if spec.samples < self.min_samples:
             return per_seq
         if plain.samples < self.min_samples:
             return 0
-        probing = step % self.probe_interval == 0
-        if spec.tokens_per_second >= plain.tokens_per_second:
-            return 0 if probing else per_seq
-        return per_seq if probing else 0
+        speculation_wins = spec.tokens_per_second >= plain.tokens_per_second
+        countdown = self._countdown.get(bucket, self.probe_interval)
+        if countdown > 0:
+            self._countdown[bucket] = countdown - 1
+            return per_seq if speculation_wins else 0
+        interval = self._interval.get(bucket, self.probe_interval)
+        confirmed = self._winner_at_last_probe.get(bucket) == speculation_wins
+        interval = min(interval * 2, self.max_probe_interval) if confirmed else self.probe_interval
+        self._interval[bucket] = self._countdown[bucket] = interval
+        self._winner_at_last_probe[bucket] = speculation_wins
+        return 0 if speculation_wins else per_seq
 
     def record_step(self, num_seqs: int, speculated: bool, tokens_emitted: int, seconds: float) -> None:
         """Measured outcome of one decode step."""
