@@ -189,7 +189,7 @@ def apply_rotary_reference(
 def apply_rotary(
     q: torch.Tensor,  # [T, H, D], any strides (views of a fused qkv projection)
     k: torch.Tensor,  # [T, KVH, D]
-    cos: torch.Tensor,  # fp32 [max_positions, D/2]
+    cos: torch.Tensor,  # fp32 [max_positions, D/2], rows contiguous
     sin: torch.Tensor,
     positions: torch.Tensor,  # int [T], any order
     *,
