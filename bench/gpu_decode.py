@@ -247,6 +247,17 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
     del engine
 
 
+def time_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
+    """Seconds for HF `generate` to produce exactly `new_tokens` greedy tokens per row."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def bench_hf(model_dir, batches, prompt_len, new_tokens, rows):
     import transformers
 
@@ -258,18 +269,8 @@ def bench_hf(model_dir, batches, prompt_len, new_tokens, rows):
     model.eval()
     for batch in batches:
         ids = torch.tensor([p["prompt_token_ids"] for p in random_prompts(batch, prompt_len, config.vocab_size, batch)], device="cuda")
-        mask = torch.ones_like(ids)
-
-        def run(n):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            with torch.no_grad():
-                model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-            torch.cuda.synchronize()
-            return time.perf_counter() - start
-
-        run(2)
-        t_short, t_long = run(1), run(new_tokens + 1)
+        time_generate(model, ids, 2)
+        t_short, t_long = time_generate(model, ids, 1), time_generate(model, ids, new_tokens + 1)
         tok_s = batch * new_tokens / (t_long - t_short)
         rows.append(dict(section="decode", engine="transformers", batch=batch, tokens_per_s=round(tok_s, 1),
                          step_ms=round(1e3 * (t_long - t_short) / new_tokens, 3)))

@@ -10,7 +10,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -31,9 +31,9 @@ from hetero.config import EngineConfig
 from hetero.detokenizer import decode_new_text, find_stop_string
 from hetero.outputs import CompletionOutput, Logprob, RequestOutput
 from hetero.proposers import build_proposer
-from hetero.protocols import MAX_TREE_NODES, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict
+from hetero.protocols import MAX_TREE_NODES, ProposalRequest, Proposer, SpecStats, Verdict
 from hetero.sampling_params import SamplingParams
-from hetero.scheduler import ScheduledSeq, Scheduler, Sequence, SequenceGroup, SeqStatus
+from hetero.scheduler import ScheduledSeq, Scheduler, Sequence, SequenceGroup
 from hetero.spec_control import SpeculationController
 
 logger = logging.getLogger("hetero")
@@ -200,7 +200,7 @@ class LLMEngine:
             return self._tokenize(prompt["prompt"])
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
-    def _validate_prompt(self, token_ids: Sequence[int]) -> None:
+    def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) > self.max_model_len:

@@ -9,7 +9,6 @@ from tqdm.auto import tqdm
 from hetero.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.outputs import RequestOutput
-from hetero.proposers import build_proposer
 from hetero.sampling_params import SamplingParams
 
 PromptType = Union[str, dict[str, Any]]

@@ -1,7 +1,14 @@
+import os
 import pathlib
 import sys
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run through Triton's CPU interpreter. It must be chosen
+# before any module defines or launches a kernel, so here, before the tests are imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 

@@ -10,14 +10,11 @@ loose there and tight on the GPU.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+CUDA = torch.cuda.is_available()  # without CUDA, conftest.py runs Triton kernels in its interpreter
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from gpu_target import fused_ops  # noqa: E402

@@ -6,16 +6,13 @@ On a CUDA machine the kernels run on the GPU; elsewhere through Triton's CPU int
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+CUDA = torch.cuda.is_available()  # without CUDA, conftest.py runs Triton kernels in its interpreter
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from gpu_target.attention import AttentionMetadata, reference_attention  # noqa: E402
