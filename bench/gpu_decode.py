@@ -31,6 +31,7 @@ from hetero.engine import LLMEngine
 from hetero.protocols import TokenTree
 from hetero.sampling_params import SamplingParams
 
+DAMPING = 1e-5  # scale of the random models' layer output projections (see stabilise_greedy)
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"],
     model_type="llama",
@@ -143,7 +144,7 @@ def engine_for(model_dir: str, max_num_seqs: int, proposer=None, num_speculative
     return engine
 
 
-def stabilise_greedy(model) -> None:
+def stabilise_greedy(model, damping: float = DAMPING) -> None:
     """Make the random model's greedy path robust to kernel-shape rounding.
 
     With random N(0, 0.02) weights the top logits are nearly tied, and greedy decoding
@@ -156,8 +157,8 @@ def stabilise_greedy(model) -> None:
     """
     with torch.no_grad():
         for layer in model.layers:
-            layer.self_attn.o_proj.weight.mul_(1e-2)
-            layer.mlp.down_proj.weight.mul_(1e-2)
+            layer.self_attn.o_proj.weight.mul_(damping)
+            layer.mlp.down_proj.weight.mul_(damping)
 
 
 def graph_replay_ms(engine: LLMEngine, batch: int) -> float | None:
