@@ -167,7 +167,7 @@ def load_tokenizer(
     model_path: PathLike, tokenizer: PathLike | None = None, trust_remote_code: bool = False
 ) -> transformers.PreTrainedTokenizerBase:
     """The tokenizer of `tokenizer` if given, else of the model: from an HF directory or a GGUF's metadata."""
-    source = resolve_model_path(model_path) if tokenizer is None else _resolve_tokenizer_path(tokenizer)
+    source = resolve_model_path(model_path, require_weights=False) if tokenizer is None else _resolve_tokenizer_path(tokenizer)
     if is_gguf(source):
         return gguf_checkpoint.load_tokenizer(source)
     return hf_checkpoint.load_tokenizer(source, trust_remote_code=trust_remote_code)
