@@ -93,7 +93,7 @@ def build_engine(target_dir: str, draft: dict, args, **speculation) -> LLMEngine
     engine = LLMEngine(config)
     graft_draft_into_target(engine.model, draft, args.head_noise, seed=1)
     if engine.proposer is not None and args.always_speculate:
-        engine.spec_control.min_samples = 10**9
+        engine.spec_control.always_speculate = True
     return engine
 
 

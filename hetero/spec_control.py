@@ -3,7 +3,8 @@
 Two limits apply. The node budget (`target_parallelism`, summed over the batch) shrinks
 trees as the batch grows, because a large batch already fills the GPU. And the
 controller measures, per batch-size bucket, the tokens per second that steps with and
-without speculation actually deliver; where speculating is measured slower it stops,
+without speculation actually deliver (one speculative step, then `min_samples` plain ones,
+before the first comparison); where speculating is measured slower it stops,
 probing one speculative step every `probe_interval` steps to notice when acceptance
 recovers (and one plain step as often while speculating, to keep the comparison fresh).
 Each probe that confirms the current choice doubles that bucket's probe interval, up to
@@ -36,12 +37,14 @@ class SpeculationController:
         probe_interval: int = 16,
         max_probe_interval: int = 1024,
         min_samples: int = 3,
+        always_speculate: bool = False,
     ):
         self.max_nodes_per_seq = max_nodes_per_seq
         self.target_parallelism = target_parallelism
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
-        self.min_samples = min_samples
+        self.min_samples = min_samples  # plain steps measured before the first comparison
+        self.always_speculate = always_speculate  # skip the measurement (tests, cost benchmarks)
         self._speculative: dict[int, _Throughput] = {}
         self._plain: dict[int, _Throughput] = {}
         self._interval: dict[int, int] = {}
@@ -60,7 +63,7 @@ class SpeculationController:
         bucket = self.bucket(num_seqs)
         spec = self._speculative.setdefault(bucket, _Throughput())
         plain = self._plain.setdefault(bucket, _Throughput())
-        if spec.samples < self.min_samples:
+        if self.always_speculate or not spec.samples:
             return per_seq
         if plain.samples < self.min_samples:
             return 0
@@ -87,6 +90,6 @@ class SpeculationController:
         """Whether speculation measured faster at this batch size (None before both were measured)."""
         bucket = self.bucket(num_seqs)
         spec, plain = self._speculative.get(bucket), self._plain.get(bucket)
-        if not spec or not plain or spec.samples < self.min_samples or plain.samples < self.min_samples:
+        if not spec or not plain or not spec.samples or plain.samples < self.min_samples:
             return None
         return spec.tokens_per_second >= plain.tokens_per_second

@@ -73,7 +73,7 @@ def test_gpu_verifies_trees_losslessly(tiny_llama_dir, eager):
     truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in cpu.generate(PROMPTS, greedy, use_tqdm=False)}
     proposer = OracleProposer(truth, "random", 12, 0.8, vocab=320, seed=5)
     llm = speculative_llm(tiny_llama_dir, proposer, device="cuda", max_num_seqs=8, gpu_memory_utilization=0.3, enforce_eager=eager)
-    llm.llm_engine.spec_control.min_samples = 10**9
+    llm.llm_engine.spec_control.always_speculate = True
     assert (llm.llm_engine.runner.graph_runner is None) == eager
     outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     assert {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in outs} == truth

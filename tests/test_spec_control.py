@@ -25,8 +25,8 @@ def test_losing_speculation_is_turned_off_and_probed_ever_more_rarely():
     controller = SpeculationController(8, 1024, probe_interval=4, max_probe_interval=256)
     first = drive(controller, 64, spec_tps=800.0, plain_tps=1000.0, steps=1000)
     assert controller.speculation_pays(64) is False
-    # 3 warm-up steps, then probes after 4, 4, 8, 16, ..., 256 plain steps (9 within 1000 steps).
-    assert first <= 3 + 9
+    # 1 speculative sample, then probes after 4, 4, 8, 16, ..., 256 plain steps (9 within 1000 steps).
+    assert first <= 1 + 9
     later = drive(controller, 64, spec_tps=800.0, plain_tps=1000.0, steps=1024)
     assert later <= 1024 // 256
 
@@ -44,3 +44,8 @@ def test_buckets_decide_independently():
     drive(controller, 64, spec_tps=500.0, plain_tps=1000.0, steps=200)
     assert controller.speculation_pays(1) is True
     assert controller.speculation_pays(64) is False
+
+
+def test_always_speculate_skips_the_measurement():
+    controller = SpeculationController(8, 64, always_speculate=True)
+    assert drive(controller, 1, spec_tps=1.0, plain_tps=1000.0, steps=50) == 50
