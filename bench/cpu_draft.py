@@ -9,6 +9,10 @@ single-token forward per further depth level). ``forward_ms`` is one batched for
     python -m bench.cpu_draft [--model SmolLM2-135M-Instruct | --random-shape 576,30,9,3,1536,49152]
                               [--precisions bf16 fp32 int8] [--batch-sizes 1 8 32]
                               [--context 256] [--draft-tokens 4] [--steps 20] [--cpus 4-15] [--threads 12]
+                              [--kv-layouts slots paged] [--no-pack-linears]
+
+``--kv-layouts slots paged`` times the contiguous-slot layout (the CPU default) next to the
+paged one it replaced on the CPU (gathers per layer, plain F.linear), in one run.
 
 Prints a table and writes ``bench/results/cpu_draft-<hostname>.csv`` with the exact
 command and the machine (CPU model, AMX / AVX-512 BF16 flags, IPEX).
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.util
+import itertools
 import shlex
 import sys
 import time
@@ -60,8 +65,9 @@ def random_config(shape: str) -> ModelConfig:
                        tie_word_embeddings=True, **dims)
 
 
-def load_drafter(args, dtype: torch.dtype, int8: bool, max_num_seqs: int) -> Drafter:
-    options = DraftModelOptions(dtype=dtype, int8_weights=int8, kv_cache_bytes=int(args.kv_cache_gib * 2**30), max_num_seqs=max_num_seqs)
+def load_drafter(args, dtype: torch.dtype, int8: bool, max_num_seqs: int, kv_layout: str) -> Drafter:
+    options = DraftModelOptions(dtype=dtype, int8_weights=int8, kv_cache_bytes=int(args.kv_cache_gib * 2**30), max_num_seqs=max_num_seqs,
+                                kv_layout=kv_layout, pack_linears=args.pack_linears)
     if args.random_shape is None:
         return Drafter.load(args.model, options)
     config = random_config(args.random_shape)
@@ -106,6 +112,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--cpus", default=None, help="cores to pin to, e.g. 4-15 (default: $HETERO_DRAFT_CPUS, else all but the first)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: one per pinned core)")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
+    parser.add_argument("--kv-layouts", nargs="+", default=["slots"], choices=["slots", "paged"],
+                        help="draft KV layouts to time (paged: the layout the CPU draft used before slots)")
+    parser.add_argument("--pack-linears", action=argparse.BooleanOptionalAction, default=True,
+                        help="slots layout: oneDNN-packed projections and logits head")
     parser.add_argument("--out", type=Path, default=None, help="CSV path (default bench/results/cpu_draft-<hostname>.csv)")
     return parser.parse_args(argv)
 
@@ -126,15 +136,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.random_shape is None:
         config = load_config(args.model)
         print(f"shape: {config.num_parameters() / 1e6:.0f} M parameters, {config.num_layers} layers, hidden {config.hidden_size}")
-    print(f"{'precision':>9} {'batch':>5} {'step p50 ms':>11} {'step p90 ms':>11} {'forward ms':>10} {'draft tok/s':>11}")
+    print(f"{'layout':>6} {'precision':>9} {'batch':>5} {'step p50 ms':>11} {'step p90 ms':>11} {'forward ms':>10} {'draft tok/s':>11}")
     rows = []
-    for precision in args.precisions:
+    for precision, layout in itertools.product(args.precisions, args.kv_layouts):
         dtype, int8 = PRECISIONS[precision]
-        drafter = load_drafter(args, dtype, int8, max(args.batch_sizes))
+        drafter = load_drafter(args, dtype, int8, max(args.batch_sizes), layout)
         for batch_size in args.batch_sizes:
             times = time_draft_steps(drafter, batch_size, args.context, args.draft_tokens, args.steps, args.warmup)
             p50, p90 = np.percentile(times, 50) * 1e3, np.percentile(times, 90) * 1e3
             row = {
+                "kv_layout": layout,
+                "packed_linears": layout == "slots" and args.pack_linears,
                 "precision": precision,
                 "batch_size": batch_size,
                 "step_p50_ms": round(p50, 3),
@@ -146,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "steps": args.steps,
             }
             rows.append(row)
-            print(f"{precision:>9} {batch_size:>5} {p50:>11.2f} {p90:>11.2f} {row['forward_ms']:>10.2f} {row['draft_tokens_per_s']:>11.0f}")
+            print(f"{layout:>6} {precision:>9} {batch_size:>5} {p50:>11.2f} {p90:>11.2f} {row['forward_ms']:>10.2f} {row['draft_tokens_per_s']:>11.0f}")
         del drafter
     extra = {
         "model": model_name,

@@ -1,19 +1,20 @@
 """The draft model with per-sequence KV that rolls back in O(1), drafting a whole batch at once.
 
 Each sequence has a *context* (its real tokens: prompt + output so far; the last one is the
-root of the next tree) and a paged KV cache holding ``kv_tokens``, the tokens whose K/V
-were computed, in position order. Drafting writes the draft chain into that cache, so
-``kv_tokens`` may run ahead of the context. Setting a new context keeps the longest
-common prefix of the two and truncates the rest: rollback is a length change plus
-freeing whole blocks past the end, never a copy. Stale K/V past the end is invisible
-(attention reads ``seq_len`` tokens) and is overwritten by the next write.
+root of the next tree) and KV holding ``kv_tokens``, the tokens whose K/V were computed,
+in position order. Drafting writes the draft chain into that KV, so ``kv_tokens`` may run
+ahead of the context. Setting a new context keeps the longest common prefix of the two
+and truncates the rest: rollback is a length change (plus, in the paged layout, freeing
+whole blocks past the end), never a copy. Stale K/V past the end is invisible (attention
+reads ``seq_len`` tokens) and is overwritten by the next write.
 
 A tree is a greedy chain, optionally with the next-best siblings of each chain node
 (``tree_width`` > 1): the siblings come from logits the chain already computed, so they
 cost no forward pass. Per depth level there is one batched forward over every sequence.
 
-The model is `gpu_target.model.CausalLM` run by `gpu_target.runner.ModelRunner` over a
-`KVCachePool`: the target's own code, on another device and dtype.
+The model is `gpu_target.model.CausalLM`, the target's own code on another device and
+dtype, over one of the KV layouts of `cpu_draft.draft_kv`: contiguous slots on the CPU,
+the target's paged pool and runner on CUDA.
 """
 from __future__ import annotations
 
@@ -24,11 +25,9 @@ from typing import Callable, Hashable, Optional, Sequence
 import numpy as np
 import torch
 
-from cpu_draft.attention import PerForwardAttention
-from gpu_target.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks
+from cpu_draft.draft_kv import PagedDraftKV, SlotDraftKV, default_layout
 from gpu_target.loader import load_config, load_state_dict, resolve_model_path
 from gpu_target.model import CausalLM, build_model
-from gpu_target.runner import ModelRunner, SequenceChunk
 from hetero.protocols import TokenTree
 
 logger = logging.getLogger("hetero.cpu_draft")
@@ -45,7 +44,9 @@ class DraftModelOptions:
     tree_width: int = 1  # 1: chains; w: each chain node comes with its w-1 next-best siblings
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 256
-    block_size: int = 16
+    block_size: int = 16  # paged layout only
+    kv_layout: Optional[str] = None  # "slots" | "paged"; None: slots on the CPU, paged elsewhere
+    pack_linears: bool = True  # slots layout: oneDNN-packed projections and logits head
 
 
 def tree_levels(max_nodes: int, width: int) -> list[int]:
@@ -70,7 +71,7 @@ def tree_levels(max_nodes: int, width: int) -> list[int]:
 class _SeqState:
     context: list[int] = field(default_factory=list)
     kv_tokens: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
+    kv: object = None  # the KV layout's handle: a slot, or a block list
     chain: list[int] = field(default_factory=list)  # the last drafted chain, drafted from `context`
 
 
@@ -117,14 +118,13 @@ class Drafter:
         self.model = model
         self.options = options
         self.device = torch.device(options.device)
-        config = model.config
-        self.max_positions = config.max_position_embeddings
-        per_block = KVCachePool.bytes_per_block(config, options.block_size, options.dtype)
-        blocks_per_seq = -(-self.max_positions // options.block_size)
-        num_blocks = max(blocks_per_seq, min(options.kv_cache_bytes // per_block, options.max_num_seqs * blocks_per_seq))
-        self.kv_pool = KVCachePool(config, num_blocks, options.block_size, options.dtype, self.device)
-        self.allocator = BlockAllocator(num_blocks, options.block_size)
-        self.runner = ModelRunner(model, self.kv_pool, self.device, _attention_for(self.device))
+        self.max_positions = model.config.max_position_embeddings
+        self.kv_layout = default_layout(self.device, options.kv_layout)
+        if self.kv_layout == "slots":
+            self.kv = SlotDraftKV(model, options.dtype, options.kv_cache_bytes, self.max_positions, options.pack_linears)
+        else:
+            self.kv = PagedDraftKV(model, options.dtype, self.device, options.kv_cache_bytes, options.max_num_seqs,
+                                   options.block_size, self.max_positions)
         self._seqs: dict[SeqId, _SeqState] = {}
 
     @classmethod
@@ -139,7 +139,7 @@ class Drafter:
             from cpu_draft.quantize import quantize_model_int8
 
             net = quantize_model_int8(net, options.dtype)
-        elif torch.device(options.device).type == "cpu":
+        elif torch.device(options.device).type == "cpu" and default_layout(torch.device("cpu"), options.kv_layout) == "paged":
             net = _maybe_ipex_optimize(net, options.dtype)
         return cls(net, options)
 
@@ -162,7 +162,9 @@ class Drafter:
 
     def set_context(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
         """The sequence's real tokens; the KV keeps its longest common prefix with them."""
-        state = self._seqs.setdefault(seq_id, _SeqState())
+        state = self._seqs.get(seq_id)
+        if state is None:
+            state = self._seqs[seq_id] = _SeqState(kv=self.kv.new_handle())
         tokens = list(token_ids)
         if not tokens:
             raise ValueError(f"sequence {seq_id!r}: a context needs at least the root token")
@@ -174,7 +176,7 @@ class Drafter:
     def release(self, seq_id: SeqId) -> None:
         state = self._seqs.pop(seq_id, None)
         if state is not None:
-            self.allocator.free_all(state.blocks)
+            self.kv.release(state.kv)
 
     def release_all(self) -> None:
         for seq_id in list(self._seqs):
@@ -183,10 +185,7 @@ class Drafter:
     def kv_snapshot(self, seq_id: SeqId) -> torch.Tensor:
         """K/V of the sequence's cached tokens: [layers, 2, kv_length, kv_heads, head_dim] (a copy)."""
         state = self._seqs[seq_id]
-        storage = self.kv_pool.storage
-        blocks = torch.tensor(state.blocks, dtype=torch.long, device=storage.device)
-        gathered = storage[:, :, blocks].flatten(2, 3)
-        return gathered[:, :, : len(state.kv_tokens)].clone()
+        return self.kv.snapshot(state.kv, len(state.kv_tokens))
 
     # -------------------------------------------------------------- drafting
     def draft(
@@ -294,37 +293,28 @@ class Drafter:
         return torch.stack(rows)
 
     def _forward(self, states: list[_SeqState], feeds: list[list[int]]) -> torch.Tensor:
-        """Append ``feeds`` to the sequences' KV (blocks already reserved); logits of each feed's last token."""
-        chunks = []
+        """Append ``feeds`` to the sequences' KV (room already reserved); logits of each feed's last token."""
+        cached_lens = [len(state.kv_tokens) for state in states]
+        logits = self.kv.forward([state.kv for state in states], cached_lens, feeds)
         for state, feed in zip(states, feeds):
-            start = len(state.kv_tokens)
-            chunks.append(SequenceChunk(feed, range(start, start + len(feed)), state.blocks, start, [len(feed) - 1]))
             state.kv_tokens.extend(feed)
-        return self.runner.forward(chunks)
+        return logits
 
     def _reserve(self, state: _SeqState, num_tokens: int, protected: set) -> bool:
-        """Blocks for ``num_tokens`` of KV; evicts the KV of sequences outside ``protected`` if short."""
-        needed = -(-num_tokens // self.options.block_size) - len(state.blocks)
-        if needed > self.allocator.num_free:
-            for seq_id, other in self._seqs.items():
-                if needed <= self.allocator.num_free:
-                    break
-                if seq_id not in protected and other.blocks:
-                    self._truncate(other, 0)
-        try:
-            for _ in range(needed):
-                state.blocks.append(self.allocator.allocate())
-        except OutOfBlocks:
-            logger.warning("draft KV cache is full: a sequence goes without a draft this step")
-            return False
-        return True
+        """Room for ``num_tokens`` of KV; evicts the KV of sequences outside ``protected`` if short."""
+        if self.kv.reserve(state.kv, num_tokens):
+            return True
+        for seq_id, other in self._seqs.items():
+            if seq_id not in protected and self.kv.holds_kv(other.kv):
+                self._truncate(other, 0)
+                if self.kv.reserve(state.kv, num_tokens):
+                    return True
+        logger.warning("draft KV cache is full: a sequence goes without a draft this step")
+        return False
 
     def _truncate(self, state: _SeqState, length: int) -> None:
         del state.kv_tokens[length:]
-        keep = -(-length // self.options.block_size)
-        if len(state.blocks) > keep:
-            self.allocator.free_all(state.blocks[keep:])
-            del state.blocks[keep:]
+        self.kv.truncate(state.kv, length)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -333,14 +323,6 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
         return n
     diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
     return int(diff[0])
-
-
-def _attention_for(device: torch.device):
-    if device.type == "cuda":
-        from gpu_target.triton_attention import paged_attention
-
-        return paged_attention
-    return PerForwardAttention()
 
 
 def _maybe_ipex_optimize(model: CausalLM, dtype: torch.dtype) -> CausalLM:

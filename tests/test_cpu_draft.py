@@ -56,7 +56,7 @@ def _tokens(outputs) -> list[list[int]]:
 
 def _always_speculate(llm: LLM) -> None:
     """Keep the engine from switching speculation off when the tiny draft measures slower than plain decoding."""
-    llm.llm_engine.spec_control.min_samples = 10**9
+    llm.llm_engine.spec_control.always_speculate = True
 
 
 def _close(llm: LLM) -> None:
@@ -70,9 +70,10 @@ def _drafter(model_dir, **options) -> Drafter:
     return Drafter.load(str(model_dir), DraftModelOptions(dtype=torch.float32, **options))
 
 
-def test_rollback_leaves_kv_as_if_rejected_tokens_never_happened(tiny_llama_dir):
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_rollback_leaves_kv_as_if_rejected_tokens_never_happened(tiny_llama_dir, layout):
     prompt = list(range(40, 71))
-    speculated = _drafter(tiny_llama_dir)
+    speculated = _drafter(tiny_llama_dir, kv_layout=layout)
     speculated.set_context("s", prompt)
     chain = speculated.draft([("s", 6)])[0].tokens.tolist()
     assert speculated.kv_length("s") == len(prompt) + 5  # the chain's K/V, all but its last token
@@ -80,32 +81,34 @@ def test_rollback_leaves_kv_as_if_rejected_tokens_never_happened(tiny_llama_dir)
     accepted = prompt + chain[:2] + [bonus]
     speculated.set_context("s", accepted)
 
-    fresh = _drafter(tiny_llama_dir)  # sees the accepted tokens only, fed the same way (one per forward)
+    fresh = _drafter(tiny_llama_dir, kv_layout=layout)  # sees the accepted tokens only, fed the same way (one per forward)
     fresh.set_context("s", prompt)
     assert fresh.draft([("s", 3)])[0].tokens.tolist() == chain[:3]
     fresh.set_context("s", accepted)
 
     assert speculated.kv_length("s") == fresh.kv_length("s") == len(prompt) + 2
     assert torch.equal(speculated.kv_snapshot("s"), fresh.kv_snapshot("s"))
-    assert speculated.allocator.num_free == fresh.allocator.num_free  # blocks past the end went back
+    if layout == "paged":
+        assert speculated.kv.allocator.num_free == fresh.kv.allocator.num_free  # blocks past the end went back
     next_speculated = speculated.draft([("s", 5)])[0]
     next_fresh = fresh.draft([("s", 5)])[0]
     assert next_speculated.tokens.tolist() == next_fresh.tokens.tolist()
     assert torch.equal(speculated.kv_snapshot("s"), fresh.kv_snapshot("s"))
 
-    cold = _drafter(tiny_llama_dir)  # a drafter that prefills the accepted context in one go agrees too
+    cold = _drafter(tiny_llama_dir, kv_layout=layout)  # a drafter that prefills the accepted context in one go agrees too
     cold.set_context("s", accepted)
     assert cold.draft([("s", 5)])[0].tokens.tolist() == next_fresh.tokens.tolist()
 
 
-def test_batched_drafting_matches_one_sequence_at_a_time(tiny_llama_dir):
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_batched_drafting_matches_one_sequence_at_a_time(tiny_llama_dir, layout):
     contexts = {"a": list(range(10, 30)), "b": list(range(100, 103)), "c": list(range(7, 60))}
-    batched = _drafter(tiny_llama_dir, tree_width=3)
+    batched = _drafter(tiny_llama_dir, tree_width=3, kv_layout=layout)
     for seq_id, tokens in contexts.items():
         batched.set_context(seq_id, tokens)
     together = batched.draft([(s, 7) for s in contexts])
     for (seq_id, tokens), tree in zip(contexts.items(), together):
-        alone = _drafter(tiny_llama_dir, tree_width=3)
+        alone = _drafter(tiny_llama_dir, tree_width=3, kv_layout=layout)
         alone.set_context(seq_id, tokens)
         assert alone.draft([(seq_id, 7)])[0].tokens.tolist() == tree.tokens.tolist()
         assert len(tree) == 7 and tree.depths().max() == 3  # ceil(7 / 3) levels, siblings on the first two
@@ -122,6 +125,74 @@ def test_a_draft_shrunk_to_a_smaller_budget_equals_drafting_with_it(tiny_llama_d
     assert shrunk.tokens.tolist() == expected.tokens.tolist()
     assert shrunk.parents.tolist() == expected.parents.tolist()
     assert big.last_chain("s") == small.last_chain("s") and big.kv_length("s") == small.kv_length("s")
+
+
+def test_slot_layout_drafts_what_the_paged_layout_drafts(tiny_llama_dir):
+    """Over steps of accept / reject / new and finished sequences, in an order that breaks slot order."""
+    slots, paged = _drafter(tiny_llama_dir, kv_layout="slots"), _drafter(tiny_llama_dir, kv_layout="paged")
+    contexts = {"a": list(range(10, 30)), "b": list(range(100, 103)), "c": list(range(7, 60)), "d": [5]}
+    for step in range(6):
+        for drafter in (slots, paged):
+            for seq_id, tokens in contexts.items():
+                drafter.set_context(seq_id, tokens)
+        requests = [(s, 4) for s in reversed(contexts)] if step % 2 else [(s, 4) for s in contexts]
+        drafted = [drafter.draft(requests) for drafter in (slots, paged)]
+        assert [t.tokens.tolist() for t in drafted[0]] == [t.tokens.tolist() for t in drafted[1]]
+        for seq_id, tree in zip([s for s, _ in requests], drafted[0]):
+            chain = tree.tokens.tolist()
+            accepted = chain[: (step + len(seq_id)) % 5]  # some sequences take the whole chain, some none
+            contexts[seq_id] = contexts[seq_id] + accepted + [(sum(accepted) + step) % slots.vocab_size]
+        for seq_id in contexts:
+            assert torch.allclose(slots.kv_snapshot(seq_id), paged.kv_snapshot(seq_id), atol=1e-5)
+        if step == 2:  # one sequence finishes and another arrives: its slot is reused
+            del contexts["b"]
+            slots.release("b"), paged.release("b")
+            contexts["e"] = list(range(200, 230))
+
+
+def test_slot_storage_grows_and_compacts_without_losing_kv(tiny_llama_dir):
+    drafter = _drafter(tiny_llama_dir, kv_layout="slots")
+    cache = drafter.kv.cache
+    drafter.set_context("a", list(range(1, 20)))
+    drafter.set_context("b", list(range(30, 40)))
+    drafter.draft([("a", 2), ("b", 2)])
+    drafter.release("a")
+    before = drafter.kv_snapshot("b")
+    long_context = list(range(cache.capacity + 5))  # past the capacity: the storage regrows, "b" moves to slot 0
+    drafter.set_context("c", long_context)
+    drafter.draft([("c", 2)])
+    assert cache.capacity >= len(long_context) + 1
+    assert drafter.kv.cache._holders[0] is drafter._seqs["b"].kv
+    assert torch.equal(drafter.kv_snapshot("b"), before)
+
+
+def test_slot_cache_over_budget_evicts_sequences_outside_the_batch(tiny_llama_dir):
+    probe = _drafter(tiny_llama_dir, kv_layout="slots")
+    per_slot = probe.kv.cache.bytes_per_token * 256
+    drafter = _drafter(tiny_llama_dir, kv_layout="slots", kv_cache_bytes=2 * per_slot)
+    for seq_id in "abc":
+        drafter.set_context(seq_id, list(range(10, 20)))
+        assert len(drafter.draft([(seq_id, 3)])[0]) == 3  # the third evicts the KV of one of the others
+    assert sum(drafter.kv_length(s) > 0 for s in "abc") == 2
+    tokens = [t.tokens.tolist() for t in drafter.draft([(s, 3) for s in "abc"])]
+    assert sum(len(t) == 3 for t in tokens) == 2  # no room for all three in one batch: one goes without
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_linear_matches_f_linear(dtype):
+    from cpu_draft.packed_linear import PackedLinear, can_pack
+
+    if not can_pack(dtype):
+        pytest.skip("oneDNN packed linear is unavailable here")
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = (torch.randn(48, 64, generator=generator).to(dtype), torch.randn(48, generator=generator).to(dtype))
+    for rows in (1, 8, 33):
+        x = torch.randn(rows, 64, generator=generator).to(dtype)
+        packed, plain = PackedLinear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias)
+        if dtype == torch.bfloat16:
+            assert torch.equal(packed, plain)
+        else:
+            assert torch.allclose(packed, plain, atol=1e-5)
 
 
 def test_per_forward_attention_equals_the_reference():

@@ -1,0 +1,153 @@
+"""The draft's two KV layouts behind one small interface the `Drafter` drives.
+
+* `SlotDraftKV` (the CPU default): contiguous per-sequence slots (`cpu_draft.slot_kv`),
+  attention over slices of them, decoder projections and the logits head packed for oneDNN.
+* `PagedDraftKV`: the target's paged pool and `ModelRunner`, with the Triton paged kernel
+  on CUDA (the in-process GPU draft) or `PerForwardAttention` on the CPU.
+
+Both take, per forward, each sequence's handle, its cached length and the tokens to append
+(their K/V land right after the cached ones; positions are storage indices), and return
+the float32 logits of every feed's last token. Rollback is `truncate`, a length change.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from cpu_draft.attention import PerForwardAttention
+from cpu_draft.packed_linear import pack_model_linears, packed_logits_head
+from cpu_draft.slot_kv import SlotHandle, SlotKVCache, slot_attention
+from gpu_target.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks
+from gpu_target.model import CausalLM
+from gpu_target.runner import ModelRunner, SequenceChunk
+
+
+class SlotDraftKV:
+    def __init__(self, model: CausalLM, dtype: torch.dtype, budget_bytes: int, max_positions: int, pack_linears: bool = True):
+        self.model = model
+        self.cache = SlotKVCache(model.config, dtype, budget_bytes, max_positions)
+        self.logits_head = None
+        if pack_linears and pack_model_linears(model, dtype):
+            self.logits_head = packed_logits_head(model, dtype)
+
+    new_handle = SlotHandle
+
+    def reserve(self, handle: SlotHandle, num_tokens: int) -> bool:
+        return self.cache.reserve(handle, num_tokens)
+
+    def truncate(self, handle: SlotHandle, length: int) -> None:
+        """Only a length change; an emptied sequence gives its slot back."""
+        if length == 0:
+            self.cache.release(handle)
+
+    def release(self, handle: SlotHandle) -> None:
+        self.cache.release(handle)
+
+    def holds_kv(self, handle: SlotHandle) -> bool:
+        return handle.slot is not None
+
+    def snapshot(self, handle: SlotHandle, length: int) -> torch.Tensor:
+        return self.cache.snapshot(handle, length)
+
+    @torch.inference_mode()
+    def forward(self, handles: Sequence[SlotHandle], cached_lens: Sequence[int], feeds: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Runs the batch in slot order (so consecutive slots attend over a slice) and answers in the caller's."""
+        order = sorted(range(len(handles)), key=lambda i: handles[i].slot)
+        handles, cached, feeds_sorted = [handles[i] for i in order], [cached_lens[i] for i in order], [feeds[i] for i in order]
+        query_lens = [len(f) for f in feeds_sorted]
+        meta = self.cache.metadata(handles, cached, query_lens)
+        input_ids = torch.tensor([t for f in feeds_sorted for t in f], dtype=torch.long)
+        positions = torch.tensor([p for start, n in zip(cached, query_lens) for p in range(start, start + n)], dtype=torch.long)
+        hidden = self.model(input_ids, positions, self.cache.layers, meta, slot_attention)
+        last_rows = torch.tensor(_last_rows(query_lens), dtype=torch.long)
+        hidden = hidden[last_rows]
+        logits = self.model.compute_logits(hidden) if self.logits_head is None else self.logits_head(hidden).float()
+        if order != sorted(order):
+            logits = logits[torch.tensor(_inverse(order), dtype=torch.long)]
+        return logits
+
+
+class PagedDraftKV:
+    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, budget_bytes: int, max_num_seqs: int, block_size: int, max_positions: int):
+        config = model.config
+        per_block = KVCachePool.bytes_per_block(config, block_size, dtype)
+        blocks_per_seq = -(-max_positions // block_size)
+        num_blocks = max(blocks_per_seq, min(budget_bytes // per_block, max_num_seqs * blocks_per_seq))
+        self.block_size = block_size
+        self.pool = KVCachePool(config, num_blocks, block_size, dtype, device)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.runner = ModelRunner(model, self.pool, device, _paged_attention_for(device))
+
+    def new_handle(self) -> list[int]:
+        return []
+
+    def reserve(self, blocks: list[int], num_tokens: int) -> bool:
+        needed = -(-num_tokens // self.block_size) - len(blocks)
+        if needed > self.allocator.num_free:
+            return False
+        try:
+            for _ in range(needed):
+                blocks.append(self.allocator.allocate())
+        except OutOfBlocks:
+            return False
+        return True
+
+    def truncate(self, blocks: list[int], length: int) -> None:
+        """Frees the blocks past ``length``."""
+        keep = -(-length // self.block_size)
+        if len(blocks) > keep:
+            self.allocator.free_all(blocks[keep:])
+            del blocks[keep:]
+
+    def release(self, blocks: list[int]) -> None:
+        self.truncate(blocks, 0)
+
+    def holds_kv(self, blocks: list[int]) -> bool:
+        return bool(blocks)
+
+    def snapshot(self, blocks: list[int], length: int) -> torch.Tensor:
+        storage = self.pool.storage
+        gathered = storage[:, :, torch.tensor(blocks, dtype=torch.long, device=storage.device)].flatten(2, 3)
+        return gathered[:, :, :length].clone()
+
+    def forward(self, handles: Sequence[list[int]], cached_lens: Sequence[int], feeds: Sequence[Sequence[int]]) -> torch.Tensor:
+        chunks = [
+            SequenceChunk(feed, range(start, start + len(feed)), blocks, start, [len(feed) - 1])
+            for blocks, start, feed in zip(handles, cached_lens, feeds)
+        ]
+        return self.runner.forward(chunks)
+
+
+def _last_rows(query_lens: Sequence[int]) -> list[int]:
+    rows, end = [], 0
+    for n in query_lens:
+        end += n
+        rows.append(end - 1)
+    return rows
+
+
+def _inverse(order: Sequence[int]) -> list[int]:
+    inverse = [0] * len(order)
+    for position, index in enumerate(order):
+        inverse[index] = position
+    return inverse
+
+
+def _paged_attention_for(device: torch.device):
+    if device.type == "cuda":
+        from gpu_target.triton_attention import paged_attention
+
+        return paged_attention
+    return PerForwardAttention()
+
+
+def default_layout(device: torch.device, requested: Optional[str]) -> str:
+    """``requested`` if given, else slots on the CPU and paged elsewhere (the Triton kernel reads pages)."""
+    if requested is not None:
+        if requested not in ("slots", "paged"):
+            raise ValueError(f"draft KV layout must be 'slots' or 'paged', got {requested!r}")
+        if requested == "slots" and device.type != "cpu":
+            raise ValueError(f"the slots KV layout is for the CPU draft, not {device.type}")
+        return requested
+    return "slots" if device.type == "cpu" else "paged"

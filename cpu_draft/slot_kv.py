@@ -1,0 +1,167 @@
+"""Contiguous per-sequence KV for the draft on the CPU: one slot per sequence, no gathers.
+
+The storage is ``[layers, 2, slots, capacity, kv_heads, head_dim]``: sequence i's K/V for
+storage index p sits at ``[layer, k_or_v, slot_i, p]``. A batch whose slots are
+consecutive attends over a plain slice of the storage (a view, nothing copied); any other
+batch takes its slots with one ``index_select`` of whole contiguous rows. Compared with
+the paged cache this drops, per layer, the token-by-token gather of every cached K/V and
+the rebuild of gather indices, which dominated a small draft model's step on the CPU.
+
+Rollback stays O(1): the drafter truncates a length and stale K/V past it is never read
+(the mask hides it) and is overwritten by the next write. Slots are handed out lowest
+first, and when the storage grows (more slots, or a longer capacity) the live sequences
+are packed into the first slots, so a steady batch keeps consecutive slots.
+
+`CausalLM` is unchanged: it writes K/V through ``meta.slot_mapping`` into each layer's
+``[slots, capacity, kv_heads, head_dim]`` tensor (flat index ``slot * capacity + p``) and
+hands ``meta`` to `slot_attention`, the only reader of the rest of `SlotMetadata`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+from gpu_target.model_config import ModelConfig
+
+MIN_CAPACITY = 256
+
+
+@dataclass
+class SlotMetadata:
+    slot_mapping: torch.Tensor  # int64 [T]: flat storage row of each new token's K/V
+    slots: Union[slice, torch.Tensor]  # the batch's slots, in batch order: a slice when consecutive
+    max_seq_len: int
+    max_query_len: int
+    rows: Optional[torch.Tensor]  # int64 [T]: row of each new token in the padded [B * Q] layout; None if no padding
+    mask: torch.Tensor  # additive, query dtype [B, 1, group * Q, S]: 0 where visible, -inf elsewhere
+
+
+def slot_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: SlotMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of the new tokens [T, H, D] over their sequences' slots (K/V already written)."""
+    T, H, D = query.shape
+    KVH = k_cache.shape[2]
+    group = H // KVH
+    S, Q = meta.max_seq_len, meta.max_query_len
+    k, v = k_cache[:, :S], v_cache[:, :S]
+    if isinstance(meta.slots, slice):
+        k, v = k[meta.slots], v[meta.slots]
+    else:
+        k, v = k.index_select(0, meta.slots), v.index_select(0, meta.slots)
+    B = k.shape[0]
+    if meta.rows is not None:
+        padded = query.new_zeros(B * Q, H, D)
+        padded[meta.rows] = query
+        query = padded
+    # Fold the query heads of one KV head together: [B, KVH, group * Q, D].
+    q = query.view(B, Q, KVH, group, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, group * Q, D)
+    out = F.scaled_dot_product_attention(q, k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), attn_mask=meta.mask, scale=scale)
+    out = out.view(B, KVH, group, Q, D).permute(0, 3, 1, 2, 4).reshape(B * Q, H, D)
+    return out if meta.rows is None else out[meta.rows]
+
+
+def causal_slot_mask(query_lens: Sequence[int], seq_lens: Sequence[int], group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, group * Q, S]: new token i of sequence b sees storage indices <= ctx_b + i.
+
+    Padding rows (i >= q_len_b) see index 0 only, so their softmax stays finite.
+    """
+    B, Q, S = len(seq_lens), max(query_lens), max(seq_lens)
+    q_lens = torch.tensor(query_lens).view(B, 1, 1)
+    ctx = torch.tensor(seq_lens).view(B, 1, 1) - q_lens
+    qi = torch.arange(Q).view(1, Q, 1)
+    kp = torch.arange(S).view(1, 1, S)
+    visible = torch.where(qi < q_lens, kp <= ctx + qi, kp == 0)
+    mask = torch.zeros(B, Q, S, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    return mask.unsqueeze(1).expand(B, group, Q, S).reshape(B, 1, group * Q, S)
+
+
+class SlotHandle:
+    """A sequence's slot in a `SlotKVCache` (None while it holds no K/V)."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self) -> None:
+        self.slot: Optional[int] = None
+
+
+class SlotKVCache:
+    """Slots of contiguous K/V, grown on demand within a byte budget."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, budget_bytes: int, max_positions: int):
+        self.config = config
+        self.dtype = dtype
+        self.budget_bytes = budget_bytes
+        self.max_positions = max_positions
+        self.bytes_per_token = config.num_layers * 2 * config.kv_size * torch.empty((), dtype=dtype).element_size()
+        self.storage = torch.zeros((config.num_layers, 2, 0, 0, config.num_kv_heads, config.head_dim), dtype=dtype)
+        self._holders: list[Optional[SlotHandle]] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.storage.shape[3]
+
+    @property
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer[0], layer[1]) for layer in self.storage]
+
+    def reserve(self, handle: SlotHandle, num_tokens: int) -> bool:
+        """A slot with room for ``num_tokens``; False (nothing changed) if that would exceed the budget."""
+        if handle.slot is not None and num_tokens <= self.capacity:
+            return True
+        if handle.slot is None and num_tokens <= self.capacity and None in self._holders:
+            handle.slot = self._holders.index(None)
+            self._holders[handle.slot] = handle
+            return True
+        live = [h for h in self._holders if h is not None and h is not handle] + [handle]
+        capacity = min(max(MIN_CAPACITY, 1 << (max(num_tokens, self.capacity) - 1).bit_length()), self.max_positions)
+        capacity = max(capacity, num_tokens)
+        for slots in (max(2 * len(self._holders), len(live)), len(live)):
+            if slots * capacity * self.bytes_per_token <= self.budget_bytes:
+                self._regrow(live, slots, capacity)
+                return True
+        return False
+
+    def release(self, handle: SlotHandle) -> None:
+        if handle.slot is not None:
+            self._holders[handle.slot] = None
+            handle.slot = None
+
+    def snapshot(self, handle: SlotHandle, length: int) -> torch.Tensor:
+        """[layers, 2, length, kv_heads, head_dim] (a copy)."""
+        if handle.slot is None:
+            return self.storage[:, :, 0, :0].clone()
+        return self.storage[:, :, handle.slot, :length].clone()
+
+    def metadata(self, handles: Sequence[SlotHandle], cached_lens: Sequence[int], query_lens: Sequence[int]) -> SlotMetadata:
+        """Metadata of one forward: sequence b appends ``query_lens[b]`` tokens after ``cached_lens[b]``."""
+        capacity = self.capacity
+        slots = [h.slot for h in handles]
+        slot_mapping = [s * capacity + p for s, start, n in zip(slots, cached_lens, query_lens) for p in range(start, start + n)]
+        seq_lens = [start + n for start, n in zip(cached_lens, query_lens)]
+        Q = max(query_lens)
+        rows = None
+        if any(n != Q for n in query_lens):
+            rows = torch.tensor([b * Q + i for b, n in enumerate(query_lens) for i in range(n)], dtype=torch.long)
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        group = self.config.num_heads // self.config.num_kv_heads
+        return SlotMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
+            slots=slice(slots[0], slots[0] + len(slots)) if consecutive else torch.tensor(slots, dtype=torch.long),
+            max_seq_len=max(seq_lens),
+            max_query_len=Q,
+            rows=rows,
+            mask=causal_slot_mask(query_lens, seq_lens, group, self.dtype),
+        )
+
+    def _regrow(self, live: list[SlotHandle], slots: int, capacity: int) -> None:
+        """New storage of ``slots`` x ``capacity``; the live sequences move, in slot order, to the first slots."""
+        old, old_capacity = self.storage, self.capacity
+        live = sorted(live, key=lambda h: (h.slot is None, h.slot if h.slot is not None else 0))
+        self.storage = torch.zeros((*old.shape[:2], slots, capacity, *old.shape[4:]), dtype=self.dtype)
+        for new_slot, handle in enumerate(live):
+            if handle.slot is not None:
+                self.storage[:, :, new_slot, :old_capacity] = old[:, :, handle.slot]
+            handle.slot = new_slot
+        self._holders = live + [None] * (slots - len(live))
