@@ -41,7 +41,7 @@ class SlotMetadata:
 
 def slot_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: SlotMetadata, scale: float) -> torch.Tensor:
     """Causal attention of the new tokens [T, H, D] over their sequences' slots (K/V already written)."""
-    T, H, D = query.shape
+    _, H, D = query.shape
     KVH = k_cache.shape[2]
     group = H // KVH
     S, Q = meta.max_seq_len, meta.max_query_len
