@@ -181,6 +181,8 @@ def graph_replay_ms(engine: LLMEngine, batch: int) -> float | None:
 def bench_decode(model_dir, batches, prompt_len, new_tokens, bandwidth, rows):
     engine = engine_for(model_dir, max(batches))
     rows.append(dict(section="startup", what="cuda_graph_capture_s", value=round(engine.cuda_graph_capture_seconds, 2)))
+    rows.append(dict(section="profile", text=profile_decode_step(engine)))
+    print(rows[-1]["text"], flush=True)
     cfg = engine.model_config
     weight_bytes = cfg.num_parameters() * 2
     truth = {}
@@ -202,6 +204,19 @@ def bench_decode(model_dir, batches, prompt_len, new_tokens, bandwidth, rows):
         print(rows[-1], flush=True)
     del engine
     return truth
+
+
+def profile_decode_step(engine: LLMEngine, batch: int = 1, replays: int = 5) -> str:
+    """Kernel-time table of `replays` replays of the batch's decode graph (torch.profiler/CUPTI)."""
+    graph, _ = engine.runner.graph_runner.graphs[(batch, 1)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    averages = profiler.key_averages()
+    total_us = sum(event.device_time_total for event in averages) / replays
+    table = averages.table(sort_by="device_time_total", row_limit=15, max_name_column_width=60)
+    return f"kernel time per step: {total_us / 1e3:.3f} ms over {replays} replays of the ({batch}, 1) graph\n{table}"
 
 
 def bench_verify(model_dir, tree_sizes, batches, prompt_len, rows):
@@ -333,6 +348,9 @@ def write_results(args, rows) -> None:
     with open(path + ".json", "w") as f:
         json.dump(dict(command=command, machine=info, rows=rows), f, indent=1)
     lines = [f"# GPU decode benchmark ({info['gpu']})", "", f"command: `{command}`", "", f"machine: {json.dumps(info)}", ""]
+    for row in rows:
+        if row.get("section") == "profile":
+            lines += ["## profile (batch-1 decode step)", "", "```", row["text"], "```", ""]
     for section in ["machine", "startup", "decode", "verify", "spec"]:
         part = [r for r in rows if r.get("section") == section]
         if not part:
