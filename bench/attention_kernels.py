@@ -20,7 +20,6 @@ command and the device on every row.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import shlex
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 from bench._machine import describe_machine
+from bench._report import write_csv_with_context
 from gpu_target.attention import AttentionMetadata, reference_attention
 from hetero.protocols import TokenTree
 
@@ -285,12 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     out = args.out or RESULTS_DIR / f"attention_kernels-{machine['hostname']}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*rows[0], *extra])
-        writer.writeheader()
-        writer.writerows({**row, **extra} for row in rows)
-    print(f"wrote {out}")
+    write_csv_with_context(out, rows, extra)
     return 0
 
 

@@ -20,7 +20,6 @@ command and the machine (CPU model, AMX / AVX-512 BF16 flags, IPEX).
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.util
 import itertools
 import shlex
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from bench._machine import describe_machine
+from bench._report import write_csv_with_context
 from cpu_draft.affinity import default_draft_cpus, pin_current_process
 from cpu_draft.drafter import DraftModelOptions, Drafter
 from cpu_draft.quantize import quantize_model_int8
@@ -176,13 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     out = args.out or RESULTS_DIR / f"cpu_draft-{machine['hostname']}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*rows[0], *extra])
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, **extra})
-    print(f"wrote {out}")
+    write_csv_with_context(out, rows, extra)
     return 0
 
 

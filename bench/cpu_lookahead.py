@@ -19,6 +19,7 @@ import time
 import torch
 
 from bench._machine import describe_machine
+from bench._report import markdown_table, write_markdown_and_json
 from hetero import LLM, SamplingParams
 
 REWRITE_TEXT = (
@@ -78,21 +79,13 @@ def main(argv=None) -> None:
 
 
 def write(args, rows) -> None:
-    os.makedirs(args.out, exist_ok=True)
     info = dict(describe_machine(), torch=torch.__version__, torch_threads=torch.get_num_threads(), dtype=args.dtype)
     command = "python -m bench.cpu_lookahead " + " ".join(sys.argv[1:])
-    keys = list(rows[0])
-    lines = ["# Lookahead cache vs plain decoding, SmolLM2-135M-Instruct on the CPU", "",
-             f"command: `{command}`", "", f"machine: {json.dumps(info)}", "",
-             "Timings are the best of the repeats; `speedup` compares the two engines run side by side.", "",
-             "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
-    path = os.path.join(args.out, f"cpu_lookahead-{info['hostname']}")
-    with open(path + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(path + ".json", "w") as f:
-        json.dump(dict(command=command, machine=info, rows=rows), f, indent=1)
-    print("\n".join(lines))
+    body = ["Timings are the best of the repeats; `speedup` compares the two engines run side by side.", "",
+            *markdown_table(rows)]
+    print(write_markdown_and_json(os.path.join(args.out, f"cpu_lookahead-{info['hostname']}"),
+                                  "Lookahead cache vs plain decoding, SmolLM2-135M-Instruct on the CPU",
+                                  command, info, rows, body))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models
 
 from bench._machine import describe_machine
+from bench._report import markdown_table, write_markdown_and_json
 from bench.gpu_decode import DAMPING, LLAMA3_8B, random_prompts, stabilise_greedy, timed_decode
 from gpu_target.loader import parameter_shapes
 from gpu_target.model_config import ModelConfig
@@ -157,16 +158,8 @@ def main(argv=None) -> None:
 def write(args, rows) -> None:
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name())
     command = "python -m bench.e2e_speculation " + " ".join(sys.argv[1:])
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    lines = [f"# End-to-end speculation ({info['gpu']})", "", f"command: `{command}`", "",
-             f"machine: {json.dumps(info)}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
-    path = os.path.join(args.out, "e2e_speculation-" + time.strftime("%Y%m%d-%H%M%S"))
-    with open(path + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(path + ".json", "w") as f:
-        json.dump(dict(command=command, machine=info, rows=rows), f, indent=1)
-    print("\n".join(lines))
+    stem = os.path.join(args.out, "e2e_speculation-" + time.strftime("%Y%m%d-%H%M%S"))
+    print(write_markdown_and_json(stem, f"End-to-end speculation ({info['gpu']})", command, info, rows, markdown_table(rows)))
 
 
 if __name__ == "__main__":

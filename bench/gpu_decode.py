@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from bench._machine import describe_machine
+from bench._report import markdown_table, write_markdown_and_json
 from hetero.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.protocols import TokenTree
@@ -340,35 +341,23 @@ def main(argv=None) -> None:
 
 
 def write_results(args, rows) -> None:
-    info = dict(describe_machine())
-    info.update(torch=torch.__version__, gpu=torch.cuda.get_device_name(), python=platform.python_version())
+    info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name(), python=platform.python_version())
     command = "python -m bench.gpu_decode " + " ".join(sys.argv[1:])
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(args.out, f"gpu_decode-{stamp}")
-    with open(path + ".json", "w") as f:
-        json.dump(dict(command=command, machine=info, rows=rows), f, indent=1)
-    lines = [f"# GPU decode benchmark ({info['gpu']})", "", f"command: `{command}`", "", f"machine: {json.dumps(info)}", ""]
+    body: list[str] = []
     for row in rows:
         if row.get("section") == "profile":
-            lines += ["## profile (batch-1 decode step)", "", "```", row["text"], "```", ""]
+            body += ["## profile (batch-1 decode step)", "", "```", row["text"], "```", ""]
     for section in ["machine", "startup", "decode", "verify", "spec"]:
-        part = [r for r in rows if r.get("section") == section]
-        if not part:
-            continue
-        keys = [k for k in part[0] if k != "section"]
-        for r in part:
-            keys += [k for k in r if k not in keys and k != "section"]
-        lines += [f"## {section}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-        lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in part]
-        lines.append("")
+        part = [{k: v for k, v in r.items() if k != "section"} for r in rows if r.get("section") == section]
+        if part:
+            body += [f"## {section}", "", *markdown_table(part), ""]
     hetero = {r["batch"]: r["tokens_per_s"] for r in rows if r.get("engine") == "hetero"}
     hf = {r["batch"]: r["tokens_per_s"] for r in rows if r.get("engine") == "transformers"}
     if hetero and hf:
-        lines += ["## hetero / transformers", "", "| batch | speedup |", "|---|---|"]
-        lines += [f"| {b} | {hetero[b] / hf[b]:.1f}x |" for b in sorted(hetero) if b in hf]
-    with open(path + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        speedups = [dict(batch=b, speedup=f"{hetero[b] / hf[b]:.1f}x") for b in sorted(hetero) if b in hf]
+        body += ["## hetero / transformers", "", *markdown_table(speedups)]
+    stem = os.path.join(args.out, f"gpu_decode-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(write_markdown_and_json(stem, f"GPU decode benchmark ({info['gpu']})", command, info, rows, body))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ with the exact command and the machine).
 from __future__ import annotations
 
 import argparse
-import csv
 import multiprocessing
 import os
 import shlex
@@ -26,6 +25,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from bench._machine import describe_machine
+from bench._report import write_csv_with_context
 from ipc import Channel
 
 STOP = -1
@@ -128,7 +128,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_table(rows))
 
     out = args.out or RESULTS_DIR / f"ipc_latency-{machine['hostname']}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
     extra = {
         "iterations": args.iterations,
         "warmup": args.warmup,
@@ -141,11 +140,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "hetero_commit": machine["hetero_commit"],
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*rows[0], *extra])
-        writer.writeheader()
-        writer.writerows({**row, **extra} for row in rows)
-    print(f"wrote {out}")
+    write_csv_with_context(out, rows, extra)
     return 0
 
 
