@@ -248,9 +248,9 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 metrics.time_in_queue = now - metrics.arrival_time
+        started = time.perf_counter()  # proposing is part of what speculation costs
         speculated = self._attach_trees(scheduled)
         tokens_before = self.num_generation_tokens_total
-        started = time.perf_counter()
         chunks, layout = self._build_chunks(scheduled)
         logits = self.runner.forward(chunks)
         touched = self._consume_logits(scheduled, layout, logits)
