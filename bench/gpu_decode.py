@@ -242,29 +242,31 @@ def bench_verify(model_dir, tree_sizes, batches, prompt_len, rows):
     del engine
 
 
-def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, prompt_len, new_tokens, plain_tok_s, rows):
+def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, prompt_len, new_tokens, repeats, rows):
     vocab = LLAMA3_8B["vocab_size"]
     oracle = ChainOracle(truth, k=k, p=0.0, vocab=vocab, target_parallelism=target_parallelism)
     engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=k)
     for batch in batches:
         prompts = random_prompts(batch, prompt_len, vocab, seed=batch)
-        engine.proposer = None  # the same engine, graphs and KV pool, decoding plainly: the fair baseline
-        elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
-        engine.proposer = oracle
-        same_engine_plain = tokens / elapsed
         for p in probabilities:
             oracle.p = p
-            engine.spec_control = type(engine.spec_control)(k, target_parallelism)
-            before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens)
-            elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
-            steps = engine.spec_stats.num_steps - before[0]
-            accepted = engine.spec_stats.num_accepted_tokens - before[1]
-            tok_s = tokens / elapsed
-            rows.append(dict(section="spec", batch=batch, draft_p=p, k=k,
-                             spec_steps=steps, mean_accepted_length=round((accepted + steps) / max(steps, 1), 2),
-                             tokens_per_s=round(tok_s, 1), plain_tokens_per_s=round(same_engine_plain, 1),
-                             speedup=round(tok_s / same_engine_plain, 2),
-                             plain_engine_tokens_per_s=plain_tok_s[batch]))
+            engine.spec_control = type(engine.spec_control)(k, target_parallelism)  # learns across the repeats
+            plain_runs, spec_runs, steps, accepted = [], [], 0, 0
+            for _ in range(repeats):  # alternate, so drift hits both alike; medians below
+                engine.proposer = None  # the same engine, graphs and KV pool, decoding plainly
+                elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
+                plain_runs.append(tokens / elapsed)
+                engine.proposer = oracle
+                before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens)
+                elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
+                spec_runs.append(tokens / elapsed)
+                steps += engine.spec_stats.num_steps - before[0]
+                accepted += engine.spec_stats.num_accepted_tokens - before[1]
+            plain, spec = float(np.median(plain_runs)), float(np.median(spec_runs))
+            rows.append(dict(section="spec", batch=batch, draft_p=p, k=k, repeats=repeats,
+                             spec_seq_steps=steps, mean_accepted_length=round((accepted + steps) / max(steps, 1), 2),
+                             tokens_per_s=round(spec, 1), plain_tokens_per_s=round(plain, 1),
+                             speedup=round(spec / plain, 2), speedup_range=f"{min(spec_runs) / max(plain_runs):.2f}-{max(spec_runs) / min(plain_runs):.2f}"))
             print(rows[-1], flush=True)
     del engine
 
@@ -313,6 +315,7 @@ def main(argv=None) -> None:
     parser.add_argument("--draft-p", default="0.0,0.5,0.8,0.95")
     parser.add_argument("--spec-k", type=int, default=8)
     parser.add_argument("--target-parallelism", type=int, default=64, help="tree nodes per step over the batch")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating plain/speculative runs per spec point")
     args = parser.parse_args(argv)
     sections = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
@@ -335,9 +338,8 @@ def main(argv=None) -> None:
         gc.collect()
         torch.cuda.empty_cache()
     if "spec" in sections:
-        plain = {r["batch"]: r["tokens_per_s"] for r in rows if r.get("section") == "decode" and r.get("engine") == "hetero"}
         bench_spec(model_dir, truth, batches, [float(p) for p in args.draft_p.split(",")], args.spec_k, args.target_parallelism,
-                   args.prompt_len, args.new_tokens, plain, rows)
+                   args.prompt_len, args.new_tokens, args.repeats, rows)
         gc.collect()
         torch.cuda.empty_cache()
     if "hf" in sections:
