@@ -16,6 +16,7 @@ from torch import nn
 
 from gpu_target import fused_ops
 from gpu_target.attention import AttentionMetadata, reference_attention, write_kv
+from gpu_target.gguf_checkpoint import ROPE_FREQ_FACTORS_NAME
 from gpu_target.model_config import ModelConfig
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
@@ -132,14 +133,14 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Llama / Mistral / Qwen2 decoder over a paged KV cache."""
 
-    def __init__(self, config: ModelConfig, freq_factors: Optional[torch.Tensor] = None):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config, freq_factors)
+        self.rotary = RotaryEmbedding(config)
 
     def forward(
         self,
@@ -163,7 +164,7 @@ class CausalLM(nn.Module):
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors (as the loaders return them) into the fused parameters."""
         state = dict(state)
-        state.pop("model.rope_freq_factors", None)
+        state.pop(ROPE_FREQ_FACTORS_NAME, None)
         own = dict(self.named_parameters())
         take = lambda name: _pop_required(state, name)  # noqa: E731
         own["embed_tokens.weight"].copy_(take("model.embed_tokens.weight"))
@@ -201,11 +202,15 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> CausalLM:
-    """Allocate the model on `device` without a CPU copy, then copy the weights in."""
-    freq_factors = state.get("model.rope_freq_factors")
+    """Allocate the model on `device` in `dtype` (no CPU or float32 copy), then copy the weights in.
+
+    The rotary tables are built on the CPU in float64 from the config (and a Llama 3.1
+    GGUF's frequency factors, wherever they were loaded), then moved once.
+    """
+    freq_factors = state.get(ROPE_FREQ_FACTORS_NAME)
     with torch.device("meta"):
-        model = CausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
-    model.rotary = RotaryEmbedding(config, freq_factors).to(device)
+        model = CausalLM(config).to(dtype)
+    model = model.to_empty(device=device)  # leaves buffers uninitialised: the rotary tables are rebuilt
+    model.rotary = RotaryEmbedding(config, None if freq_factors is None else freq_factors.to("cpu")).to(device)
     model.load_hf_state_dict(state)
     return model.eval().requires_grad_(False)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # checked here, before any weight is read
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,11 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; hetero runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_scaling type {rope_type!r}; hetero supports {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(

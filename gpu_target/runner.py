@@ -7,7 +7,7 @@ returns the logits of the rows that were asked for.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -25,7 +25,6 @@ class SequenceChunk:
     num_cached: int  # storage index of the first new token
     logits_indices: Sequence[int]  # new-token indices whose logits are wanted
     tree_mask: Optional[Sequence[int]] = None  # per new token ancestor bits; None = causal
-    extra: dict = field(default_factory=dict)
 
 
 class ModelRunner:

@@ -116,9 +116,9 @@ def test_hf_qwen2_sharded_tied_with_qkv_bias(tmp_path):
          (5e5, {"type": "linear", "rope_type": "linear", "factor": 4.0})),
         ({"rope_theta": 1e4, "rope_scaling": None}, (1e4, None)),
         # transformers 5 spelling
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                              "original_max_position_embeddings": 32768}},
-         (1e6, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5,
+                              "original_max_position_embeddings": 8192}},
+         (5e5, {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192})),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 2e4}}, (2e4, None)),
     ],
 )
@@ -129,6 +129,14 @@ def test_hf_rope_fields_both_spellings(tmp_path, fields, expected):
     config = hf_checkpoint.load_config(tmp_path)
     assert (config.rope_theta, config.rope_scaling) == expected
     assert (config.num_kv_heads, config.head_dim, config.eos_token_ids) == (2, 4, ())
+
+
+def test_unsupported_rope_scaling_fails_before_any_weight_is_read(tmp_path):
+    hf = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
+        hf_checkpoint.load_config(tmp_path)
 
 
 def test_hf_mistral_sliding_window_caps_context(tmp_path):
