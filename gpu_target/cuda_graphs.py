@@ -14,8 +14,6 @@ indices no real token's tree bits name, so no real token sees them.
 """
 from __future__ import annotations
 
-import functools
-import logging
 import time
 from typing import Sequence
 
@@ -27,15 +25,17 @@ from gpu_target.kv_cache import KVCachePool
 from gpu_target.model import CausalLM
 from gpu_target.runner import SequenceChunk
 
-logger = logging.getLogger("hetero")
-
 NULL_BLOCK = 0
 
 
 def bucket_ladder(max_seqs: int, max_query_len: int, max_tokens: int) -> list[tuple[int, int]]:
-    """(num_seqs, tokens per sequence) buckets: powers of two, B*Q <= max_tokens, largest first."""
+    """(num_seqs, tokens per sequence) buckets, B*Q <= max_tokens, largest first.
+
+    Powers of two, plus `max_query_len` itself: the usual full tree (root + k nodes) then
+    runs in a graph of its own size instead of the next power of two.
+    """
     seqs = [1 << i for i in range(max(max_seqs - 1, 0).bit_length() + 1)]
-    queries = [1 << i for i in range(max(max_query_len - 1, 0).bit_length() + 1)]
+    queries = sorted({1 << i for i in range(max(max_query_len - 1, 0).bit_length())} | {max_query_len})
     ladder = [(b, q) for q in queries for b in seqs if b * q <= max_tokens]
     return sorted(ladder, key=lambda bq: (bq[0] * bq[1], bq[1]), reverse=True)
 
@@ -67,6 +67,8 @@ class CudaGraphRunner:
         self.max_blocks_per_seq = -(-(max_model_len + max(self.query_buckets)) // self.block_size)
         self.device_buffers = allocate_buffers(max_t, max_b, self.max_blocks_per_seq, self.device)
         self.host_buffers = allocate_buffers(max_t, max_b, self.max_blocks_per_seq, "cpu", pin=True)
+        # Each graph ends at the final hidden states: logits are computed outside it for the
+        # real rows only, so no bucket holds a [B*Q, vocab] float32 output of its own.
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.capture_seconds = 0.0
@@ -78,7 +80,6 @@ class CudaGraphRunner:
             self._capture(*bucket)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - started
-        logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs), self.capture_seconds)
         return self.capture_seconds
 
     def _metadata(self, num_seqs: int, query_len: int) -> AttentionMetadata:
@@ -100,11 +101,9 @@ class CudaGraphRunner:
         from gpu_target.triton_attention import paged_attention
 
         buffers = bucket_view(self.device_buffers, num_seqs, query_len)
-        attention = functools.partial(paged_attention, max_query_len=query_len, max_seq_len=self.max_model_len)
-        hidden = self.model(
-            buffers["input_ids"], buffers["positions"], self.kv_pool.layers, self._metadata(num_seqs, query_len), attention
+        return self.model(
+            buffers["input_ids"], buffers["positions"], self.kv_pool.layers, self._metadata(num_seqs, query_len), paged_attention
         )
-        return self.model.compute_logits(hidden)
 
     def _capture(self, num_seqs: int, query_len: int) -> None:
         self._stage([], num_seqs, query_len)
@@ -115,8 +114,8 @@ class CudaGraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(num_seqs, query_len)
-        self.graphs[(num_seqs, query_len)] = (graph, logits)
+            hidden = self._forward(num_seqs, query_len)
+        self.graphs[(num_seqs, query_len)] = (graph, hidden)
 
     def bucket_for(self, chunks: Sequence[SequenceChunk]) -> tuple[int, int] | None:
         """The bucket a decode/verification batch fits, or None (prefill, too large, or not captured)."""
@@ -142,12 +141,12 @@ class CudaGraphRunner:
     def run(self, chunks: Sequence[SequenceChunk], bucket: tuple[int, int]) -> torch.Tensor:
         """Replay the bucket's graph for `chunks`; logits of every real token, in chunk order."""
         rows = self._stage(chunks, *bucket)
-        graph, logits = self.graphs[bucket]
+        graph, hidden = self.graphs[bucket]
         graph.replay()
         if rows == list(range(len(rows))):
-            return logits[: len(rows)]
+            return self.model.compute_logits(hidden[: len(rows)])
         index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return logits.index_select(0, index)
+        return self.model.compute_logits(hidden.index_select(0, index))
 
 
 BUFFER_NAMES = ("input_ids", "positions", "slot_mapping", "tree_mask", "seq_lens", "block_tables", "query_start_loc")

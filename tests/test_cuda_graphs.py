@@ -15,8 +15,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA grap
 
 def test_ladder_is_powers_of_two_within_the_token_cap():
     ladder = bucket_ladder(max_seqs=48, max_query_len=17, max_tokens=256)
-    assert (64, 1) in ladder and (64, 4) in ladder and (8, 32) in ladder
-    assert (64, 8) not in ladder and (16, 32) not in ladder
+    assert (64, 1) in ladder and (64, 4) in ladder and (8, 17) in ladder and (16, 16) in ladder
+    assert (64, 8) not in ladder and (16, 17) not in ladder and (8, 32) not in ladder  # 17 is the top rung
     assert all(b * q <= 256 for b, q in ladder)
     assert ladder == sorted(ladder, key=lambda bq: (bq[0] * bq[1], bq[1]), reverse=True)
 
