@@ -8,9 +8,11 @@ are reused, oldest first.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from gpu_target.model_config import ModelConfig
@@ -57,8 +59,8 @@ class BlockAllocator:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * (first_block + num_blocks)
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(first_block, first_block + num_blocks))
-        self._hash_to_block: dict[int, int] = {}
-        self._block_to_hash: dict[int, int] = {}
+        self._hash_to_block: dict[bytes, int] = {}
+        self._block_to_hash: dict[int, bytes] = {}
         self.prefix_hits = 0
         self.prefix_queries = 0
 
@@ -127,11 +129,16 @@ class BlockAllocator:
             self._block_to_hash[block] = hash_value
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Hash of each full block, chained so equal hashes mean equal prefixes."""
-    hashes: list[int] = []
-    previous: Optional[int] = None
-    for end in range(block_size, len(token_ids) + 1, block_size):
-        previous = hash((previous, tuple(token_ids[end - block_size : end])))
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """SHA-256 of each full block, chained so equal hashes mean equal prefixes.
+
+    A cryptographic hash, because a server shares cached blocks between users: with
+    Python's `hash` a crafted prompt could collide with another's and read its KV.
+    """
+    ids = np.asarray(token_ids, dtype=np.int64)
+    hashes: list[bytes] = []
+    previous = b""
+    for end in range(block_size, len(ids) + 1, block_size):
+        previous = hashlib.sha256(previous + ids[end - block_size : end].tobytes()).digest()
         hashes.append(previous)
     return hashes

@@ -7,7 +7,6 @@ the new tokens into text with stop handling. `LLM` (offline) and the server both
 from __future__ import annotations
 
 import logging
-import random
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -49,7 +48,11 @@ class _SampleRow:
     """One logits row that feeds sampling or verification, and whose sequence it is."""
 
     seq: Sequence
-    context: list[int]  # output tokens before this row's position
+    path: list[int]  # draft tokens between the sequence's output and this row's position
+
+    def context(self) -> list[int]:
+        """Output tokens before this row's position (built only when a processor needs them)."""
+        return self.seq.output_token_ids + self.path
 
 
 @dataclass
@@ -89,7 +92,7 @@ class LLMEngine:
         self.kv_pool = KVCachePool(self.model_config, num_blocks + reserved, config.block_size, self.dtype, self.device)
         allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching, first_block=reserved)
         max_batched = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
-        self.scheduler = Scheduler(allocator, config.max_num_seqs, max_batched, self.max_model_len)
+        self.scheduler = Scheduler(allocator, config.max_num_seqs, max_batched)
         self.proposer = proposer if proposer is not None else build_proposer(config, self.model_config, self.tokenizer)
         max_tree_nodes = min(config.num_speculative_tokens or _DEFAULT_TREE_NODES, MAX_TREE_NODES)
         self.spec_control = SpeculationController(
@@ -99,7 +102,6 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_pool, self.device, self._attention_fn(), graph_runner)
         self.spec_stats = SpecStats()
         self.groups: dict[str, SequenceGroup] = {}
-        self._rng = random.Random(config.seed)
         torch.manual_seed(config.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -174,9 +176,10 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
-        if len(token_ids) + 1 > self.max_model_len:
+        if len(token_ids) >= self.max_model_len:
             raise ValueError(
-                f"the prompt ({len(token_ids)} tokens) leaves no room to generate within max_model_len ({self.max_model_len})"
+                f"the prompt ({len(token_ids)} tokens) is longer than max_model_len ({self.max_model_len}) "
+                "minus the one token it must leave room to generate"
             )
         group = SequenceGroup(request_id, text, token_ids, params, max_tokens, arrival_time or time.time())
         for index in range(max(params.n, params.best_of or params.n)):
@@ -203,23 +206,21 @@ class LLMEngine:
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"the prompt ({len(token_ids)} tokens) is longer than max_model_len ({self.max_model_len})"
-            )
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary range [0, {vocab})")
 
-    def _generator(self, seed: Optional[int], index: int) -> torch.Generator:
-        """A per-sequence generator: seeded requests sample the same whatever the batch."""
+    def _generator(self, seed: Optional[int], index: int) -> Optional[torch.Generator]:
+        """A seeded request's own generator, so it samples the same whatever the batch.
+
+        Unseeded requests share the default generator (seeded from the engine's `seed`),
+        which lets their rows be sampled in one batched call.
+        """
         if seed is None:
-            value = self._rng.getrandbits(63)
-        else:
-            value = seed if index == 0 else hash((seed, index)) & (2**63 - 1)
+            return None
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(value)
+        generator.manual_seed(seed if index == 0 else hash((seed, index)) & (2**63 - 1))
         return generator
 
     def abort_request(self, request_id: str) -> None:
@@ -249,36 +250,46 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
                 metrics.time_in_queue = now - metrics.arrival_time
         started = time.perf_counter()  # proposing is part of what speculation costs
-        speculated = self._attach_trees(scheduled)
+        decode_only = all(item.samples and item.num_new_tokens == 1 for item in scheduled)
+        speculated = decode_only and self._attach_trees(scheduled)  # every item decodes
         tokens_before = self.num_generation_tokens_total
         chunks, layout = self._build_chunks(scheduled)
         logits = self.runner.forward(chunks)
         touched = self._consume_logits(scheduled, layout, logits)
-        if self.proposer is not None and all(item.samples and item.num_new_tokens == 1 for item in scheduled):
+        if self.proposer is not None and decode_only:
             emitted = self.num_generation_tokens_total - tokens_before
             self.spec_control.record_step(len(scheduled), speculated, emitted, time.perf_counter() - started)
         return [self._request_output(group) for group in touched]
 
-    def _attach_trees(self, scheduled: list[ScheduledSeq]) -> bool:
-        """Ask the proposer for trees for the decoding sequences; True when any tree was attached."""
-        decoding = [s for s in scheduled if s.samples and s.num_new_tokens == 1]
-        if self.proposer is None or not decoding:
+    def _attach_trees(self, decoding: list[ScheduledSeq]) -> bool:
+        """Ask the proposer for a tree per decoding sequence; True when the controller chose to speculate.
+
+        A step counts as speculative even when every tree comes back empty: proposing is
+        part of what speculation costs.
+        """
+        if self.proposer is None:
             return False
-        per_seq = self.spec_control.nodes_per_sequence(len(scheduled))
+        per_seq = self.spec_control.nodes_per_sequence(len(decoding))
         if per_seq == 0:
             return False
         requests = []
         for item in decoding:
             seq = item.seq
-            room = min(self.max_model_len - len(seq.token_ids), seq.group.max_tokens - len(seq.output_token_ids) - 1)
+            room = min(self.max_model_len - len(seq.token_ids), seq.group.max_tokens - seq.num_output_tokens - 1)
             requests.append(ProposalRequest(seq.seq_key, seq.token_ids, seq.num_prompt_tokens, max(0, min(per_seq, room))))
         trees = self.proposer.propose(requests)
+        vocab = self.model_config.vocab_size
         for item, request, tree in zip(decoding, requests, trees):
             if len(tree) == 0 or len(tree) > request.max_nodes:
                 continue
+            if tree.tokens.min() < 0 or tree.tokens.max() >= vocab:
+                logger.warning("dropping a proposed tree with token ids outside the vocabulary [0, %d)", vocab)
+                continue
             if self.scheduler.try_extend(item.seq, item.seq.num_computed + 1 + len(tree)):
                 item.tree = tree
-        return any(item.tree is not None for item in decoding)
+            else:
+                self.scheduler.trim_blocks(item.seq, item.seq.num_computed + 1)
+        return True
 
     def _build_chunks(self, scheduled: list[ScheduledSeq]) -> tuple[list[SequenceChunk], list[_ChunkRows]]:
         chunks, layout = [], []
@@ -293,7 +304,7 @@ class LLMEngine:
                 seq_rows = []
                 if item.samples:
                     logits_indices.append(item.num_new_tokens - 1)
-                    seq_rows.append(_SampleRow(seq, seq.output_token_ids))
+                    seq_rows.append(_SampleRow(seq, []))
                 chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, logits_indices))
             else:
                 tree = item.tree
@@ -302,26 +313,30 @@ class LLMEngine:
                 tokens = [seq.token_ids[-1]] + tree.tokens.tolist()
                 positions = [start] + [start + int(d) for d in depths]
                 tree_mask = [1] + [(int(m) << 1) | 1 for m in masks]
-                output = seq.output_token_ids
                 num_prompt_rows = 0
-                seq_rows = [_SampleRow(seq, output)]
-                for node in range(len(tree)):
-                    path = [int(tree.tokens[j]) for j in tree.path_to(node)]
-                    seq_rows.append(_SampleRow(seq, output + path))
+                seq_rows = [_SampleRow(seq, [])]
+                node_tokens = tree.tokens.tolist()
+                for node, parent in enumerate(tree.parents.tolist()):
+                    seq_rows.append(_SampleRow(seq, seq_rows[parent + 1].path + [node_tokens[node]]))
                 chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, list(range(len(tokens))), tree_mask))
             layout.append(_ChunkRows(num_prompt_rows, seq_rows))
         return chunks, layout
 
     def _prompt_logprob_indices(self, item: ScheduledSeq) -> list[int]:
-        """Chunk rows whose logits score the next prompt token, when prompt_logprobs is asked."""
+        """Chunk rows whose logits score prompt tokens not scored yet, when prompt_logprobs is asked.
+
+        Row i of the chunk scores the prompt token at position num_computed + i + 1. Counting
+        from what is already recorded keeps a recomputed prefill (after a preemption) from
+        scoring positions twice.
+        """
         seq = item.seq
         group = seq.group
         if seq.params.prompt_logprobs is None or seq.index != 0:
             return []
-        if group.prompt_logprobs is not None and len(group.prompt_logprobs) >= seq.num_prompt_tokens:
-            return []
-        last = min(seq.num_computed + item.num_new_tokens, seq.num_prompt_tokens - 1)
-        return list(range(0, max(0, last - seq.num_computed)))
+        scored = len(group.prompt_logprobs) - 1 if group.prompt_logprobs else 0
+        first = max(0, scored - seq.num_computed)
+        last = min(seq.num_computed + item.num_new_tokens, seq.num_prompt_tokens - 1) - seq.num_computed
+        return list(range(first, max(first, last)))
 
     def _consume_logits(self, scheduled: list[ScheduledSeq], layout: list[_ChunkRows], logits: torch.Tensor) -> list[SequenceGroup]:
         prompt_slices, sample_starts, sample_index = [], [], []
@@ -332,12 +347,13 @@ class LLMEngine:
             sample_starts.append(len(sample_index))
             sample_index.extend(range(offset, offset + len(rows.sample_rows)))
             offset += len(rows.sample_rows)
-        contexts = [self._row_context(r) for rows in layout for r in rows.sample_rows]
+        sample_rows = [r for rows in layout for r in rows.sample_rows]
         sample_logits = logits[sample_index]
         plain = [b for b, item in enumerate(scheduled) if item.samples and item.tree is None]
         # Plain greedy needs only the argmax of each row: one reduction and one host copy.
-        argmax = sample_logits.argmax(dim=-1).tolist() if all(is_plain_greedy(c.params) for c in contexts) else None
-        probs = target_probs(sample_logits, contexts) if contexts and argmax is None else None
+        argmax = sample_logits.argmax(dim=-1).tolist() if all(is_plain_greedy(r.seq.params) for r in sample_rows) else None
+        contexts = [self._row_context(r) for r in sample_rows] if argmax is None else []
+        probs = target_probs(sample_logits, contexts) if contexts else None
         if argmax is not None:
             plain_tokens = {b: argmax[sample_starts[b]] for b in plain}
         elif plain:
@@ -371,16 +387,17 @@ class LLMEngine:
                 self._keep_accepted_kv(item, accepted)
                 seq.spec.record(len(item.tree), len(accepted))
                 self.spec_stats.record(len(item.tree), len(accepted))
+                # Before the tokens are appended: a stop among them releases the sequence,
+                # and the proposer should still learn this last step.
+                self.proposer.commit([Verdict(seq.seq_key, new_tokens[:-1], new_tokens[-1], len(item.tree))])
             self._register_blocks(seq)
             self._append_tokens(seq, new_tokens, seq_logits, token_rows)
             touched[seq.group.request_id] = seq.group
-            if item.tree is not None and self.proposer is not None and not seq.is_finished:
-                self.proposer.commit([Verdict(seq.seq_key, new_tokens[:-1], new_tokens[-1], len(item.tree))])
         return list(touched.values())
 
     def _row_context(self, row: _SampleRow) -> RowContext:
         seq = row.seq
-        return RowContext(seq.params, seq.group.prompt_token_ids, row.context, self.eos_token_ids, seq.generator)
+        return RowContext(seq.params, seq.group.prompt_token_ids, row.context(), self.eos_token_ids, seq.generator)
 
     def _keep_accepted_kv(self, item: ScheduledSeq, accepted: list[int]) -> None:
         """Move the accepted nodes' KV right behind the root and drop the rest of the tree."""
@@ -389,7 +406,7 @@ class LLMEngine:
         moves = [(seq.block_table, root + 1 + node, root + 1 + m) for m, node in enumerate(accepted) if node != m]
         self.runner.copy_kv_slots(moves)
         seq.num_computed = root + 1 + len(accepted)
-        self.scheduler.trim_blocks(seq)
+        self.scheduler.trim_blocks(seq, seq.num_computed)
 
     def _register_blocks(self, seq: Sequence) -> None:
         self.scheduler.allocator.register_full_blocks(seq.token_ids, seq.block_table, seq.num_computed)
@@ -397,9 +414,10 @@ class LLMEngine:
     def _append_tokens(self, seq: Sequence, new_tokens: list[int], seq_logits: torch.Tensor, token_rows: list[int]) -> None:
         params = seq.params
         want = params.logprobs
-        if want is not None:
+        ranks_samples = (params.best_of or params.n) > params.n  # best_of picks by cumulative logprob
+        if want is not None or ranks_samples:
             chosen = torch.tensor(new_tokens, device=seq_logits.device)
-            token_logprobs = raw_logprobs(seq_logits[token_rows], chosen, [want] * len(new_tokens))
+            token_logprobs = raw_logprobs(seq_logits[token_rows], chosen, [want or 0] * len(new_tokens))
         now = time.time()
         metrics = seq.group.metrics
         if metrics.first_token_time is None:
@@ -408,17 +426,17 @@ class LLMEngine:
         for i, token in enumerate(new_tokens):
             seq.token_ids.append(token)
             self.num_generation_tokens_total += 1
+            if want is not None or ranks_samples:
+                seq.cumulative_logprob += token_logprobs[i][token][0]
             if want is not None:
-                entry = token_logprobs[i]
-                seq.cumulative_logprob += entry[token][0]
-                seq.logprobs.append(self._logprob_entry(entry))
+                seq.logprobs.append(self._logprob_entry(token_logprobs[i]))
             if self._check_stop(seq, token):
                 self._finish(seq)
                 return
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         params = seq.params
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        num_output = seq.num_output_tokens
         if params.detokenize:
             new_text = decode_new_text(
                 self.tokenizer, seq.token_ids, seq.detok, params.skip_special_tokens, params.spaces_between_special_tokens
@@ -453,8 +471,8 @@ class LLMEngine:
         group = seq.group
         if group.prompt_logprobs is None:
             group.prompt_logprobs = [None]
-        start = seq.num_computed
-        targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + logits.shape[0]], device=logits.device)
+        start = len(group.prompt_logprobs)  # the first prompt position not scored yet
+        targets = torch.tensor(seq.token_ids[start : start + logits.shape[0]], device=logits.device)
         top = seq.params.prompt_logprobs
         for entry in raw_logprobs(logits, targets, [top] * logits.shape[0]):
             group.prompt_logprobs.append(self._logprob_entry(entry))
@@ -477,7 +495,7 @@ class LLMEngine:
             CompletionOutput(
                 index=i if (params.best_of or params.n) > params.n else seq.index,
                 text=seq.detok.text,
-                token_ids=list(seq.output_token_ids),
+                token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if params.logprobs is not None else None,
                 finish_reason=seq.finish_reason,

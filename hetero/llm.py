@@ -102,6 +102,11 @@ class LLM:
                             f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, output: {output_tokens / elapsed:.2f} toks/s"
                         )
                         bar.update(1)
+        except BaseException:
+            # Ctrl-C or an engine error: leave nothing of this call behind for the next one.
+            for request_id in request_ids:
+                engine.abort_request(request_id)
+            raise
         finally:
             bar.close()
         return [finished[request_id] for request_id in request_ids]

@@ -95,7 +95,6 @@ class Verdict:
     accepted_tokens: list[int]  # the accepted draft tokens, root excluded
     bonus_token: Optional[int]  # the target's own next token after them (None once finished)
     num_draft_tokens: int = 0  # nodes the tree had
-    finished: bool = False
 
 
 @dataclass

@@ -62,6 +62,10 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 
@@ -110,11 +114,10 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -126,11 +129,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
+        preemptions_before = self.num_preemptions
         scheduled: list[ScheduledSeq] = []
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or budget == 0:
@@ -140,9 +141,11 @@ class Scheduler:
                 continue
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # A step that had to preempt admits nobody: the freed blocks went to the running
+        # sequences, and re-admitting the victim at once would only thrash the cache.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.num_preemptions == preemptions_before:
             seq = self.waiting[0]
-            if not seq.block_table and not seq.params.prompt_logprobs:
+            if seq.params.prompt_logprobs is None:  # cached blocks have no logits to score the prompt with
                 seq.block_table = self.allocator.match_prefix(seq.token_ids)
                 seq.num_computed = len(seq.block_table) * self.block_size
                 seq.group.num_cached_tokens = seq.num_computed
@@ -193,9 +196,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def trim_blocks(self, seq: Sequence) -> None:
-        """Free blocks past the sequence's computed tokens (after a tree was compacted)."""
-        keep = -(-seq.num_computed // self.block_size)
+    def trim_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the blocks past the first `num_tokens` storage slots (a compacted or dropped tree)."""
+        keep = -(-num_tokens // self.block_size)
         while len(seq.block_table) > keep:
             self.allocator.free(seq.block_table.pop())
 
