@@ -332,7 +332,7 @@ class WorkerDraftProposer:
             worker.channel.release()
             if len(trees) != len(batch):
                 raise IPCError(f"asked for {len(batch)} trees, got {len(trees)}")
-        except (IPCError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a dead, hung or garbled worker must never stop the engine
             self._fail(exc)
             return empty
         self._consecutive_failures = 0
@@ -372,6 +372,8 @@ class WorkerDraftProposer:
     def _ensure_ready(self) -> bool:
         worker = self._slot.worker
         if worker is None:
+            if self._consecutive_failures <= MAX_CONSECUTIVE_FAILURES:
+                self._start_worker()  # a restart that failed to launch is retried here
             return False
         try:
             if worker.poll_ready():
@@ -401,5 +403,15 @@ class WorkerDraftProposer:
         if self._consecutive_failures > MAX_CONSECUTIVE_FAILURES:
             logger.error("draft worker failed %d times in a row; speculative decoding stays off", self._consecutive_failures)
             return
-        self._slot.worker = _WorkerProcess(self.options)
+        self._start_worker()
+
+    def _start_worker(self) -> None:
+        """Launch a fresh worker; if even that fails (e.g. /dev/shm full), stay without drafts for now."""
+        try:
+            self._slot.worker = _WorkerProcess(self.options)
+        except Exception as exc:  # noqa: BLE001 - the engine must go on decoding
+            logger.warning("draft worker restart failed: %s", exc)
+            self._slot.worker = None
+            self._consecutive_failures += 1
+            return
         self.restarts += 1

@@ -223,6 +223,17 @@ class AsyncLLMEngine:
 
     # ---------------------------------------------------------- engine thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # noqa: BLE001 - any crash must fail the waiters, not hang them
+            logger.exception("the engine thread failed; failing all in-flight requests")
+            self._dead = exc
+            error = EngineDeadError(f"the engine failed: {exc!r}")
+            error.__cause__ = exc
+            self._fail_all(error, abort=False)
+
+    def _loop(self) -> None:
+        """Apply commands, step, deliver; returns on a stop command. Any exception ends the engine."""
         engine = self.engine
         while True:
             stop = self._apply_commands()
@@ -235,16 +246,7 @@ class AsyncLLMEngine:
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            try:
-                outputs = engine.step()
-            except Exception as exc:  # noqa: BLE001 - any crash must fail the waiters, not hang them
-                logger.exception("engine step failed; failing all in-flight requests")
-                self._dead = exc
-                error = EngineDeadError(f"the engine step failed: {exc!r}")
-                error.__cause__ = exc
-                self._fail_all(error, abort=False)
-                return
-            for output in outputs:
+            for output in engine.step():
                 self._deliver(output)
             self._publish_snapshot()
 

@@ -91,7 +91,7 @@ FLAGS: tuple[Flag, ...] = (
          json_object),
     Flag("cpu_draft_worker", "TACO-LLM: run the draft model in its own CPU worker process.", None),
     Flag("lookahead_cache_config_dir", "TACO-LLM: directory with the lookahead cache's config; enables it."),
-    Flag("cpu_decoding_memory_utilization", "TACO-LLM: fraction of host memory for the CPU draft worker.", float),
+    Flag("cpu_decoding_memory_utilization", "TACO-LLM: fraction of host memory the lookahead cache may use.", float),
     Flag("ignore_prompt_for_lookahead_cache", "TACO-LLM: learn the lookahead cache from outputs only.", None),
 )
 
@@ -176,6 +176,11 @@ def _file_value_args(flag: Flag, value: Any) -> list[str]:
     return [flag.option, str(value)]
 
 
+def subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
+
+
 def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parse `hetero ...` arguments, folding in --config; exits with a usage error when bad."""
     parser = build_parser()
@@ -186,8 +191,14 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
             file_model, file_argv = config_file_args(args.config)
         except ValueError as exc:
             parser.error(str(exc))
-        command_at = argv.index(args.command)
-        args = parser.parse_args(argv[: command_at + 1] + file_argv + argv[command_at + 1 :])
+        # The file's values become the subcommand's defaults, so the command line still wins
+        # and no list-valued option in the file can swallow the positional model.
+        from_file = vars(parser.parse_args([args.command, *file_argv]))
+        defaults = vars(parser.parse_args([args.command]))
+        subcommand_parser(parser, args.command).set_defaults(
+            **{name: value for name, value in from_file.items() if value != defaults[name]}
+        )
+        args = parser.parse_args(argv)
         args.model = args.model or file_model
     if not args.model:
         parser.error("the model is required: `hetero serve MODEL` or `model:` in --config")

@@ -129,6 +129,27 @@ def test_a_crash_inside_step_fails_in_flight_requests_and_later_ones(engine):
     assert not async_engine.is_running and isinstance(async_engine.dead_error, RuntimeError)
 
 
+def test_a_crash_outside_step_also_fails_in_flight_requests(engine):
+    """An abort that raises (a proposer's release, say) must not leave waiters hanging."""
+    def crashing_abort(request_id):
+        raise RuntimeError("boom: release failed")
+
+    engine.abort_request = crashing_abort
+    async_engine = AsyncLLMEngine(engine)
+    async_engine.start()
+
+    async def scenario():
+        survivor = asyncio.ensure_future(final_output(async_engine, "Hello", LONG, "kept"))
+        stream = async_engine.generate("Hello", LONG, "dropped")
+        await stream.__anext__()
+        await stream.aclose()  # aborts "dropped": the abort raises inside the engine thread
+        return await asyncio.wait_for(asyncio.gather(survivor, return_exceptions=True), timeout=30)
+
+    (result,) = run(scenario())
+    assert isinstance(result, EngineDeadError) and "release failed" in str(result)
+    assert isinstance(async_engine.dead_error, RuntimeError)
+
+
 def test_shutdown_lets_in_flight_work_finish_then_refuses_new_work(engine):
     async_engine = AsyncLLMEngine(engine)
     async_engine.start()

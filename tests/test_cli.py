@@ -87,6 +87,15 @@ def test_config_file_is_read_like_vllm_and_the_command_line_wins(tmp_path):
     assert parse_serve_args(["serve", "other", "--config", str(path)]).model == "other"
 
 
+def test_a_list_valued_config_key_does_not_swallow_the_model(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("served-model-name: [x]\n")
+    args = parse_serve_args(["serve", "MYMODEL", "--config", str(path)])
+    assert (args.model, args.served_model_name) == ("MYMODEL", ["x"])
+    args = parse_serve_args(["serve", "MYMODEL", "--config", str(path), "--served-model-name", "y"])
+    assert (args.model, args.served_model_name) == ("MYMODEL", ["y"])
+
+
 @pytest.mark.parametrize("content, message", [
     ("bogus-key: 1\n", "bogus-key"),
     ("enable-prefix-caching: maybe\n", "enable_prefix_caching"),
