@@ -54,7 +54,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     config_dir = tempfile.mkdtemp(prefix="lookahead-")
     with open(os.path.join(config_dir, "lookahead_cache_config.json"), "w") as f:
-        json.dump({"is_debug": False, "copy_length": args.copy_length}, f)
+        # No global history: a repeat would otherwise be drafted from its own earlier answer.
+        json.dump({"is_debug": False, "copy_length": args.copy_length, "global_cache_switch": False}, f)
     common = dict(model=args.model, max_model_len=2048, max_num_seqs=1, dtype=args.dtype)
     plain = LLM(**common)
     lookahead = LLM(**common, lookahead_cache_config_dir=config_dir, num_speculative_tokens=32)
