@@ -212,3 +212,38 @@ def test_unknown_llm_argument_and_missing_model(tiny_llama_dir, tmp_path):
         LLM(model=str(tiny_llama_dir), max_num_seq=4)
     with pytest.raises((FileNotFoundError, ValueError), match="nowhere"):
         LLM(model=str(tmp_path / "nowhere"))
+
+
+def test_prompt_logprobs_survive_preemption(tiny_llama_dir):
+    config = load_config(tiny_llama_dir)
+    block_bytes = KVCachePool.bytes_per_block(config, 16, torch.float32)
+    long_prompt = "Once upon a time there was a small model that generated text. " * 2
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=1)
+    roomy = LLM(model=str(tiny_llama_dir), max_model_len=96, dtype="float32")
+    expected = roomy.generate(long_prompt, params, use_tqdm=False)[0].prompt_logprobs
+    tight = LLM(model=str(tiny_llama_dir), max_model_len=96, dtype="float32", max_num_batched_tokens=16,
+                kv_cache_space=7 * block_bytes / 2**30)
+    outs = tight.generate([*PROMPTS, long_prompt], [GREEDY] * len(PROMPTS) + [params], use_tqdm=False)
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    got = outs[-1].prompt_logprobs
+    assert len(got) == len(outs[-1].prompt_token_ids) == len(expected)
+    for position, (a, b) in enumerate(zip(got[1:], expected[1:]), start=1):
+        token = outs[-1].prompt_token_ids[position]
+        assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+
+
+def test_prompt_logprobs_zero_is_scored_whole_even_with_prefix_caching(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", enable_prefix_caching=True)
+    prompt = "Once upon a time there was a small model that generated text. " * 3
+    llm.generate(prompt, GREEDY, use_tqdm=False)  # fills the prefix cache
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0), use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert all(len(entry) == 1 for entry in out.prompt_logprobs[1:])
+
+
+def test_best_of_ranks_by_logprob_even_when_logprobs_are_not_asked(llama):
+    common = dict(n=2, best_of=5, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    without = llama.generate(PROMPTS[0], SamplingParams(**common), use_tqdm=False)[0]
+    scored = llama.generate(PROMPTS[0], SamplingParams(**common, logprobs=0), use_tqdm=False)[0]
+    assert [o.token_ids for o in without.outputs] == [o.token_ids for o in scored.outputs]
+    assert without.outputs[0].cumulative_logprob is None
