@@ -312,7 +312,8 @@ class LLMEngine:
                 masks = tree.ancestor_masks()
                 tokens = [seq.token_ids[-1]] + tree.tokens.tolist()
                 positions = [start] + [start + int(d) for d in depths]
-                tree_mask = [1] + [(int(m) << 1) | 1 for m in masks]
+                # int64 arithmetic: node 62's bit lands on bit 63, the sign bit, as the kernels expect.
+                tree_mask = [1] + ((masks << 1) | 1).tolist()
                 num_prompt_rows = 0
                 seq_rows = [_SampleRow(seq, [])]
                 node_tokens = tree.tokens.tolist()

@@ -220,3 +220,20 @@ def test_lookahead_cache_speeds_up_copying_and_stays_lossless(tiny_llama_dir, tm
     ngram.llm_engine.spec_control.always_speculate = True
     assert ngram.generate(copy_prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
     assert ngram.llm_engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_a_full_63_node_tree_verifies(tiny_llama_dir, truth):
+    """The largest tree: node 62's ancestor bit is bit 63 of the int64 mask (the sign bit)."""
+    proposer = OracleProposer(truth, "chain", 63, 1.0, vocab=320, seed=0)
+    llm = speculative_llm(tiny_llama_dir, proposer)
+    llm.llm_engine.spec_control.always_speculate = True
+    prompt = PROMPTS[0]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == truth[tuple(out.prompt_token_ids)]
+    long_truth = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32").generate(
+        prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    proposer.truth = {tuple(out.prompt_token_ids): long_truth}
+    before = llm.llm_engine.spec_stats.num_accepted_tokens
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == long_truth
+    assert llm.llm_engine.spec_stats.num_accepted_tokens - before >= 63  # a whole 63-node chain was accepted
