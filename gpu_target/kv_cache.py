@@ -97,17 +97,17 @@ class BlockAllocator:
             del self._free[block]
         self.ref_counts[block] += 1
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Cached blocks covering the longest run of full blocks of `token_ids`, referenced.
+    def match_prefix(self, block_hashes: Sequence[bytes], num_tokens: int) -> list[int]:
+        """Cached blocks covering the longest run of a sequence's full blocks, referenced.
 
-        Never covers the last token: its logits must be computed, so at least one token
-        is left to prefill.
+        `block_hashes` are the sequence's chained block hashes (`extend_block_hashes`). Never
+        covers the last token: its logits must be computed, so at least one token is left
+        to prefill.
         """
         if not self.enable_prefix_caching:
             return []
         blocks = []
-        usable = (len(token_ids) - 1) // self.block_size
-        for hash_value in prefix_block_hashes(token_ids, self.block_size)[:usable]:
+        for hash_value in block_hashes[: (num_tokens - 1) // self.block_size]:
             self.prefix_queries += 1
             block = self._hash_to_block.get(hash_value)
             if block is None:
@@ -117,28 +117,25 @@ class BlockAllocator:
             blocks.append(block)
         return blocks
 
-    def register_full_blocks(self, token_ids: Sequence[int], blocks: Sequence[int], num_computed: int) -> None:
-        """Make the full, computed blocks of a sequence findable by later prompts."""
-        if not self.enable_prefix_caching:
-            return
-        hashes = prefix_block_hashes(token_ids[:num_computed], self.block_size)
-        for hash_value, block in zip(hashes, blocks):
+    def register_blocks(self, block_hashes: Sequence[bytes], blocks: Sequence[int]) -> None:
+        """Make full, computed blocks findable by later prompts under their content hashes."""
+        for hash_value, block in zip(block_hashes, blocks):
             if hash_value in self._hash_to_block or block in self._block_to_hash:
                 continue
             self._hash_to_block[hash_value] = block
             self._block_to_hash[block] = hash_value
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """SHA-256 of each full block, chained so equal hashes mean equal prefixes.
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_tokens: int) -> None:
+    """Append the hashes of the full blocks of `token_ids[:num_tokens]` not hashed yet.
 
-    A cryptographic hash, because a server shares cached blocks between users: with
-    Python's `hash` a crafted prompt could collide with another's and read its KV.
+    SHA-256, chained so equal hashes mean equal prefixes. A cryptographic hash, because a
+    server shares cached blocks between users: with Python's `hash` a crafted prompt
+    could collide with another's and read its KV. Incremental, so a sequence's blocks are
+    hashed once however many steps it runs.
     """
-    ids = np.asarray(token_ids, dtype=np.int64)
-    hashes: list[bytes] = []
-    previous = b""
-    for end in range(block_size, len(ids) + 1, block_size):
-        previous = hashlib.sha256(previous + ids[end - block_size : end].tobytes()).digest()
+    previous = hashes[-1] if hashes else b""
+    for block in range(len(hashes), num_tokens // block_size):
+        chunk = np.asarray(token_ids[block * block_size : (block + 1) * block_size], dtype=np.int64)
+        previous = hashlib.sha256(previous + chunk.tobytes()).digest()
         hashes.append(previous)
-    return hashes

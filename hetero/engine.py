@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from gpu_target.kv_cache import BlockAllocator, KVCachePool
+from gpu_target.kv_cache import BlockAllocator, KVCachePool, extend_block_hashes
 from gpu_target.loader import load_config, load_state_dict, load_tokenizer, random_state_dict, resolve_model_path
 from gpu_target.model import build_model
 from gpu_target.runner import ModelRunner, SequenceChunk
@@ -410,7 +410,15 @@ class LLMEngine:
         self.scheduler.trim_blocks(seq, seq.num_computed)
 
     def _register_blocks(self, seq: Sequence) -> None:
-        self.scheduler.allocator.register_full_blocks(seq.token_ids, seq.block_table, seq.num_computed)
+        """Put the sequence's newly filled blocks in the prefix cache (hashing only those)."""
+        allocator = self.scheduler.allocator
+        full = seq.num_computed // allocator.block_size
+        if not allocator.enable_prefix_caching or full <= seq.num_registered_blocks:
+            return
+        extend_block_hashes(seq.block_hashes, seq.token_ids, allocator.block_size, full * allocator.block_size)
+        first = seq.num_registered_blocks
+        allocator.register_blocks(seq.block_hashes[first:full], seq.block_table[first:full])
+        seq.num_registered_blocks = full
 
     def _append_tokens(self, seq: Sequence, new_tokens: list[int], seq_logits: torch.Tensor, token_rows: list[int]) -> None:
         params = seq.params

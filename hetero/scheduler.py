@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from gpu_target.kv_cache import BlockAllocator, OutOfBlocks
+from gpu_target.kv_cache import BlockAllocator, OutOfBlocks, extend_block_hashes
 from hetero.detokenizer import DetokenizerState, init_state
 from hetero.outputs import Logprob, RequestMetrics
 from hetero.protocols import SpecStats, TokenTree
@@ -41,6 +41,8 @@ class Sequence:
         self.num_prompt_tokens = len(group.prompt_token_ids)
         self.block_table: list[int] = []
         self.num_computed = 0  # tokens whose KV is in the cache
+        self.block_hashes: list[bytes] = []  # content hashes of full blocks, for the prefix cache
+        self.num_registered_blocks = 0  # leading blocks of block_table already in the prefix cache
         self.status = SeqStatus.WAITING
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, Logprob]] = []
@@ -145,15 +147,18 @@ class Scheduler:
         # sequences, and re-admitting the victim at once would only thrash the cache.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.num_preemptions == preemptions_before:
             seq = self.waiting[0]
-            if seq.params.prompt_logprobs is None:  # cached blocks have no logits to score the prompt with
-                seq.block_table = self.allocator.match_prefix(seq.token_ids)
-                seq.num_computed = len(seq.block_table) * self.block_size
+            # Cached blocks have no logits to score a prompt with, so prompt_logprobs skips them.
+            if self.allocator.enable_prefix_caching and seq.params.prompt_logprobs is None:
+                extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, len(seq.token_ids))
+                seq.block_table = self.allocator.match_prefix(seq.block_hashes, len(seq.token_ids))
+                seq.num_registered_blocks = len(seq.block_table)  # cached blocks are registered already
+                seq.num_computed = seq.num_registered_blocks * self.block_size
                 seq.group.num_cached_tokens = seq.num_computed
             num_new = min(seq.num_uncomputed, budget)
             if not self._reserve(seq, seq.num_computed + num_new, preempt=False):
                 self.allocator.free_all(seq.block_table)
                 seq.block_table = []
-                seq.num_computed = 0
+                seq.num_computed = seq.num_registered_blocks = 0
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -190,7 +195,7 @@ class Scheduler:
         """Free the sequence's KV and requeue it at the front; its tokens are recomputed later."""
         self.allocator.free_all(seq.block_table)
         seq.block_table = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_registered_blocks = 0
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
