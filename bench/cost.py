@@ -23,7 +23,6 @@ the file's top level::
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import sys
@@ -33,6 +32,7 @@ from typing import Callable, Optional, Sequence
 
 import yaml
 
+from bench._report import write_csv_with_context
 from bench.serve import RESULT_SCHEMA
 
 PRICE_KEYS = ("gpu_price_per_hour", "cpu_price_per_hour")
@@ -252,13 +252,6 @@ def markdown_report(rows: Sequence[dict], prices: dict[str, MachinePrice], plots
     return "\n\n".join(sections) + "\n"
 
 
-def write_csv(rows: Sequence[dict], path: Path) -> None:
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def _series(rows: Sequence[dict], x_key: str, y_key: str) -> dict[str, tuple[list, list, list]]:
     """Per label, the points that have both values, in row (offered-load) order."""
     series: dict[str, tuple[list, list, list]] = {}
@@ -352,7 +345,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plot_cost_vs_tpot(rows, args.out_dir / "cost_vs_p99_tpot.png")
         plots = ["throughput_vs_tpot.png", "cost_vs_p99_tpot.png"]
     (args.out_dir / "cost_report.md").write_text(markdown_report(rows, prices, plots))
-    write_csv(rows, args.out_dir / "cost_summary.csv")
+    write_csv_with_context(args.out_dir / "cost_summary.csv", rows, {})
     print(markdown_table(rows))
     print(f"report: {args.out_dir / 'cost_report.md'}")
     return 0

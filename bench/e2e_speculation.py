@@ -30,8 +30,7 @@ from tokenizers import Tokenizer, models
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from bench.gpu_decode import DAMPING, LLAMA3_8B, random_prompts, stabilise_greedy, timed_decode
-from gpu_target.loader import parameter_shapes
-from gpu_target.model_config import ModelConfig
+from gpu_target.loader import load_config, random_state_dict
 from hetero.config import EngineConfig
 from hetero.engine import LLMEngine
 
@@ -58,16 +57,12 @@ def write_model_dir(config: dict) -> str:
     return directory
 
 
-def draft_weights(seed: int) -> dict[str, torch.Tensor]:
-    cfg = ModelConfig("llama", DRAFT["vocab_size"], 576, 8, 9, 3, 64, 1536)
-    generator = torch.Generator().manual_seed(seed)
-    weights = {}
-    for name, shape in parameter_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            weights[name] = torch.ones(shape, dtype=torch.bfloat16)
-            continue
-        scale = 0.02 * (DAMPING if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0)
-        weights[name] = (torch.randn(shape, generator=generator) * scale).to(torch.bfloat16)
+def draft_weights(draft_dir: str, seed: int) -> dict[str, torch.Tensor]:
+    """Random draft weights (the loader's dummy format) with its layers' outputs damped like the target's."""
+    weights = random_state_dict(load_config(draft_dir, require_weights=False), torch.bfloat16, "cpu", seed)
+    for name, tensor in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.mul_(DAMPING)
     return weights
 
 
@@ -112,7 +107,7 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     target_dir = write_model_dir(LLAMA3_8B)
     draft_dir = write_model_dir(DRAFT)
-    draft = draft_weights(seed=7)
+    draft = draft_weights(draft_dir, seed=7)
     save_file(draft, os.path.join(draft_dir, "model.safetensors"))
     lookahead_dir = tempfile.mkdtemp(prefix="lookahead-")
     with open(os.path.join(lookahead_dir, "lookahead_cache_config.json"), "w") as f:

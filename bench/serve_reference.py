@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     target_dir = write_model_dir(LLAMA3_8B)
     draft_dir = write_model_dir(DRAFT)
-    save_file(draft_weights(seed=7), os.path.join(draft_dir, "model.safetensors"))
+    save_file(draft_weights(draft_dir, seed=7), os.path.join(draft_dir, "model.safetensors"))
     lookahead_dir = tempfile.mkdtemp(prefix="lookahead-")
     with open(os.path.join(lookahead_dir, "lookahead_cache_config.json"), "w") as f:
         json.dump({"is_debug": False}, f)

@@ -130,7 +130,12 @@ class CudaGraphRunner:
         return bucket if bucket in self.graphs else None
 
     def _stage(self, chunks: Sequence[SequenceChunk], num_seqs: int, query_len: int) -> list[int]:
-        """Lay the chunks out on the host and copy them into the bucket's device buffers."""
+        """Lay the chunks out on the host and copy them into the bucket's device buffers.
+
+        The pinned host buffers are reused every step while the copies are asynchronous;
+        that is safe because each step's caller waits for its logits (the sampler's host
+        copy) before the next step stages anything.
+        """
         host = bucket_view(self.host_buffers, num_seqs, query_len)
         rows = fill_host_inputs(host, chunks, query_len, self.block_size)
         device = bucket_view(self.device_buffers, num_seqs, query_len)

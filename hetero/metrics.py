@@ -56,9 +56,10 @@ def snapshot_engine(engine: "LLMEngine") -> EngineSnapshot:
     scheduler = engine.scheduler
     allocator = scheduler.allocator
     spec = engine.spec_stats
+    running = {seq.group.request_id for seq in scheduler.running}  # requests, not sequences (n > 1)
     return EngineSnapshot(
-        num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting),
+        num_running=len(running),
+        num_waiting=len({seq.group.request_id for seq in scheduler.waiting} - running),
         kv_cache_usage=allocator.usage(),
         prompt_tokens_total=engine.num_prompt_tokens_total,
         generation_tokens_total=engine.num_generation_tokens_total,
@@ -104,8 +105,8 @@ class _SnapshotCollector:
 
     def collect(self) -> Iterator:
         s = self.snapshot
-        yield self._gauge("num_requests_running", "Sequences being decoded or prefilled.", s.num_running)
-        yield self._gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield self._gauge("num_requests_running", "Requests with a sequence being decoded or prefilled.", s.num_running)
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", s.kv_cache_usage)
         yield self._counter("prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total)
         yield self._counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)

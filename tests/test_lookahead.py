@@ -394,3 +394,15 @@ def test_unknown_requests_are_harmless():
     cache.release("nobody")
     cache.commit([Verdict("nobody", [1], 2, 3)])
     assert cache.hit_stats.num_iters == 1 and cache.request_stats("nobody") is None
+
+
+def test_memory_budget_honours_a_container_limit(tmp_path):
+    from lookahead.memory import total_ram_bytes
+
+    host = total_ram_bytes(limit_files=())
+    limited = tmp_path / "memory.max"
+    limited.write_text(f"{host // 4}\n")
+    unlimited = tmp_path / "unlimited"
+    unlimited.write_text("max\n")
+    assert total_ram_bytes(limit_files=(str(limited), str(unlimited))) == host // 4
+    assert total_ram_bytes(limit_files=(str(unlimited), str(tmp_path / "absent"))) == host
