@@ -12,7 +12,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence, TypeVar, Union
 
 import jinja2
 import pydantic
@@ -298,23 +298,31 @@ async def _until_disconnect(request: Request, work: Awaitable) -> Any:
 
 
 # ------------------------------------------------------------------ streams
-async def _completion_events(
-    streams: list[RequestStream], response_id: str, model: str, params: SamplingParams,
-    top_logprobs: Optional[int], include_usage: bool,
+async def _sse_events(
+    streams: list[RequestStream],
+    head: dict,
+    params: SamplingParams,
+    include_usage: bool,
+    build_choice: Callable[[int, Any, Any, serving.ChoiceProgress], dict],
+    opening: Sequence[dict] = (),
 ) -> AsyncIterator[str]:
-    head = serving.envelope(response_id, "text_completion", model)
+    """The SSE body of both endpoints: opening chunks, one chunk per text delta, usage, [DONE].
+
+    `build_choice(prompt_index, completion, delta, state)` formats one choice the way its
+    endpoint does; everything else (stop-string hold-back, usage, errors) is shared.
+    """
     holdback = serving.stop_holdback(params)
     progress: dict[tuple[int, int], serving.ChoiceProgress] = {}
     finals: list[RequestOutput] = []
     try:
+        for choice in opening:
+            yield serving.sse({**head, "choices": [choice]})
         async for prompt_index, output in _merge(streams):
             for completion in output.outputs:
                 state = progress.setdefault((prompt_index, completion.index), serving.ChoiceProgress())
                 delta = serving.next_delta(state, completion, holdback)
                 if delta is not None:
-                    index = serving.choice_index(prompt_index, params.n, completion)
-                    choice = serving.completion_choice(index, delta, top_logprobs, state)
-                    yield serving.sse({**head, "choices": [choice]})
+                    yield serving.sse({**head, "choices": [build_choice(prompt_index, completion, delta, state)]})
             if output.finished:
                 finals.append(output)
         if include_usage:
@@ -324,38 +332,37 @@ async def _completion_events(
     yield serving.SSE_DONE
 
 
-async def _chat_events(
+def _completion_events(
     streams: list[RequestStream], response_id: str, model: str, params: SamplingParams,
     top_logprobs: Optional[int], include_usage: bool,
 ) -> AsyncIterator[str]:
+    def build_choice(prompt_index, completion, delta, state):
+        index = serving.choice_index(prompt_index, params.n, completion)
+        return serving.completion_choice(index, delta, top_logprobs, state)
+
+    head = serving.envelope(response_id, "text_completion", model)
+    return _sse_events(streams, head, params, include_usage, build_choice)
+
+
+def _chat_events(
+    streams: list[RequestStream], response_id: str, model: str, params: SamplingParams,
+    top_logprobs: Optional[int], include_usage: bool,
+) -> AsyncIterator[str]:
+    def build_choice(_prompt_index, completion, delta, _state):
+        return {
+            "index": completion.index,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": serving.chat_choice_logprobs(delta, top_logprobs),
+            "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason,
+        }
+
     head = serving.envelope(response_id, "chat.completion.chunk", model)
-    holdback = serving.stop_holdback(params)
-    progress: dict[int, serving.ChoiceProgress] = {}
-    finals: list[RequestOutput] = []
-    try:
-        for index in range(params.n):
-            role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield serving.sse({**head, "choices": [role]})
-        async for _, output in _merge(streams):
-            for completion in output.outputs:
-                state = progress.setdefault(completion.index, serving.ChoiceProgress())
-                delta = serving.next_delta(state, completion, holdback)
-                if delta is not None:
-                    choice = {
-                        "index": completion.index,
-                        "delta": {"content": delta.text} if delta.text else {},
-                        "logprobs": serving.chat_choice_logprobs(delta, top_logprobs),
-                        "finish_reason": delta.finish_reason,
-                        "stop_reason": delta.stop_reason,
-                    }
-                    yield serving.sse({**head, "choices": [choice]})
-            if output.finished:
-                finals.append(output)
-        if include_usage:
-            yield serving.sse({**head, "choices": [], "usage": serving.usage(finals)})
-    except Exception as exc:  # noqa: BLE001 - headers are sent; the error goes in the stream
-        yield serving.sse(_stream_error(exc))
-    yield serving.SSE_DONE
+    roles = [
+        {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        for index in range(params.n)
+    ]
+    return _sse_events(streams, head, params, include_usage, build_choice, roles)
 
 
 # ---------------------------------------------------------- service routes
