@@ -35,7 +35,6 @@ from bench._machine import describe_machine
 from bench._report import write_csv_with_context
 from cpu_draft.affinity import default_draft_cpus, pin_current_process
 from cpu_draft.drafter import DraftModelOptions, Drafter
-from cpu_draft.quantize import quantize_model_int8
 from gpu_target.loader import load_config, parameter_shapes, resolve_model_path
 from gpu_target.model import build_model
 from gpu_target.model_config import ModelConfig
@@ -74,7 +73,7 @@ def load_drafter(args, dtype: torch.dtype, int8: bool, max_num_seqs: int, kv_lay
     generator = torch.Generator().manual_seed(0)
     state = {name: (torch.randn(shape, generator=generator) * 0.02).to(dtype) for name, shape in parameter_shapes(config).items()}
     model = build_model(config, state, dtype, "cpu")
-    return Drafter(quantize_model_int8(model, dtype) if int8 else model, options)
+    return Drafter(model, options)
 
 
 def time_draft_steps(drafter: Drafter, batch_size: int, context: int, draft_tokens: int, steps: int, warmup: int) -> np.ndarray:

@@ -1,7 +1,8 @@
 """The draft's two KV layouts behind one small interface the `Drafter` drives.
 
-* `SlotDraftKV` (the CPU default): contiguous per-sequence slots (`cpu_draft.slot_kv`),
-  attention over slices of them, decoder projections and the logits head packed for oneDNN.
+* `SlotDraftKV` (the CPU default): contiguous per-sequence slots (`cpu_draft.slot_kv`)
+  read by the lean CPU forward (`cpu_draft.lean_model`): attention over slices of them,
+  norms folded into projections packed for oneDNN (BF16) or quantised (INT8).
 * `PagedDraftKV`: the target's paged pool and `ModelRunner`, with the Triton paged kernel
   on CUDA (the in-process GPU draft) or `PerForwardAttention` on the CPU.
 
@@ -16,20 +17,18 @@ from typing import Optional, Sequence
 import torch
 
 from cpu_draft.attention import PerForwardAttention
-from cpu_draft.packed_linear import pack_model_linears, packed_logits_head
-from cpu_draft.slot_kv import SlotHandle, SlotKVCache, slot_attention
+from cpu_draft.lean_model import KV_DTYPE, LeanDraftModel
+from cpu_draft.slot_kv import SlotHandle, SlotKVCache
 from gpu_target.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks
 from gpu_target.model import CausalLM
 from gpu_target.runner import ModelRunner, SequenceChunk
 
 
 class SlotDraftKV:
-    def __init__(self, model: CausalLM, dtype: torch.dtype, budget_bytes: int, max_positions: int, pack_linears: bool = True):
-        self.model = model
-        self.cache = SlotKVCache(model.config, dtype, budget_bytes, max_positions)
-        self.logits_head = None
-        if pack_linears and pack_model_linears(model, dtype):
-            self.logits_head = packed_logits_head(model, dtype)
+    def __init__(self, model: CausalLM, dtype: torch.dtype, budget_bytes: int, max_positions: int,
+                 pack_linears: bool = True, int8_weights: bool = False):
+        self.model = LeanDraftModel(model, dtype, int8_weights, pack_linears)
+        self.cache = SlotKVCache(model.config, KV_DTYPE, budget_bytes, max_positions)
 
     new_handle = SlotHandle
 
@@ -48,7 +47,10 @@ class SlotDraftKV:
         return handle.slot is not None
 
     def snapshot(self, handle: SlotHandle, length: int) -> torch.Tensor:
-        return self.cache.snapshot(handle, length)
+        """K with its head dims in the model's standard order, as `CausalLM` would have written it."""
+        snapshot = self.cache.snapshot(handle, length)
+        snapshot[:, 0] = snapshot[:, 0][..., self.model.standard_k_order]
+        return snapshot
 
     @torch.inference_mode()
     def forward(self, handles: Sequence[SlotHandle], cached_lens: Sequence[int], feeds: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -59,10 +61,8 @@ class SlotDraftKV:
         meta = self.cache.metadata(handles, cached, query_lens)
         input_ids = torch.tensor([t for f in feeds_sorted for t in f], dtype=torch.long)
         positions = torch.tensor([p for start, n in zip(cached, query_lens) for p in range(start, start + n)], dtype=torch.long)
-        hidden = self.model(input_ids, positions, self.cache.layers, meta, slot_attention)
         last_rows = torch.tensor(_last_rows(query_lens), dtype=torch.long)
-        hidden = hidden[last_rows]
-        logits = self.model.compute_logits(hidden) if self.logits_head is None else self.logits_head(hidden).float()
+        logits = self.model(input_ids, positions, self.cache.layers, meta, last_rows)
         if order != sorted(order):
             logits = logits[torch.tensor(_inverse(order), dtype=torch.long)]
         return logits

@@ -115,15 +115,15 @@ class _Work:
 
 class Drafter:
     def __init__(self, model: CausalLM, options: DraftModelOptions):
-        self.model = model
+        self.config = model.config  # the model itself lives in the KV layout (the slots one keeps only its lean copy)
         self.options = options
         self.device = torch.device(options.device)
         self.max_positions = model.config.max_position_embeddings
         self.kv_layout = default_layout(self.device, options.kv_layout)
         if self.kv_layout == "slots":
-            self.kv = SlotDraftKV(model, options.dtype, options.kv_cache_bytes, self.max_positions, options.pack_linears)
+            self.kv = SlotDraftKV(model, options.dtype, options.kv_cache_bytes, self.max_positions, options.pack_linears, options.int8_weights)
         else:
-            self.kv = PagedDraftKV(model, options.dtype, self.device, options.kv_cache_bytes, options.max_num_seqs,
+            self.kv = PagedDraftKV(_paged_layout_model(model, options), options.dtype, self.device, options.kv_cache_bytes, options.max_num_seqs,
                                    options.block_size, self.max_positions)
         self._seqs: dict[SeqId, _SeqState] = {}
 
@@ -135,18 +135,12 @@ class Drafter:
         state = load_state_dict(path, config, options.dtype, options.device)
         net = build_model(config, state, options.dtype, options.device)
         del state
-        if options.int8_weights:
-            from cpu_draft.quantize import quantize_model_int8
-
-            net = quantize_model_int8(net, options.dtype)
-        elif torch.device(options.device).type == "cpu" and default_layout(torch.device("cpu"), options.kv_layout) == "paged":
-            net = _maybe_ipex_optimize(net, options.dtype)
         return cls(net, options)
 
     # ------------------------------------------------------------ sequences
     @property
     def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        return self.config.vocab_size
 
     def has(self, seq_id: SeqId) -> bool:
         return seq_id in self._seqs
@@ -323,6 +317,20 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
         return n
     diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
     return int(diff[0])
+
+
+def _paged_layout_model(model: CausalLM, options: DraftModelOptions) -> CausalLM:
+    """The model the paged layout runs: INT8 projections if asked, else IPEX's CPU linears where they apply.
+
+    (The slots layout builds its own lean CPU model, quantised there after folding.)
+    """
+    if options.int8_weights:
+        from cpu_draft.quantize import quantize_model_int8
+
+        return quantize_model_int8(model, options.dtype)
+    if torch.device(options.device).type == "cpu":
+        return _maybe_ipex_optimize(model, options.dtype)
+    return model
 
 
 def _maybe_ipex_optimize(model: CausalLM, dtype: torch.dtype) -> CausalLM:

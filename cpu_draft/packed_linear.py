@@ -5,7 +5,7 @@ oneDNN re-lays it out (into AMX/VNNI tiles) on each call: at decode batch sizes 
 costs as much as the matmul. ``torch.ops.mkldnn._reorder_linear_weight`` does it once and
 ``_linear_pointwise`` reads the packed weight directly (what inductor's CPU freezing
 does). BF16 results are bit-identical to ``F.linear``; FP32 ones differ in summation order.
-Where these ops are missing or refuse the dtype, the layer stays a plain ``nn.Linear``.
+Where these ops are missing or refuse the dtype (`can_pack`), callers keep a plain ``nn.Linear``.
 """
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from gpu_target.model import CausalLM
 
-_PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 BATCH_SIZE_HINT = 8  # the decode batch oneDNN picks its blocking for; any batch size runs
 
 
@@ -44,27 +42,3 @@ def can_pack(dtype: torch.dtype) -> bool:
         return torch.allclose(PackedLinear(weight, None)(x).float(), (x @ weight.T).float(), rtol=2e-2, atol=2e-2)
     except (RuntimeError, NotImplementedError):
         return False
-
-
-def pack_model_linears(model: CausalLM, dtype: torch.dtype) -> bool:
-    """Swap every decoder projection that is a plain nn.Linear for a PackedLinear, in place.
-
-    Returns whether packing is available (False leaves the model as it was).
-    """
-    if not can_pack(dtype):
-        return False
-    for layer in model.layers:
-        for block_name, proj_name in _PROJECTIONS:
-            block = getattr(layer, block_name)
-            linear = getattr(block, proj_name)
-            if type(linear) is nn.Linear:
-                setattr(block, proj_name, PackedLinear(linear.weight, linear.bias))
-    return True
-
-
-def packed_logits_head(model: CausalLM, dtype: torch.dtype) -> Optional[PackedLinear]:
-    """A PackedLinear of the output projection (the tied embeddings or lm_head), or None if packing is unavailable."""
-    if not can_pack(dtype):
-        return None
-    weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return PackedLinear(weight, None)

@@ -16,7 +16,8 @@ Knobs (``EngineConfig.extra`` key, else environment variable):
 HETERO_DRAFT_QUANTIZATION (``int8`` for INT8 weights), ``draft_cpus`` / HETERO_DRAFT_CPUS
 (e.g. ``4-15``), ``draft_threads`` / HETERO_DRAFT_THREADS, ``draft_kv_cache_gib`` /
 HETERO_DRAFT_KV_CACHE_GIB, ``draft_reply_timeout_s`` / HETERO_DRAFT_REPLY_TIMEOUT_S,
-``draft_overlap`` / HETERO_DRAFT_OVERLAP (0 turns drafting ahead off).
+``draft_overlap`` / HETERO_DRAFT_OVERLAP (0 turns drafting ahead off), ``draft_dtype`` /
+HETERO_DRAFT_DTYPE (the CPU worker's ``float32``, the default, or ``bfloat16``).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ from cpu_draft.messages import (
 from cpu_draft.worker import WorkerOptions, launch_command
 from gpu_target.loader import load_config, load_tokenizer, resolve_model_path
 from gpu_target.model_config import ModelConfig
-from hetero.config import EngineConfig, cpu_has_native_bf16
+from hetero.config import EngineConfig
 from hetero.protocols import ProposalRequest, TokenTree, Verdict
 from ipc import Channel, IPCError, RecvTimeoutError
 
@@ -74,6 +75,7 @@ class DraftSettings:
     reply_timeout_s: float = 10.0
     start_timeout_s: float = 600.0
     overlap: bool = True
+    cpu_dtype: torch.dtype = torch.float32
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "DraftSettings":
@@ -97,6 +99,7 @@ class DraftSettings:
             kv_cache_gib=knob("draft_kv_cache_gib", float, 1.0),
             reply_timeout_s=knob("draft_reply_timeout_s", float, 10.0),
             overlap=knob("draft_overlap", lambda v: str(v).lower() not in ("0", "false", "no"), True),
+            cpu_dtype=knob("draft_dtype", cpu_dtype, torch.float32),
         )
         if settings.tree_width < 1:
             raise ValueError(f"draft_tree_width must be at least 1, got {settings.tree_width}")
@@ -112,7 +115,7 @@ def build_draft_proposer(config: EngineConfig, target_config: ModelConfig, token
         cpus = tuple(default_draft_cpus(settings.cpus))
         options = WorkerOptions(
             model=str(draft_path),
-            draft=_model_options(config, settings, torch.device("cpu"), cpu_dtype(config.dtype)),
+            draft=_model_options(config, settings, torch.device("cpu"), settings.cpu_dtype),
             cpus=cpus,
             num_threads=settings.num_threads,
             overlap=settings.overlap,
@@ -124,12 +127,16 @@ def build_draft_proposer(config: EngineConfig, target_config: ModelConfig, token
 
 
 def cpu_dtype(requested: str) -> torch.dtype:
-    """The draft's dtype on the CPU: FP32 or BF16 as asked, else BF16 where the CPU does it natively."""
-    if requested == "float32" or requested == "float":
-        return torch.float32
-    if requested == "bfloat16":
-        return torch.bfloat16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    """The CPU draft worker's dtype: ``float32`` or ``bfloat16``.
+
+    FP32 is the default even on AMX hosts: with plain PyTorch, oneDNN's BF16 matmuls carry
+    a fixed cost of ~40 µs per call at a small draft's shapes, and on the GPU host FP32
+    draft forwards beat BF16 ones at batch 1, 8 and 32 (bench/results/cpu_draft-h100host.csv).
+    """
+    dtypes = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16}
+    if requested not in dtypes:
+        raise ValueError(f"draft_dtype must be 'float32' or 'bfloat16', got {requested!r}")
+    return dtypes[requested]
 
 
 def _model_options(config: EngineConfig, settings: DraftSettings, device: torch.device, dtype: torch.dtype) -> DraftModelOptions:

@@ -1,20 +1,21 @@
 """Contiguous per-sequence KV for the draft on the CPU: one slot per sequence, no gathers.
 
-The storage is ``[layers, 2, slots, capacity, kv_heads, head_dim]``: sequence i's K/V for
-storage index p sits at ``[layer, k_or_v, slot_i, p]``. A batch whose slots are
-consecutive attends over a plain slice of the storage (a view, nothing copied); any other
-batch takes its slots with one ``index_select`` of whole contiguous rows. Compared with
-the paged cache this drops, per layer, the token-by-token gather of every cached K/V and
-the rebuild of gather indices, which dominated a small draft model's step on the CPU.
+The storage is ``[layers, 2, slots, kv_heads, capacity, head_dim]``, head-major: sequence
+i's K/V for storage index p sits at ``[layer, k_or_v, slot_i, head, p]``. A batch whose
+slots are consecutive attends over a plain slice of the storage (a view, nothing copied),
+and head-major rows make that slice ``[batch * kv_heads, seq, head_dim]`` without a copy,
+which is the shape a batched matmul wants; any other batch takes its slots with one
+``index_select`` of whole contiguous rows. Compared with the paged cache this drops, per
+layer, the token-by-token gather of every cached K/V and the rebuild of gather indices,
+which dominated a small draft model's step on the CPU.
 
 Rollback stays O(1): the drafter truncates a length and stale K/V past it is never read
 (the mask hides it) and is overwritten by the next write. Slots are handed out lowest
 first, and when the storage grows (more slots, or a longer capacity) the live sequences
 are packed into the first slots, so a steady batch keeps consecutive slots.
 
-`CausalLM` is unchanged: it writes K/V through ``meta.slot_mapping`` into each layer's
-``[slots, capacity, kv_heads, head_dim]`` tensor (flat index ``slot * capacity + p``) and
-hands ``meta`` to `slot_attention`, the only reader of the rest of `SlotMetadata`.
+`cpu_draft.lean_model` writes and reads this cache through `slot_attention`, with one
+`SlotMetadata` per forward shared by all layers.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 
 from gpu_target.model_config import ModelConfig
 
@@ -31,50 +31,60 @@ MIN_CAPACITY = 256
 
 @dataclass
 class SlotMetadata:
-    slot_mapping: torch.Tensor  # int64 [T]: flat storage row of each new token's K/V
+    write_slots: torch.Tensor  # int64 [T]: slot of each new token
+    write_positions: torch.Tensor  # int64 [T]: its storage index in the slot
     slots: Union[slice, torch.Tensor]  # the batch's slots, in batch order: a slice when consecutive
     max_seq_len: int
     max_query_len: int
     rows: Optional[torch.Tensor]  # int64 [T]: row of each new token in the padded [B * Q] layout; None if no padding
-    mask: torch.Tensor  # additive, query dtype [B, 1, group * Q, S]: 0 where visible, -inf elsewhere
+    mask: Optional[torch.Tensor]  # additive [B * kv_heads, group * Q, S]: 0 where visible, -inf elsewhere; None: all visible
 
 
-def slot_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: SlotMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of the new tokens [T, H, D] over their sequences' slots (K/V already written)."""
-    _, H, D = query.shape
-    KVH = k_cache.shape[2]
+def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, meta: SlotMetadata) -> torch.Tensor:
+    """Write the new tokens' K/V [T, KVH, D], then causal attention of their queries [T, H, D] (pre-scaled): [T, H * D]."""
+    k_store, v_store = kv_cache
+    k_store[meta.write_slots, :, meta.write_positions] = k
+    v_store[meta.write_slots, :, meta.write_positions] = v
+    _, H, D = q.shape
+    KVH = k_store.shape[1]
     group = H // KVH
     S, Q = meta.max_seq_len, meta.max_query_len
-    k, v = k_cache[:, :S], v_cache[:, :S]
+    keys, values = k_store[:, :, :S], v_store[:, :, :S]
     if isinstance(meta.slots, slice):
-        k, v = k[meta.slots], v[meta.slots]
+        keys, values = keys[meta.slots], values[meta.slots]
     else:
-        k, v = k.index_select(0, meta.slots), v.index_select(0, meta.slots)
-    B = k.shape[0]
+        keys, values = keys.index_select(0, meta.slots), values.index_select(0, meta.slots)
+    B = keys.shape[0]
     if meta.rows is not None:
-        padded = query.new_zeros(B * Q, H, D)
-        padded[meta.rows] = query
-        query = padded
-    # Fold the query heads of one KV head together: [B, KVH, group * Q, D].
-    q = query.view(B, Q, KVH, group, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, group * Q, D)
-    out = F.scaled_dot_product_attention(q, k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), attn_mask=meta.mask, scale=scale)
-    out = out.view(B, KVH, group, Q, D).permute(0, 3, 1, 2, 4).reshape(B * Q, H, D)
+        padded = q.new_zeros(B * Q, H, D)
+        padded[meta.rows] = q
+        q = padded
+    # The query heads of one KV head side by side: [B * KVH, group * Q, D].
+    q = q.reshape(B, Q, KVH, group, D).permute(0, 2, 3, 1, 4).reshape(B * KVH, group * Q, D)
+    keys_t = keys.reshape(B * KVH, S, D).transpose(1, 2)
+    scores = torch.bmm(q, keys_t) if meta.mask is None else torch.baddbmm(meta.mask, q, keys_t)
+    probs = torch.softmax(scores, -1, dtype=torch.float32).to(values.dtype)
+    out = torch.bmm(probs, values.reshape(B * KVH, S, D))
+    out = out.view(B, KVH, group, Q, D).permute(0, 3, 1, 2, 4).reshape(B * Q, H * D)
     return out if meta.rows is None else out[meta.rows]
 
 
-def causal_slot_mask(query_lens: Sequence[int], seq_lens: Sequence[int], group: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [B, 1, group * Q, S]: new token i of sequence b sees storage indices <= ctx_b + i.
+def causal_slot_mask(query_lens: Sequence[int], seq_lens: Sequence[int], num_kv_heads: int, group: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """Additive mask [B * KVH, group * Q, S]: new token i of sequence b sees storage indices <= ctx_b + i.
 
+    None when every query sees every key (one new token per sequence, all equally long).
     Padding rows (i >= q_len_b) see index 0 only, so their softmax stays finite.
     """
     B, Q, S = len(seq_lens), max(query_lens), max(seq_lens)
+    if Q == 1 and min(seq_lens) == S:
+        return None
     q_lens = torch.tensor(query_lens).view(B, 1, 1)
     ctx = torch.tensor(seq_lens).view(B, 1, 1) - q_lens
     qi = torch.arange(Q).view(1, Q, 1)
     kp = torch.arange(S).view(1, 1, S)
     visible = torch.where(qi < q_lens, kp <= ctx + qi, kp == 0)
     mask = torch.zeros(B, Q, S, dtype=dtype).masked_fill_(~visible, float("-inf"))
-    return mask.unsqueeze(1).expand(B, group, Q, S).reshape(B, 1, group * Q, S)
+    return mask.view(B, 1, 1, Q, S).expand(B, num_kv_heads, group, Q, S).reshape(B * num_kv_heads, group * Q, S)
 
 
 class SlotHandle:
@@ -95,12 +105,12 @@ class SlotKVCache:
         self.budget_bytes = budget_bytes
         self.max_positions = max_positions
         self.bytes_per_token = config.num_layers * 2 * config.kv_size * torch.empty((), dtype=dtype).element_size()
-        self.storage = torch.zeros((config.num_layers, 2, 0, 0, config.num_kv_heads, config.head_dim), dtype=dtype)
+        self.storage = torch.zeros((config.num_layers, 2, 0, config.num_kv_heads, 0, config.head_dim), dtype=dtype)
         self._holders: list[Optional[SlotHandle]] = []
 
     @property
     def capacity(self) -> int:
-        return self.storage.shape[3]
+        return self.storage.shape[4]
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -129,39 +139,41 @@ class SlotKVCache:
             handle.slot = None
 
     def snapshot(self, handle: SlotHandle, length: int) -> torch.Tensor:
-        """[layers, 2, length, kv_heads, head_dim] (a copy)."""
+        """[layers, 2, length, kv_heads, head_dim] (a copy), token-major like the paged pool."""
         if handle.slot is None:
-            return self.storage[:, :, 0, :0].clone()
-        return self.storage[:, :, handle.slot, :length].clone()
+            return self.storage[:, :, 0, :, :0].transpose(2, 3).clone()
+        return self.storage[:, :, handle.slot, :, :length].transpose(2, 3).clone()
 
     def metadata(self, handles: Sequence[SlotHandle], cached_lens: Sequence[int], query_lens: Sequence[int]) -> SlotMetadata:
         """Metadata of one forward: sequence b appends ``query_lens[b]`` tokens after ``cached_lens[b]``."""
-        capacity = self.capacity
         slots = [h.slot for h in handles]
-        slot_mapping = [s * capacity + p for s, start, n in zip(slots, cached_lens, query_lens) for p in range(start, start + n)]
+        write_slots = [s for s, n in zip(slots, query_lens) for _ in range(n)]
+        write_positions = [p for start, n in zip(cached_lens, query_lens) for p in range(start, start + n)]
         seq_lens = [start + n for start, n in zip(cached_lens, query_lens)]
         Q = max(query_lens)
         rows = None
         if any(n != Q for n in query_lens):
             rows = torch.tensor([b * Q + i for b, n in enumerate(query_lens) for i in range(n)], dtype=torch.long)
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-        group = self.config.num_heads // self.config.num_kv_heads
+        kv_heads = self.config.num_kv_heads
         return SlotMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
+            write_slots=torch.tensor(write_slots, dtype=torch.long),
+            write_positions=torch.tensor(write_positions, dtype=torch.long),
             slots=slice(slots[0], slots[0] + len(slots)) if consecutive else torch.tensor(slots, dtype=torch.long),
             max_seq_len=max(seq_lens),
             max_query_len=Q,
             rows=rows,
-            mask=causal_slot_mask(query_lens, seq_lens, group, self.dtype),
+            mask=causal_slot_mask(query_lens, seq_lens, kv_heads, self.config.num_heads // kv_heads, self.dtype),
         )
 
     def _regrow(self, live: list[SlotHandle], slots: int, capacity: int) -> None:
         """New storage of ``slots`` x ``capacity``; the live sequences move, in slot order, to the first slots."""
         old, old_capacity = self.storage, self.capacity
         live = sorted(live, key=lambda h: (h.slot is None, h.slot if h.slot is not None else 0))
-        self.storage = torch.zeros((*old.shape[:2], slots, capacity, *old.shape[4:]), dtype=self.dtype)
+        L, _, _, kv_heads, _, head_dim = old.shape
+        self.storage = torch.zeros((L, 2, slots, kv_heads, capacity, head_dim), dtype=self.dtype)
         for new_slot, handle in enumerate(live):
             if handle.slot is not None:
-                self.storage[:, :, new_slot, :old_capacity] = old[:, :, handle.slot]
+                self.storage[:, :, new_slot, :, :old_capacity] = old[:, :, handle.slot]
             handle.slot = new_slot
         self._holders = live + [None] * (slots - len(live))

@@ -127,9 +127,14 @@ def test_a_draft_shrunk_to_a_smaller_budget_equals_drafting_with_it(tiny_llama_d
     assert big.last_chain("s") == small.last_chain("s") and big.kv_length("s") == small.kv_length("s")
 
 
-def test_slot_layout_drafts_what_the_paged_layout_drafts(tiny_llama_dir):
-    """Over steps of accept / reject / new and finished sequences, in an order that breaks slot order."""
-    slots, paged = _drafter(tiny_llama_dir, kv_layout="slots"), _drafter(tiny_llama_dir, kv_layout="paged")
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_slot_layout_drafts_what_the_paged_layout_drafts(model_fixture, request):
+    """The lean CPU forward (slots) against `CausalLM` (paged): the same drafts and, up to rounding, the same K/V.
+
+    Over steps of accept / reject / new and finished sequences, in an order that breaks slot order.
+    """
+    model_dir = request.getfixturevalue(model_fixture)
+    slots, paged = _drafter(model_dir, kv_layout="slots"), _drafter(model_dir, kv_layout="paged")
     contexts = {"a": list(range(10, 30)), "b": list(range(100, 103)), "c": list(range(7, 60)), "d": [5]}
     for step in range(6):
         for drafter in (slots, paged):
@@ -226,17 +231,21 @@ def test_tree_levels_respect_the_budget():
             assert sum(tree_levels(budget, width)) == budget
 
 
-def test_int8_weights_stay_close_to_float(tiny_llama_dir):
-    float_drafter = _drafter(tiny_llama_dir)
-    int8_drafter = _drafter(tiny_llama_dir, int8_weights=True)
-    assert type(int8_drafter.model.layers[0].mlp.down_proj).__name__ == "Int8Linear"
-    hidden = torch.randn(5, float_drafter.model.config.hidden_size)
-    for name in ("qkv_proj", "o_proj"):
-        reference = getattr(float_drafter.model.layers[0].self_attn, name)
-        quantized = getattr(int8_drafter.model.layers[0].self_attn, name)
-        x = hidden if name == "qkv_proj" else torch.randn(5, reference.in_features)
-        error = (quantized(x) - reference(x)).norm() / reference(x).norm()
-        assert error < 0.02
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_int8_weights_stay_close_to_float(tiny_llama_dir, layout):
+    float_drafter = _drafter(tiny_llama_dir, kv_layout=layout)
+    int8_drafter = _drafter(tiny_llama_dir, kv_layout=layout, int8_weights=True)
+    model = int8_drafter.kv.model if layout == "slots" else int8_drafter.kv.runner.model
+    down = model.layers[0].down if layout == "slots" else model.layers[0].mlp.down_proj
+    assert type(down).__name__ == "Int8Linear"
+    tokens = list(range(20, 52))
+    logits = []
+    for drafter in (float_drafter, int8_drafter):
+        handle = drafter.kv.new_handle()
+        assert drafter.kv.reserve(handle, len(tokens))
+        logits.append(drafter.kv.forward([handle], [0], [tokens]))
+    error = (logits[1] - logits[0]).norm() / logits[0].norm()
+    assert 0 < error < 0.02
 
 
 def test_update_messages_round_trip_when_split():
@@ -354,3 +363,16 @@ def test_tokenizer_mismatch_is_a_clear_error(tiny_llama_dir, tmp_path):
     tokenizer_file.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="tokenizer maps id 100"):
         LLM(model=str(tiny_llama_dir), speculative_model=str(shuffled), num_speculative_tokens=K, cpu_draft_worker=True)
+
+
+def test_draft_dtype_knob_defaults_to_float32_and_names_a_bad_value(monkeypatch):
+    from cpu_draft.proposer import DraftSettings
+    from hetero.config import EngineConfig
+
+    monkeypatch.delenv("HETERO_DRAFT_DTYPE", raising=False)
+    assert DraftSettings.from_config(EngineConfig(model="m")).cpu_dtype == torch.float32
+    assert DraftSettings.from_config(EngineConfig(model="m", extra={"draft_dtype": "bfloat16"})).cpu_dtype == torch.bfloat16
+    monkeypatch.setenv("HETERO_DRAFT_DTYPE", "bfloat16")
+    assert DraftSettings.from_config(EngineConfig(model="m")).cpu_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="draft_dtype"):
+        DraftSettings.from_config(EngineConfig(model="m", extra={"draft_dtype": "int4"}))
