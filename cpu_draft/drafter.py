@@ -12,9 +12,10 @@ A tree is a greedy chain, optionally with the next-best siblings of each chain n
 (``tree_width`` > 1): the siblings come from logits the chain already computed, so they
 cost no forward pass. Per depth level there is one batched forward over every sequence.
 
-The model is `gpu_target.model.CausalLM`, the target's own code on another device and
-dtype, over one of the KV layouts of `cpu_draft.draft_kv`: contiguous slots on the CPU,
-the target's paged pool and runner on CUDA.
+The model is loaded as `gpu_target.model.CausalLM`, the target's own code, and runs over
+one of the KV layouts of `cpu_draft.draft_kv`: on the CPU, contiguous slots read by a lean
+CPU forward built from it (`cpu_draft.lean_model`); on CUDA, the target's paged pool and
+runner with `CausalLM` itself.
 """
 from __future__ import annotations
 
