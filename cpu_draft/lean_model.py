@@ -77,7 +77,7 @@ class LeanLayer(nn.Module):
         c = config
         attn, mlp = layer.self_attn, layer.mlp
         qkv = attn.qkv_proj.weight.float() * layer.input_layernorm.weight.float()[None, :]
-        bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.float().clone()
+        bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.float()
         qkv, bias = _reorder_and_scale_qk(qkv, bias, c, order, attn.scale)
         gate_up = mlp.gate_up_proj.weight.float() * layer.post_attention_layernorm.weight.float()[None, :]
         self.qkv = projection(qkv, bias, dtype, int8, pack)
