@@ -63,8 +63,7 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, 
     q = q.reshape(B, Q, KVH, group, D).permute(0, 2, 3, 1, 4).reshape(B * KVH, group * Q, D)
     keys_t = keys.reshape(B * KVH, S, D).transpose(1, 2)
     scores = torch.bmm(q, keys_t) if meta.mask is None else torch.baddbmm(meta.mask, q, keys_t)
-    probs = torch.softmax(scores, -1, dtype=torch.float32).to(values.dtype)
-    out = torch.bmm(probs, values.reshape(B * KVH, S, D))
+    out = torch.bmm(scores.softmax(-1), values.reshape(B * KVH, S, D))
     out = out.view(B, KVH, group, Q, D).permute(0, 3, 1, 2, 4).reshape(B * Q, H * D)
     return out if meta.rows is None else out[meta.rows]
 
