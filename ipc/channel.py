@@ -49,7 +49,7 @@ from ipc.segment import (
 )
 
 MAX_SOCKET_PATH_BYTES = 107  # sun_path of a Unix-domain socket, less the terminating NUL
-KIND_RANGE = range(-(2**31), 2**31)
+KIND_MIN, KIND_MAX = -(2**31), 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -194,16 +194,17 @@ class Channel:
         message cannot fit a slot, PeerDeadError if the peer dies while we wait.
         """
         self._require_open()
-        _require(isinstance(kind, (int, np.integer)) and int(kind) in KIND_RANGE, f"kind must be an int32, got {kind!r}")
-        plan = self._writer.plan(arrays)
+        if type(kind) is not int or not KIND_MIN <= kind <= KIND_MAX:
+            kind = _checked_kind(kind)
+        layout = self._writer.layout(arrays)
         if not self._space_waiter.wait(self._writer.has_space, timeout):
             raise RingFullError(
                 f"channel {self.name}: all {self._writer.segment.num_slots} slots stayed full for {timeout} s; "
                 f"the peer (pid {self.peer_pid}) is not receiving"
             )
-        self._writer.put(int(kind), arrays, plan)
+        self._writer.put(kind, arrays, layout)
         full_fence()
-        if self._writer.segment.is_waiting(Role.CONSUMER):
+        if self._writer.consumer_waiting():
             self._data_sender.ring()
 
     def recv(self, timeout: float | None = None) -> Message:
@@ -229,7 +230,7 @@ class Channel:
         self._require_open()
         if self._reader.release():
             full_fence()
-            if self._reader.segment.is_waiting(Role.PRODUCER):
+            if self._reader.producer_waiting():
                 self._space_sender.ring()
 
     def close(self) -> None:
@@ -268,6 +269,11 @@ def _check_peer(out_ring: RingSegment, spec: ChannelSpec) -> None:
 
 def _channel_name(spec: ChannelSpec) -> str:
     return spec.to_peer.removesuffix("_req")
+
+
+def _checked_kind(kind: object) -> int:
+    _require(isinstance(kind, (int, np.integer)) and KIND_MIN <= kind <= KIND_MAX, f"kind must be an int32, got {kind!r}")
+    return int(kind)
 
 
 def _require(condition: bool, message: str) -> None:

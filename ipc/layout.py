@@ -10,8 +10,18 @@ Offsets are relative to the payload start and aligned to ``ARRAY_ALIGN`` bytes s
 aligned numpy views. The CRC32 covers the whole payload (table and array bytes). Native
 byte order and sizes are used throughout: both ends run on the same host.
 
-This is the hot path of every message, so validation results are cached per name and
-dtype and the whole table is packed and unpacked with one struct call.
+This is the hot path of every message, and for a small message the Python bookkeeping
+costs several times the copy of its bytes, so nothing is worked out twice:
+
+* a ``PayloadLayout`` (where each array goes, and the packed table that says so) is made
+  once per message shape by the writer and once per table by the reader, and kept in a
+  ``LayoutCache``: the writer keys it by names, dtypes and shapes, the reader by the table
+  bytes. A miss costs one validated plan or parse, which is what every message used to cost.
+* the writer copies an array as ``payload[a:b] = array.tobytes()``: for small arrays that is
+  about half the cost of a numpy slice assignment, and for large ones the extra copy is
+  small next to the CRC32 pass over the same bytes.
+* the reader keeps numpy views of each slot's payload, one per dtype (``TypedViews``), and
+  hands out slices of them: ``np.frombuffer`` costs about three times as much as a slice.
 """
 from __future__ import annotations
 
@@ -31,24 +41,84 @@ ENTRY_BYTES = struct.calcsize("@" + ENTRY_FORMAT)
 MAX_NAME_BYTES = 32
 ARRAY_ALIGN = 64
 SUPPORTED_DTYPE_KINDS = "biufc"
+MAX_CACHED_LAYOUTS = 256
 
 
-class ArrayEntry(NamedTuple):
-    """Where one named array lives inside a payload."""
+class ArraySpan(NamedTuple):
+    """Where one named array lives: bytes ``first_byte:end_byte`` of the payload, which are
+    items ``first_item:end_item`` of the payload viewed as ``dtype``."""
 
     name: str
     dtype: np.dtype
+    first_byte: int
+    end_byte: int
+    first_item: int
+    end_item: int
+
+
+def array_span(name: str, dtype: np.dtype, offset: int, length: int) -> ArraySpan:
+    """The span of ``length`` items of ``dtype`` at byte ``offset``, a multiple of the item size."""
+    first_item = offset // dtype.itemsize
+    return ArraySpan(name, dtype, offset, offset + length * dtype.itemsize, first_item, first_item + length)
+
+
+class PayloadLayout(NamedTuple):
+    """The placed arrays of one message shape, the packed array table, and the payload length."""
+
+    spans: tuple[ArraySpan, ...]
+    table: bytes
     length: int
-    offset: int
-    nbytes: int
 
 
-class PayloadPlan(NamedTuple):
-    """The placed arrays of a payload, its total length, and its packed-table arguments."""
+class TypedViews(dict):
+    """Views of one slot's payload as each dtype, made on first use and then kept.
 
-    entries: tuple[ArrayEntry, ...]
-    length: int
-    table_fields: tuple
+    The payload is a multiple of ``ARRAY_ALIGN`` bytes, so it divides into whole items of
+    every supported dtype.
+    """
+
+    def __init__(self, payload: memoryview) -> None:
+        super().__init__()
+        self.payload = payload
+
+    def __missing__(self, dtype: np.dtype) -> np.ndarray:
+        view = self[dtype] = np.frombuffer(self.payload, dtype)
+        return view
+
+
+class LayoutCache:
+    """Layouts already made, by key; forgets them all once it holds ``MAX_CACHED_LAYOUTS``.
+
+    A stream of messages repeats a few shapes; one whose shapes never repeat just pays a
+    plan or parse per message, as it would without the cache.
+    """
+
+    def __init__(self) -> None:
+        self._layouts: dict[object, PayloadLayout] = {}
+
+    def for_arrays(self, arrays: Mapping[str, np.ndarray]) -> PayloadLayout:
+        """The layout of ``arrays``; a new shape is validated first (IPCError names the offending array)."""
+        try:
+            key = tuple([(name, array.dtype, array.shape) for name, array in arrays.items()])
+            layout = self._layouts.get(key)
+        except (AttributeError, TypeError):  # not a mapping of arrays: the planner says what is wrong
+            return plan_payload(arrays)
+        if layout is None:
+            layout = self._remember(key, plan_payload(arrays))
+        return layout
+
+    def for_table(self, table: bytes) -> PayloadLayout:
+        """The layout a packed array table describes; a new table is validated first (CorruptMessageError)."""
+        layout = self._layouts.get(table)
+        if layout is None:
+            layout = self._remember(table, parse_table(table))
+        return layout
+
+    def _remember(self, key: object, layout: PayloadLayout) -> PayloadLayout:
+        if len(self._layouts) >= MAX_CACHED_LAYOUTS:
+            self._layouts.clear()
+        self._layouts[key] = layout
+        return layout
 
 
 def align_up(n: int, alignment: int = ARRAY_ALIGN) -> int:
@@ -60,10 +130,10 @@ def table_struct(count: int) -> struct.Struct:
     return struct.Struct("@I4x" + ENTRY_FORMAT * count)
 
 
-def plan_payload(arrays: Mapping[str, np.ndarray]) -> PayloadPlan:
+def plan_payload(arrays: Mapping[str, np.ndarray]) -> PayloadLayout:
     """Check every array and place it; raises IPCError naming the offending array."""
     offset = align_up(TABLE_HEADER.size + ENTRY_BYTES * len(arrays))
-    entries = []
+    spans = []
     fields: list = [len(arrays)]
     end = TABLE_HEADER.size
     for name, array in arrays.items():
@@ -73,42 +143,48 @@ def plan_payload(arrays: Mapping[str, np.ndarray]) -> PayloadPlan:
         if array.ndim != 1:
             raise IPCError(f"array {name!r} must be 1-D, got shape {array.shape}")
         dtype_code = _dtype_code(array.dtype, name)
-        entry = ArrayEntry(name, array.dtype, len(array), offset, array.nbytes)
-        entries.append(entry)
-        fields += (encoded_name, dtype_code, entry.length, offset)
-        end = offset + entry.nbytes
+        spans.append(array_span(name, array.dtype, offset, len(array)))
+        fields += (encoded_name, dtype_code, len(array), offset)
+        end = spans[-1].end_byte
         offset = align_up(end)
-    return PayloadPlan(tuple(entries), end, tuple(fields))
+    return PayloadLayout(tuple(spans), table_struct(len(arrays)).pack(*fields), end)
 
 
-def write_payload(dest: np.ndarray, arrays: Mapping[str, np.ndarray], plan: PayloadPlan) -> None:
-    """Write the table and the array bytes of ``plan`` into ``dest`` (a uint8 array of at least ``plan.length``)."""
-    table_struct(len(plan.entries)).pack_into(dest, 0, *plan.table_fields)
-    raw = memoryview(dest)
-    for entry in plan.entries:
-        array = arrays[entry.name]
-        if array.flags.c_contiguous:
-            raw[entry.offset : entry.offset + entry.nbytes] = array.view(np.uint8)
-        else:
-            dest[entry.offset : entry.offset + entry.nbytes].view(entry.dtype)[...] = array
-
-
-def read_payload(src: np.ndarray, length: int) -> dict[str, np.ndarray]:
-    """Numpy views of the arrays in the payload ``src[:length]``; raises CorruptMessageError on a bad table."""
-    if length < TABLE_HEADER.size:
-        raise CorruptMessageError(f"payload of {length} bytes is shorter than its table header")
-    (count,) = TABLE_HEADER.unpack_from(src, 0)
-    if TABLE_HEADER.size + count * ENTRY_BYTES > length:
-        raise CorruptMessageError(f"array table of {count} entries overruns the {length}-byte payload")
-    fields = table_struct(count).unpack_from(src, 0)
-    arrays = {}
+def parse_table(table: bytes) -> PayloadLayout:
+    """The layout an array table describes; raises CorruptMessageError on an entry no writer makes."""
+    (count,) = TABLE_HEADER.unpack_from(table)
+    fields = table_struct(count).unpack(table)
+    spans = []
+    end = len(table)
     for i in range(1, 1 + 4 * count, 4):
         raw_name, raw_dtype, n, offset = fields[i : i + 4]
         dtype = _dtype_from_code(raw_dtype)
-        if offset % dtype.alignment or offset + n * dtype.itemsize > length:
-            raise CorruptMessageError(f"array entry {i // 4} ({n} x {dtype} at {offset}) lies outside the {length}-byte payload")
-        arrays[_name_from_bytes(raw_name)] = np.frombuffer(src, dtype, n, offset)
-    return arrays
+        if offset % dtype.itemsize:
+            raise CorruptMessageError(f"array entry {i // 4} ({n} x {dtype}) starts at {offset}, not at a whole item")
+        spans.append(array_span(_name_from_bytes(raw_name), dtype, offset, n))
+        end = max(end, spans[-1].end_byte)
+    return PayloadLayout(tuple(spans), table, end)
+
+
+def write_payload(payload: memoryview, arrays: Mapping[str, np.ndarray], layout: PayloadLayout) -> None:
+    """Write the table and the array bytes of ``layout`` into ``payload``."""
+    payload[: len(layout.table)] = layout.table
+    for name, _, first_byte, end_byte, _, _ in layout.spans:
+        payload[first_byte:end_byte] = arrays[name].tobytes()
+
+
+def read_payload(payload: memoryview, views: TypedViews, length: int, layouts: LayoutCache) -> dict[str, np.ndarray]:
+    """Views of the arrays in the first ``length`` bytes of ``payload``; raises CorruptMessageError on a bad table."""
+    if length < TABLE_HEADER.size:
+        raise CorruptMessageError(f"payload of {length} bytes is shorter than its table header")
+    (count,) = TABLE_HEADER.unpack_from(payload)
+    table_end = TABLE_HEADER.size + count * ENTRY_BYTES
+    if table_end > length:
+        raise CorruptMessageError(f"array table of {count} entries overruns the {length}-byte payload")
+    layout = layouts.for_table(payload[:table_end].tobytes())
+    if layout.length > length:
+        raise CorruptMessageError(f"array table places arrays up to byte {layout.length} of the {length}-byte payload")
+    return {name: views[dtype][first_item:end_item] for name, dtype, _, _, first_item, end_item in layout.spans}
 
 
 @functools.lru_cache(maxsize=1024)

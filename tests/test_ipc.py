@@ -25,7 +25,7 @@ from ipc import (
     RingFullError,
     cleanup_orphans,
 )
-from ipc.layout import SLOT_HEADER_BYTES
+from ipc.layout import MAX_CACHED_LAYOUTS, SLOT_HEADER_BYTES, parse_table, table_struct
 from ipc.ring import CONTROL_BYTES
 from ipc.segment import SHM_DIR, attach_segment
 
@@ -166,8 +166,12 @@ def test_random_array_sets_round_trip_bit_exactly_or_are_refused(pair, messages)
         pytest.param(CONTROL_BYTES + 0, id="header-seq"),
     ],
 )
-def test_corruption_is_caught_and_the_next_message_still_arrives(pair, where):
+@pytest.mark.parametrize("earlier_messages", [0, 3], ids=["first-message", "cached-layout"])
+def test_corruption_is_caught_and_the_next_message_still_arrives(pair, where, earlier_messages):
     owner, peer = pair
+    for i in range(earlier_messages):  # 3 slots: the corrupt message lands in slot 0 again, its layout already known
+        owner.send(i, tree_message(16))
+        peer.recv(timeout=1)
     owner.send(3, tree_message(16))
     raw = attach_segment(owner.spec.to_peer)
     raw[where] ^= 0x40
@@ -178,6 +182,41 @@ def test_corruption_is_caught_and_the_next_message_still_arrives(pair, where):
     msg = peer.recv(timeout=1)
     assert msg.kind == 4
     np.testing.assert_array_equal(msg.arrays["tokens"], np.arange(7, 23))
+
+
+def test_a_repeated_shape_carries_new_data_and_a_changed_one_is_planned_afresh(pair):
+    owner, peer = pair
+    for value in range(5):  # same names, dtypes and lengths: the writer's and the reader's layouts are reused
+        owner.send(value, {"x": np.full(8, value, np.int64), "y": np.arange(value, value + 3, dtype=np.float32)})
+        msg = peer.recv(timeout=1)
+        np.testing.assert_array_equal(msg.arrays["x"], np.full(8, value))
+        np.testing.assert_array_equal(msg.arrays["y"], np.arange(value, value + 3, dtype=np.float32))
+    owner.send(5, {"x": np.full(8, 5, np.int32), "y": np.arange(3, dtype=np.float32)[::-1]})  # new dtype, strided
+    msg = peer.recv(timeout=1)
+    assert msg.arrays["x"].dtype == np.int32
+    np.testing.assert_array_equal(msg.arrays["y"], [2, 1, 0])
+    with pytest.raises(IPCError, match="must be 1-D"):  # same name, dtype and size as before, but 2-D
+        owner.send(6, {"x": np.zeros((2, 4), np.int64), "y": np.arange(3, dtype=np.float32)})
+    assert peer.try_recv() is None
+
+
+def test_more_shapes_than_the_layout_cache_holds_still_round_trip(pair):
+    owner, peer = pair
+    for n in range(MAX_CACHED_LAYOUTS + 20):
+        owner.send(n, {"tokens": np.arange(n % 200, dtype=np.int64), f"tag{n}": np.array([n], np.int16)})
+        msg = peer.recv(timeout=1)
+        assert list(msg.arrays) == ["tokens", f"tag{n}"]
+        np.testing.assert_array_equal(msg.arrays["tokens"], np.arange(n % 200))
+        assert msg.arrays[f"tag{n}"][0] == n
+
+
+def test_a_table_no_writer_makes_is_corrupt():
+    misaligned = table_struct(1).pack(1, b"x", b"<i8", 4, 68)
+    with pytest.raises(CorruptMessageError, match="not at a whole item"):
+        parse_table(misaligned)
+    assert parse_table(table_struct(1).pack(1, b"x", b"<i8", 4, 64)).length == 64 + 32
+    with pytest.raises(CorruptMessageError, match="unknown dtype"):
+        parse_table(table_struct(1).pack(1, b"x", b"<q9", 4, 64))
 
 
 def test_oversized_message_is_refused_with_a_clear_error_and_publishes_nothing(pair):
