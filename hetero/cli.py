@@ -84,6 +84,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("enforce_eager", "Never capture CUDA graphs.", None),
     Flag("tensor_parallel_size", "GPUs for the target model (only 1 is supported).", int),
     Flag("device", "Where the target runs: auto, cpu, cuda or cuda:N."),
+    Flag("batch_invariant", "CPU only: each token's KV and logits bit-identical whatever the batch "
+         "(slower; also $HETERO_BATCH_INVARIANT=1).", None),
     # --- speculation (vLLM and TACO-LLM names)
     Flag("speculative_model", "Draft model directory or .gguf; drafts on the CPU."),
     Flag("num_speculative_tokens", "Draft tokens (tree nodes) per sequence per step, 1-63.", int),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -14,6 +15,7 @@ _DTYPES = {
     "half": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+BATCH_INVARIANT_ENV = "HETERO_BATCH_INVARIANT"
 
 
 @dataclass
@@ -35,6 +37,9 @@ class EngineConfig:
     device: str = "auto"
     load_format: str = "auto"  # "dummy": random weights in the checkpoint's shapes (vLLM's name), for timing
     skip_tokenizer_init: bool = False  # prompts as token ids, outputs without text (vLLM's name)
+    # CPU only: each token's KV, hidden states and logits bit-identical whatever the batch
+    # (gpu_target/batch_invariant.py); HETERO_BATCH_INVARIANT=1 turns it on too (vLLM: VLLM_BATCH_INVARIANT).
+    batch_invariant: bool = False
     # Speculation (vLLM and TACO-LLM spellings).
     speculative_model: Optional[str] = None
     num_speculative_tokens: Optional[int] = None
@@ -65,6 +70,8 @@ class EngineConfig:
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size, "must be one of 8, 16, 32, 64, 128")
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device, "must be 'auto', 'cpu' or 'cuda'")
         _check(self.load_format in ("auto", "dummy"), "load_format", self.load_format, "must be 'auto' or 'dummy'")
+        _check(isinstance(self.batch_invariant, bool), "batch_invariant", self.batch_invariant, "must be True or False")
+        self.batch_invariant = self.batch_invariant or _env_flag(BATCH_INVARIANT_ENV)
         _check(0 < self.cpu_decoding_memory_utilization <= 1, "cpu_decoding_memory_utilization", self.cpu_decoding_memory_utilization, "must be in (0, 1]")
         if self.num_speculative_tokens is not None:
             _check(1 <= self.num_speculative_tokens <= 63, "num_speculative_tokens", self.num_speculative_tokens, "must be in [1, 63]")
@@ -103,10 +110,17 @@ class EngineConfig:
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            device = torch.device(self.device)
+        if self.batch_invariant and device.type != "cpu":
+            raise ValueError(
+                f"batch_invariant is only supported on the CPU (its bit-exactness is verified there only), "
+                f"but the target would run on {device}; pass device='cpu' or turn batch_invariant off"
+            )
+        if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA GPU is visible to PyTorch")
-        return torch.device(self.device)
+        return device
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":
@@ -127,6 +141,13 @@ class EngineConfig:
 def _check(ok: bool, name: str, value: Any, why: str) -> None:
     if not ok:
         raise ValueError(f"{name} {why}, got {value!r}")
+
+
+def _env_flag(name: str) -> bool:
+    """An on/off environment variable: unset, empty or "0" is off, "1" is on."""
+    value = os.environ.get(name) or "0"
+    _check(value in ("0", "1"), name, value, "must be 0 or 1")
+    return value == "1"
 
 
 def cpu_has_native_bf16() -> bool:

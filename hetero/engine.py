@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from gpu_target.batch_invariant import batch_invariant_attention, make_batch_invariant
 from gpu_target.kv_cache import BlockAllocator, KVCachePool, extend_block_hashes
 from gpu_target.loader import load_config, load_state_dict, load_tokenizer, random_state_dict, resolve_model_path
 from gpu_target.model import build_model
@@ -86,6 +87,8 @@ class LLMEngine:
         else:
             state = random_state_dict(self.model_config, self.dtype, self.device, config.seed)
         self.model = build_model(self.model_config, state, self.dtype, self.device)
+        if config.batch_invariant:
+            make_batch_invariant(self.model)
         del state
         num_blocks = self._num_kv_blocks()
         reserved = 1 if self.device.type == "cuda" else 0  # the CUDA-graph padding's null block
@@ -152,6 +155,8 @@ class LLMEngine:
         return runner
 
     def _attention_fn(self):
+        if self.config.batch_invariant:
+            return batch_invariant_attention
         if self.device.type == "cuda":
             from gpu_target.triton_attention import paged_attention
 
