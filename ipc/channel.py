@@ -245,7 +245,7 @@ class Channel:
         self.close()
 
     def _require_open(self) -> None:
-        if self.closed:
+        if not self._finalizer.alive:
             raise IPCError(f"channel {self.name} is closed")
 
 

@@ -16,7 +16,7 @@ costs several times the copy of its bytes, so nothing is worked out twice:
 * a ``PayloadLayout`` (where each array goes, and the packed table that says so) is made
   once per message shape by the writer and once per table by the reader, and kept in a
   ``LayoutCache``: the writer keys it by names, dtypes and shapes, the reader by the table
-  bytes. A miss costs one validated plan or parse, which is what every message used to cost.
+  bytes. A miss costs one validated plan or parse.
 * the writer copies an array as ``payload[a:b] = array.tobytes()``: for small arrays that is
   about half the cost of a numpy slice assignment, and for large ones the extra copy is
   small next to the CRC32 pass over the same bytes.
@@ -44,30 +44,31 @@ SUPPORTED_DTYPE_KINDS = "biufc"
 MAX_CACHED_LAYOUTS = 256
 
 
-class ArraySpan(NamedTuple):
-    """Where one named array lives: bytes ``first_byte:end_byte`` of the payload, which are
-    items ``first_item:end_item`` of the payload viewed as ``dtype``."""
-
-    name: str
-    dtype: np.dtype
-    first_byte: int
-    end_byte: int
-    first_item: int
-    end_item: int
-
-
-def array_span(name: str, dtype: np.dtype, offset: int, length: int) -> ArraySpan:
-    """The span of ``length`` items of ``dtype`` at byte ``offset``, a multiple of the item size."""
-    first_item = offset // dtype.itemsize
-    return ArraySpan(name, dtype, offset, offset + length * dtype.itemsize, first_item, first_item + length)
-
-
 class PayloadLayout(NamedTuple):
-    """The placed arrays of one message shape, the packed array table, and the payload length."""
+    """Where the arrays of one message shape lie in the payload, for each side, and the table that says so.
 
-    spans: tuple[ArraySpan, ...]
+    ``copies`` (name, first byte, end byte) is what the writer copies where; ``views``
+    (name, dtype, first item, end item of the payload viewed as dtype) is what the reader
+    hands out. Both hold the arrays in table order.
+    """
+
+    copies: tuple[tuple[str, int, int], ...]
+    views: tuple[tuple[str, np.dtype, int, int], ...]
     table: bytes
     length: int
+
+
+def place_arrays(entries: list[tuple[str, np.dtype, int, int]], table: bytes) -> PayloadLayout:
+    """The layout of arrays given as (name, dtype, length, byte offset), each offset a whole number of items."""
+    copies, views = [], []
+    length = len(table)
+    for name, dtype, count, offset in entries:
+        end = offset + count * dtype.itemsize
+        first_item = offset // dtype.itemsize
+        copies.append((name, offset, end))
+        views.append((name, dtype, first_item, first_item + count))
+        length = max(length, end)
+    return PayloadLayout(tuple(copies), tuple(views), table, length)
 
 
 class TypedViews(dict):
@@ -98,8 +99,11 @@ class LayoutCache:
 
     def for_arrays(self, arrays: Mapping[str, np.ndarray]) -> PayloadLayout:
         """The layout of ``arrays``; a new shape is validated first (IPCError names the offending array)."""
+        shape = []
         try:
-            key = tuple([(name, array.dtype, array.shape) for name, array in arrays.items()])
+            for name, array in arrays.items():
+                shape += (name, array.dtype, array.shape)
+            key = tuple(shape)
             layout = self._layouts.get(key)
         except (AttributeError, TypeError):  # not a mapping of arrays: the planner says what is wrong
             return plan_payload(arrays)
@@ -133,9 +137,8 @@ def table_struct(count: int) -> struct.Struct:
 def plan_payload(arrays: Mapping[str, np.ndarray]) -> PayloadLayout:
     """Check every array and place it; raises IPCError naming the offending array."""
     offset = align_up(TABLE_HEADER.size + ENTRY_BYTES * len(arrays))
-    spans = []
+    entries = []
     fields: list = [len(arrays)]
-    end = TABLE_HEADER.size
     for name, array in arrays.items():
         encoded_name = _encoded_name(name)
         if not isinstance(array, np.ndarray):
@@ -143,33 +146,30 @@ def plan_payload(arrays: Mapping[str, np.ndarray]) -> PayloadLayout:
         if array.ndim != 1:
             raise IPCError(f"array {name!r} must be 1-D, got shape {array.shape}")
         dtype_code = _dtype_code(array.dtype, name)
-        spans.append(array_span(name, array.dtype, offset, len(array)))
+        entries.append((name, array.dtype, len(array), offset))
         fields += (encoded_name, dtype_code, len(array), offset)
-        end = spans[-1].end_byte
-        offset = align_up(end)
-    return PayloadLayout(tuple(spans), table_struct(len(arrays)).pack(*fields), end)
+        offset = align_up(offset + array.nbytes)
+    return place_arrays(entries, table_struct(len(arrays)).pack(*fields))
 
 
 def parse_table(table: bytes) -> PayloadLayout:
     """The layout an array table describes; raises CorruptMessageError on an entry no writer makes."""
     (count,) = TABLE_HEADER.unpack_from(table)
     fields = table_struct(count).unpack(table)
-    spans = []
-    end = len(table)
+    entries = []
     for i in range(1, 1 + 4 * count, 4):
         raw_name, raw_dtype, n, offset = fields[i : i + 4]
         dtype = _dtype_from_code(raw_dtype)
         if offset % dtype.itemsize:
             raise CorruptMessageError(f"array entry {i // 4} ({n} x {dtype}) starts at {offset}, not at a whole item")
-        spans.append(array_span(_name_from_bytes(raw_name), dtype, offset, n))
-        end = max(end, spans[-1].end_byte)
-    return PayloadLayout(tuple(spans), table, end)
+        entries.append((_name_from_bytes(raw_name), dtype, n, offset))
+    return place_arrays(entries, table)
 
 
 def write_payload(payload: memoryview, arrays: Mapping[str, np.ndarray], layout: PayloadLayout) -> None:
     """Write the table and the array bytes of ``layout`` into ``payload``."""
     payload[: len(layout.table)] = layout.table
-    for name, _, first_byte, end_byte, _, _ in layout.spans:
+    for name, first_byte, end_byte in layout.copies:
         payload[first_byte:end_byte] = arrays[name].tobytes()
 
 
@@ -184,7 +184,10 @@ def read_payload(payload: memoryview, views: TypedViews, length: int, layouts: L
     layout = layouts.for_table(payload[:table_end].tobytes())
     if layout.length > length:
         raise CorruptMessageError(f"array table places arrays up to byte {layout.length} of the {length}-byte payload")
-    return {name: views[dtype][first_item:end_item] for name, dtype, _, _, first_item, end_item in layout.spans}
+    arrays = {}
+    for name, dtype, first_item, end_item in layout.views:
+        arrays[name] = views[dtype][first_item:end_item]
+    return arrays
 
 
 @functools.lru_cache(maxsize=1024)

@@ -152,7 +152,7 @@ class RingWriter:
         """Validate ``arrays`` and check that they fit one slot."""
         layout = self._layouts.for_arrays(arrays)
         if layout.length > self.segment.slot_bytes:
-            sizes = ", ".join(f"{span.name}: {span.end_item - span.first_item} x {span.dtype}" for span in layout.spans)
+            sizes = ", ".join(f"{name}: {end - first} x {dtype}" for name, dtype, first, end in layout.views)
             raise MessageTooLargeError(
                 f"message of {layout.length} bytes ({sizes}) does not fit a {self.segment.slot_bytes}-byte slot "
                 f"of ring {self.segment.name!r}; create the channel with a larger slot_bytes"
@@ -178,7 +178,8 @@ class RingWriter:
 class RingReader:
     """The consumer end: ``get`` the oldest message as views, ``release`` its slot when done.
 
-    At most one message is held at a time; ``get`` releases the previous one.
+    The slots of the messages taken since the last ``release`` stay the reader's until it
+    releases them all at once.
     """
 
     def __init__(self, segment: RingSegment) -> None:
@@ -210,7 +211,6 @@ class RingReader:
         A corrupt message is consumed (its slot is freed by the next release) and reported
         with CorruptMessageError.
         """
-        self.release()
         seq = self._next
         self._next += 1
         header, payload, views = self._slots[seq % self._num_slots]
