@@ -195,7 +195,7 @@ class RingReader:
         return self._words[TAIL] != self._next
 
     def release(self) -> bool:
-        """Hand the held message's slot back to the producer; False when nothing was held."""
+        """Hand the slots of the messages taken back to the producer; False when none were held."""
         if self._words[HEAD] == self._next:
             return False
         self._words[HEAD] = self._next
