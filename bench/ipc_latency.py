@@ -6,6 +6,10 @@ the time from before ``send`` to after ``recv`` returns. Each ``--spin-us`` valu
 run: both sides spin that long before sleeping on their ZeroMQ doorbell, so 0 measures the
 doorbell path alone. Target on the GPU host: p99 <= 50 us with spin-then-sleep.
 
+It also times one ``send`` and one ``recv`` of the same message with both ends in this
+process, where nothing ever waits: the Python work per message, which a round trip pays
+four times.
+
     python -m bench.ipc_latency [--iterations 20000] [--spin-us 200 0] [--pin 0,1]
 
 Prints a table and writes ``bench/results/ipc_latency-<hostname>.csv`` (one row per run,
@@ -80,6 +84,28 @@ def measure_round_trips(spin_s: float, iterations: int, warmup: int, cpus: Optio
         channel.close()
 
 
+def measure_message_costs(iterations: int, warmup: int) -> dict[str, float]:
+    """Median microseconds of one ``send`` and one ``recv`` (each with one clock read) with both ends in this process."""
+    owner = Channel.create("hetero-bench", num_slots=4, slot_bytes=4096)
+    peer = Channel.attach(owner.spec)
+    try:
+        arrays = tree_message()
+        send_ns = np.empty(iterations, dtype=np.int64)
+        recv_ns = np.empty(iterations, dtype=np.int64)
+        for i in range(warmup + iterations):
+            started = time.perf_counter_ns()
+            owner.send(i, arrays)
+            sent = time.perf_counter_ns()
+            peer.recv()
+            if i >= warmup:
+                send_ns[i - warmup] = sent - started
+                recv_ns[i - warmup] = time.perf_counter_ns() - sent
+    finally:
+        peer.close()
+        owner.close()
+    return {"send_median_us": float(np.median(send_ns)) / 1e3, "recv_median_us": float(np.median(recv_ns)) / 1e3}
+
+
 def summarize(samples_ns: np.ndarray) -> dict[str, float]:
     """Latency percentiles, mean and max in microseconds."""
     us = samples_ns / 1e3
@@ -123,15 +149,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for spin_us in args.spin_us:
         samples = measure_round_trips(spin_us / 1e6, args.iterations, args.warmup, args.pin)
         rows.append({"spin_us": spin_us, **summarize(samples)})
+    costs = measure_message_costs(args.iterations, args.warmup)
     print(f"ipc round trip, {TREE_NODES} int64 tokens + {TREE_NODES} int32 parents, {args.iterations} samples each")
     print(f"machine: {machine['hostname']}, {machine['cpu_model']}, {machine['cpu_count']} CPUs, pinned: {args.pin}")
     print(format_table(rows))
+    print(f"per message in one process, nothing waiting (median): send {costs['send_median_us']:.2f} us, recv {costs['recv_median_us']:.2f} us")
 
     out = args.out or RESULTS_DIR / f"ipc_latency-{machine['hostname']}.csv"
     extra = {
         "iterations": args.iterations,
         "warmup": args.warmup,
         "pinned": "" if args.pin is None else f"{args.pin[0]},{args.pin[1]}",
+        **costs,
         "command": command,
         "hostname": machine["hostname"],
         "cpu_model": machine["cpu_model"],
