@@ -26,8 +26,8 @@ from ipc import (
     cleanup_orphans,
 )
 from ipc.layout import MAX_CACHED_LAYOUTS, SLOT_HEADER_BYTES, parse_table, table_struct
-from ipc.ring import CONTROL_BYTES
-from ipc.segment import SHM_DIR, attach_segment
+from ipc.ring import CONTROL_BYTES, RingReader, RingSegment, RingWriter, segment_bytes
+from ipc.segment import SHM_DIR, attach_segment, create_segment, new_token, segment_name, segment_path, unlink_quietly
 
 PREFIX = "hetero-test"
 STOP = 99
@@ -208,6 +208,25 @@ def test_more_shapes_than_the_layout_cache_holds_still_round_trip(pair):
         assert list(msg.arrays) == ["tokens", f"tag{n}"]
         np.testing.assert_array_equal(msg.arrays["tokens"], np.arange(n % 200))
         assert msg.arrays[f"tag{n}"][0] == n
+
+
+def test_a_reader_keeps_every_slot_it_took_until_it_releases():
+    name = segment_name(PREFIX, os.getpid(), new_token(), "ring")
+    raw = create_segment(name, segment_bytes(2, 256))
+    try:
+        RingSegment.format(raw, 2, 256)
+        writer, reader = RingWriter(RingSegment(name, raw)), RingReader(RingSegment(name, raw))
+        for kind in (1, 2):
+            writer.put(kind, {}, writer.layout({}))
+        assert [reader.get().kind for _ in range(2)] == [1, 2]
+        assert not writer.has_space()  # taken is not released
+        assert reader.release()
+        writer.put(3, {}, writer.layout({}))
+        writer.put(4, {}, writer.layout({}))  # both slots came back at once
+        assert not reader.release()  # nothing taken since
+        assert [reader.get().kind for _ in range(2)] == [3, 4]
+    finally:
+        unlink_quietly(segment_path(name))
 
 
 def test_a_table_no_writer_makes_is_corrupt():
