@@ -1,5 +1,6 @@
 """The model's small elementwise ops, each one kernel on the GPU: RMSNorm (alone and fused
-with the residual add), rotary embedding of q and k, and SiLU-and-multiply.
+with the residual add), rotary embedding of q and k fused with the KV-cache write, and
+SiLU-and-multiply.
 
 At batch-1 decode these ops move few bytes but, written in plain torch, cost ~25 kernel
 launches per layer (RMSNorm alone is float/pow/mean/rsqrt/mul/to/mul), each a few µs of
@@ -26,6 +27,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from gpu_target.attention import write_kv
 
 try:
     import triton
@@ -186,34 +189,48 @@ def apply_rotary_reference(
     return rotate_half_reference(q, cos_t, sin_t), rotate_half_reference(k, cos_t, sin_t)
 
 
-def apply_rotary(
+def rotary_and_store_kv(
     q: torch.Tensor,  # [T, H, D], any strides (views of a fused qkv projection)
     k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
     cos: torch.Tensor,  # fp32 [max_positions, D/2], rows contiguous
     sin: torch.Tensor,
     positions: torch.Tensor,  # int [T], any order
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], contiguous
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # int64 [T]
     *,
     use_triton: Optional[bool] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k by their tokens' positions; returns new contiguous tensors."""
+) -> torch.Tensor:
+    """Rotate q and k by their tokens' positions and write k and v into the paged cache.
+
+    Returns the rotated q (a new contiguous tensor). One kernel on the GPU: the rotated k
+    goes straight to its cache slot instead of through a temporary and two index copies.
+    """
     if not _wants_triton(q, use_triton):
-        return apply_rotary_reference(q, k, cos, sin, positions)
+        q_out, k_out = apply_rotary_reference(q, k, cos, sin, positions)
+        write_kv(k_out, v, k_cache, v_cache, slot_mapping)
+        return q_out
     T, H, D = q.shape
     KVH = k.shape[1]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rotary_and_store_kv needs contiguous KV caches")
     q_out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((T, KVH, D), dtype=k.dtype, device=k.device)
     if T == 0:
-        return q_out, k_out
+        return q_out
     half = D // 2
     block_half = triton.next_power_of_2(half)
-    _jit(_rotary_kernel)[(T,)](
+    _jit(_rotary_kv_kernel)[(T,)](
         q,
         k,
+        v,
         q_out,
-        k_out,
+        k_cache,
+        v_cache,
         cos,
         sin,
         positions,
+        slot_mapping,
         H,
         KVH,
         half,
@@ -223,6 +240,9 @@ def apply_rotary(
         k.stride(0),
         k.stride(1),
         k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
         cos.stride(0),
         sin.stride(0),
         BLOCK_H=triton.next_power_of_2(H),
@@ -230,17 +250,20 @@ def apply_rotary(
         BLOCK_HALF=block_half,
         num_warps=_num_warps(triton.next_power_of_2(H) * block_half),
     )
-    return q_out, k_out
+    return q_out
 
 
-def _rotary_kernel(
+def _rotary_kv_kernel(
     q_ptr,
     k_ptr,
+    v_ptr,
     q_out_ptr,
-    k_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
     cos_ptr,
     sin_ptr,
     positions_ptr,
+    slots_ptr,
     num_heads,
     num_kv_heads,
     half,
@@ -250,15 +273,21 @@ def _rotary_kernel(
     stride_k_tok,
     stride_k_head,
     stride_k_dim,
+    stride_v_tok,
+    stride_v_head,
+    stride_v_dim,
     stride_cos,
     stride_sin,
     BLOCK_H: tl.constexpr,
     BLOCK_KVH: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """One program per token rotates all its query and key heads with one cos/sin load."""
+    """One program per token: rotates its query heads into q_out and its key heads into
+    the token's cache slot (rounded to the model dtype first, as the reference does), and
+    copies its value heads to the same slot; one cos/sin load serves every head."""
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
     dim_mask = dims < half
     cos = tl.load(cos_ptr + position * stride_cos + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
@@ -281,11 +310,17 @@ def _rotary_kernel(
     src = k_ptr + token * stride_k_tok + kv_heads * stride_k_head + dims[None, :] * stride_k_dim
     x1 = tl.load(src, mask=kv_mask, other=0.0)
     x2 = tl.load(src + half * stride_k_dim, mask=kv_mask, other=0.0)
-    dst = k_out_ptr + (token * num_kv_heads + kv_heads) * head_dim + dims[None, :]
+    cache_row = (slot * num_kv_heads + kv_heads) * head_dim + dims[None, :]
     first = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
     second = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
-    tl.store(dst, first.to(x1.dtype), mask=kv_mask)
-    tl.store(dst + half, second.to(x1.dtype), mask=kv_mask)
+    cache_dtype = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + cache_row, first.to(x1.dtype).to(cache_dtype), mask=kv_mask)
+    tl.store(k_cache_ptr + cache_row + half, second.to(x1.dtype).to(cache_dtype), mask=kv_mask)
+
+    src = v_ptr + token * stride_v_tok + kv_heads * stride_v_head + dims[None, :] * stride_v_dim
+    value_dtype = v_cache_ptr.dtype.element_ty
+    tl.store(v_cache_ptr + cache_row, tl.load(src, mask=kv_mask, other=0.0).to(value_dtype), mask=kv_mask)
+    tl.store(v_cache_ptr + cache_row + half, tl.load(src + half * stride_v_dim, mask=kv_mask, other=0.0).to(value_dtype), mask=kv_mask)
 
 
 # --------------------------------------------------------------------------- SiLU * mul

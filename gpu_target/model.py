@@ -11,11 +11,10 @@ import math
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from gpu_target import fused_ops
-from gpu_target.attention import AttentionMetadata, reference_attention, write_kv
+from gpu_target import fused_ops, gemv
+from gpu_target.attention import AttentionMetadata, reference_attention
 from gpu_target.gguf_checkpoint import ROPE_FREQ_FACTORS_NAME
 from gpu_target.model_config import ModelConfig
 
@@ -57,8 +56,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return fused_ops.apply_rotary(q, k, self.cos, self.sin, positions)
+    def rotate_and_store_kv(self, positions, q, k, v, kv_cache, slot_mapping) -> torch.Tensor:
+        """The rotated q; the rotated k and v go into the paged cache at `slot_mapping`."""
+        k_cache, v_cache = kv_cache
+        return fused_ops.rotary_and_store_kv(q, k, v, self.cos, self.sin, positions, k_cache, v_cache, slot_mapping)
 
 
 class RMSNorm(nn.Module):
@@ -75,12 +76,19 @@ class RMSNorm(nn.Module):
         return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose single-row products on the GPU run as a Triton GEMV (batch-1 decode)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemv.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
         self.scale = config.head_dim**-0.5
 
     def forward(self, x, positions, rotary, kv_cache, meta, attention_fn: AttentionFn):
@@ -89,18 +97,16 @@ class Attention(nn.Module):
         q = q.view(-1, c.num_heads, c.head_dim)
         k = k.view(-1, c.num_kv_heads, c.head_dim)
         v = v.view(-1, c.num_kv_heads, c.head_dim)
-        q, k = rotary(positions, q, k)
-        k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = attention_fn(q, k_cache, v_cache, meta, self.scale)
+        q = rotary.rotate_and_store_kv(positions, q, k, v, kv_cache, meta.slot_mapping)
+        out = attention_fn(q, *kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, c.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
@@ -139,7 +145,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
 
     def forward(
@@ -158,7 +164,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return gemv.linear(hidden, weight).float()
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

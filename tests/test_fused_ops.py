@@ -110,10 +110,10 @@ def rotary_tables(max_positions: int, head_dim: int) -> tuple[torch.Tensor, torc
 
 
 def split_qkv(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
-    """q, k as the model makes them: strided views of one fused qkv projection output."""
+    """q, k, v as the model makes them: strided views of one fused qkv projection output."""
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
-    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
 
 
 def tree_positions(tokens: int) -> torch.Tensor:
@@ -123,31 +123,49 @@ def tree_positions(tokens: int) -> torch.Tensor:
     return positions.to(DEVICE)
 
 
+def empty_caches(tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int = 16):
+    """Paged K/V caches filled with a marker, and distinct scattered slots for `tokens` tokens."""
+    num_blocks = 2 * (tokens // block_size + 1)
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(tokens))[:tokens]
+    return k_cache, k_cache.clone(), slots.to(DEVICE)
+
+
+def rotate_both_ways(q, k, v, cos, sin, positions, k_cache, v_cache, slots):
+    """(kernel, reference) results: each the rotated q and the K/V caches after the write."""
+    results = []
+    for use_triton in (True, False):
+        caches = k_cache.clone(), v_cache.clone()
+        q_out = fused_ops.rotary_and_store_kv(q, k, v, cos, sin, positions, *caches, slots, use_triton=use_triton)
+        results.append((q_out, *caches))
+    return results
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (4, 4, 128)])
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_rotary_kernel_matches_reference_on_qkv_views(dtype, heads, kv_heads, head_dim, tokens):
-    q, k = split_qkv(tokens, heads, kv_heads, head_dim, dtype)
+    q, k, v = split_qkv(tokens, heads, kv_heads, head_dim, dtype)
     assert tokens == 1 or not (q.is_contiguous() or k.is_contiguous())  # one row is contiguous whatever its stride
     cos, sin = rotary_tables(512, head_dim)
     positions = tree_positions(tokens)
-    q_before, k_before = q.clone(), k.clone()
-    q_out, k_out = fused_ops.apply_rotary(q, k, cos, sin, positions, use_triton=True)
-    q_ref, k_ref = fused_ops.apply_rotary_reference(q, k, cos, sin, positions)
+    k_cache, v_cache, slots = empty_caches(tokens, kv_heads, head_dim, dtype)
+    inputs_before = [t.clone() for t in (q, k, v)]
+    (q_out, k_out, v_out), (q_ref, k_ref, v_ref) = rotate_both_ways(q, k, v, cos, sin, positions, k_cache, v_cache, slots)
     assert_close(q_out, q_ref)
     assert_close(k_out, k_ref)
-    assert torch.equal(q, q_before) and torch.equal(k, k_before)
+    assert torch.equal(v_out, v_ref)  # a copy, and the untouched slots keep their marker
+    assert all(torch.equal(now, before) for now, before in zip((q, k, v), inputs_before))
 
 
 def test_rotary_kernel_reads_any_strides():
     q = randn(7, 64, 4, dtype=torch.float16).transpose(1, 2)  # head_dim stride 4
     k = randn(7, 64, 2, dtype=torch.float16, seed=1).transpose(1, 2)  # head_dim stride 2
+    v = randn(7, 64, 2, dtype=torch.float16, seed=2).transpose(1, 2)
     cos, sin = rotary_tables(512, 64)
-    positions = tree_positions(7)
-    for out, ref in zip(
-        fused_ops.apply_rotary(q, k, cos, sin, positions, use_triton=True),
-        fused_ops.apply_rotary_reference(q, k, cos, sin, positions),
-    ):
+    k_cache, v_cache, slots = empty_caches(7, 2, 64, torch.float16)
+    kernel, reference = rotate_both_ways(q, k, v, cos, sin, tree_positions(7), k_cache, v_cache, slots)
+    for out, ref in zip(kernel, reference):
         assert_close(out, ref)
 
 
@@ -155,12 +173,15 @@ def test_rotary_kernel_uses_each_tokens_own_position():
     """Tokens of equal content at different positions must come out rotated differently,
     and equal positions identically, whatever order the positions come in."""
     heads, kv_heads, head_dim = 4, 2, 64
-    row = randn(1, heads + kv_heads, head_dim, dtype=torch.float32)
+    row = randn(1, heads + 2 * kv_heads, head_dim, dtype=torch.float32)
     q = row[:, :heads].expand(4, heads, head_dim)
-    k = row[:, heads:].expand(4, kv_heads, head_dim)
+    k = row[:, heads : heads + kv_heads].expand(4, kv_heads, head_dim)
+    v = row[:, heads + kv_heads :].expand(4, kv_heads, head_dim)
     cos, sin = rotary_tables(64, head_dim)
     positions = torch.tensor([9, 3, 9, 0], device=DEVICE)
-    q_out, k_out = fused_ops.apply_rotary(q, k, cos, sin, positions, use_triton=True)
+    k_cache, v_cache, slots = empty_caches(4, kv_heads, head_dim, torch.float32)
+    q_out = fused_ops.rotary_and_store_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots, use_triton=True)
+    k_out = k_cache.view(-1, kv_heads, head_dim)[slots]
     assert torch.equal(q_out[0], q_out[2]) and torch.equal(k_out[0], k_out[2])
     assert not torch.allclose(q_out[0], q_out[1]) and not torch.allclose(k_out[1], k_out[3])
     torch.testing.assert_close(q_out[3], q[3])  # position 0: no rotation
@@ -170,7 +191,7 @@ def test_rotary_kernel_uses_each_tokens_own_position():
 def test_rotary_reference_is_hf_apply_rotary_pos_emb_in_fp32():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    q, k = split_qkv(7, 4, 2, 64, torch.float32)
+    q, k, _ = split_qkv(7, 4, 2, 64, torch.float32)
     q, k = q.cpu(), k.cpu()
     cos, sin = (t.cpu() for t in rotary_tables(64, 64))
     positions = torch.tensor([5, 1, 1, 2, 30, 2, 0])
@@ -178,7 +199,7 @@ def test_rotary_reference_is_hf_apply_rotary_pos_emb_in_fp32():
     hf_sin = torch.cat([sin[positions]] * 2, dim=-1)
     as_hf = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731  [T, H, D] -> [1, H, T, D]
     hf_q, hf_k = apply_rotary_pos_emb(as_hf(q), as_hf(k), hf_cos[None], hf_sin[None])
-    ours_q, ours_k = fused_ops.apply_rotary(q, k, cos, sin, positions)
+    ours_q, ours_k = fused_ops.apply_rotary_reference(q, k, cos, sin, positions)
     assert torch.equal(ours_q, hf_q[0].transpose(0, 1))
     assert torch.equal(ours_k, hf_k[0].transpose(0, 1))
 
@@ -213,7 +234,9 @@ def test_cpu_tensors_take_the_reference_path_by_default(monkeypatch):
     fused_ops.add_rms_norm(x, x, weight, 1e-6)
     fused_ops.silu_and_mul(x)
     cos, sin = torch.randn(8, 8), torch.randn(8, 8)
-    fused_ops.apply_rotary(x.view(3, 4, 16), x.view(3, 4, 16), cos, sin, torch.tensor([0, 1, 2]))
+    cache = torch.zeros(1, 16, 4, 16)
+    heads = x.view(3, 4, 16)
+    fused_ops.rotary_and_store_kv(heads, heads, heads, cos, sin, torch.tensor([0, 1, 2]), cache, cache.clone(), torch.tensor([0, 5, 9]))
 
 
 def test_model_forward_through_kernels_matches_references(tiny_llama_dir, monkeypatch):
