@@ -201,7 +201,7 @@ def graph_replay_ms(engine: LLMEngine, batch: int) -> float | None:
     return float(np.median(times))
 
 
-def bench_decode(model_dir, batches, prompt_len, new_tokens, bandwidth, rows):
+def bench_decode(model_dir, batches, scheduler_steps, prompt_len, new_tokens, bandwidth, rows):
     engine = engine_for(model_dir, max(batches))
     rows.append(dict(section="startup", what="cuda_graph_capture_s", value=round(engine.cuda_graph_capture_seconds, 2)))
     rows.append(dict(section="profile", text=profile_decode_step(engine)))
@@ -211,10 +211,13 @@ def bench_decode(model_dir, batches, prompt_len, new_tokens, bandwidth, rows):
     # A step reads only B rows of an untied embedding table: the stricter "bytes read" roofline.
     embedding_bytes = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2
     truth = {}
-    for batch in batches:
+    for batch, steps in [(b, s) for b in batches for s in scheduler_steps]:
+        engine.num_scheduler_steps = steps
         prompts = random_prompts(batch, prompt_len, cfg.vocab_size, seed=batch)
         timed_decode(engine, prompts[:1], 8)  # warm-up
         elapsed, tokens, outputs = timed_decode(engine, prompts, new_tokens)
+        # Multi-step decoding must not change a token: the first setting's outputs are the reference.
+        same_tokens = all(truth.get(prompt, tokens_out) == tokens_out for prompt, tokens_out in outputs.items())
         truth.update(outputs)
         tok_s = tokens / elapsed
         steps_s = tok_s / batch
@@ -223,11 +226,12 @@ def bench_decode(model_dir, batches, prompt_len, new_tokens, bandwidth, rows):
         roofline_steps = bandwidth / (weight_bytes + kv_bytes)
         read_roofline_steps = bandwidth / (weight_bytes - embedding_bytes + kv_bytes)
         replay_ms = graph_replay_ms(engine, batch)
-        rows.append(dict(section="decode", engine="hetero", batch=batch, tokens_per_s=round(tok_s, 1),
+        rows.append(dict(section="decode", engine="hetero", num_scheduler_steps=steps, batch=batch, tokens_per_s=round(tok_s, 1),
                          step_ms=round(1e3 / steps_s, 3), graph_replay_ms=round(replay_ms, 3) if replay_ms else "",
                          roofline_steps_per_s=round(roofline_steps, 1),
                          fraction_of_roofline=round(steps_s / roofline_steps, 3),
-                         fraction_of_bytes_read_roofline=round(steps_s / read_roofline_steps, 3)))
+                         fraction_of_bytes_read_roofline=round(steps_s / read_roofline_steps, 3),
+                         same_tokens_as_first_setting=same_tokens))
         print(rows[-1], flush=True)
     del engine
     return truth
@@ -331,6 +335,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--sections", default="decode,verify,spec,hf")
     parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--scheduler-steps", default="1,8", help="hetero's num_scheduler_steps values, side by side")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--hf-new-tokens", type=int, default=32)
@@ -353,7 +358,8 @@ def main(argv=None) -> None:
     print(rows[-1], flush=True)
     truth = {}
     if "decode" in sections or "spec" in sections:
-        truth = bench_decode(model_dir, batches, args.prompt_len, args.new_tokens, bandwidth, rows)
+        steps = [int(n) for n in args.scheduler_steps.split(",")]
+        truth = bench_decode(model_dir, batches, steps, args.prompt_len, args.new_tokens, bandwidth, rows)
     gc.collect()
     torch.cuda.empty_cache()
     if "verify" in sections:
@@ -382,10 +388,11 @@ def write_results(args, rows) -> None:
         part = [{k: v for k, v in r.items() if k != "section"} for r in rows if r.get("section") == section]
         if part:
             body += [f"## {section}", "", *markdown_table(part), ""]
-    hetero = {r["batch"]: r["tokens_per_s"] for r in rows if r.get("engine") == "hetero"}
+    hetero = [r for r in rows if r.get("engine") == "hetero"]
     hf = {r["batch"]: r["tokens_per_s"] for r in rows if r.get("engine") == "transformers"}
     if hetero and hf:
-        speedups = [dict(batch=b, speedup=f"{hetero[b] / hf[b]:.1f}x") for b in sorted(hetero) if b in hf]
+        speedups = [dict(num_scheduler_steps=r["num_scheduler_steps"], batch=r["batch"],
+                         speedup=f"{r['tokens_per_s'] / hf[r['batch']]:.1f}x") for r in hetero if r["batch"] in hf]
         body += ["## hetero / transformers", "", *markdown_table(speedups)]
     stem = os.path.join(args.out, f"gpu_decode-{time.strftime('%Y%m%d-%H%M%S')}")
     print(write_markdown_and_json(stem, f"GPU decode benchmark ({info['gpu']})", command, info, rows, body))

@@ -15,7 +15,7 @@ indices no real token's tree bits name, so no real token sees them.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ import torch
 from gpu_target.attention import AttentionMetadata
 from gpu_target.kv_cache import KVCachePool
 from gpu_target.model import CausalLM
-from gpu_target.runner import SequenceChunk
+from gpu_target.runner import DecodeInputs, SequenceChunk
 
 NULL_BLOCK = 0
 
@@ -152,6 +152,26 @@ class CudaGraphRunner:
             return self.model.compute_logits(hidden[: len(rows)])
         index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, index))
+
+    def decode_inputs(self, chunks: Sequence[SequenceChunk], bucket: tuple[int, int]) -> tuple[DecodeInputs, Callable[[int], torch.Tensor]]:
+        """Stage single-token decode chunks in a (B, 1) bucket for several steps in a row.
+
+        Returns views of the real rows' graph inputs (advanced between steps on the
+        device) and a function that replays the graph and returns those rows' hidden states.
+        """
+        self._stage(chunks, *bucket)
+        graph, hidden = self.graphs[bucket]
+        views = bucket_view(self.device_buffers, *bucket)
+        num_real = len(chunks)
+        inputs = DecodeInputs(
+            *(views[name][:num_real] for name in ("input_ids", "positions", "seq_lens", "slot_mapping", "block_tables"))
+        )
+
+        def replay(step: int) -> torch.Tensor:
+            graph.replay()
+            return hidden[:num_real]
+
+        return inputs, replay
 
 
 BUFFER_NAMES = ("input_ids", "positions", "slot_mapping", "tree_mask", "seq_lens", "block_tables", "query_start_loc")

@@ -8,7 +8,7 @@ returns the logits of the rows that were asked for.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -25,6 +25,28 @@ class SequenceChunk:
     num_cached: int  # storage index of the first new token
     logits_indices: Sequence[int]  # new-token indices whose logits are wanted
     tree_mask: Optional[Sequence[int]] = None  # per new token ancestor bits; None = causal
+
+
+@dataclass
+class DecodeInputs:
+    """The device inputs of B single-token decode rows that change from one step to the next."""
+
+    input_ids: torch.Tensor  # int64 [B]
+    positions: torch.Tensor  # int64 [B]; a decode token's position is its storage index
+    seq_lens: torch.Tensor  # int32 [B]
+    slot_mapping: torch.Tensor  # int64 [B]
+    block_tables: torch.Tensor  # int32 [B, max_blocks], with blocks reserved for the steps ahead
+
+    def advance(self, next_tokens: torch.Tensor, block_size: int) -> None:
+        """Feed `next_tokens` one position further on, in place on the device (no host sync)."""
+        self.input_ids.copy_(next_tokens)
+        self.positions += 1
+        self.seq_lens += 1
+        blocks = self.block_tables.gather(1, (self.positions // block_size).unsqueeze(1)).squeeze(1)
+        self.slot_mapping.copy_(blocks.to(torch.int64) * block_size + self.positions % block_size)
+
+
+PickTokens = Callable[[torch.Tensor], torch.Tensor]  # logits [B, vocab] -> next tokens int64 [B], on the device
 
 
 class ModelRunner:
@@ -102,6 +124,39 @@ class ModelRunner:
         input_ids, positions, meta, rows = self.build_inputs(chunks)
         hidden = self.model(input_ids, positions, self.kv_pool.layers, meta, self.attention_fn)
         return self.model.compute_logits(hidden[rows])
+
+    @torch.inference_mode()
+    def decode_steps(self, chunks: Sequence[SequenceChunk], num_steps: int, pick: PickTokens) -> list[list[int]]:
+        """Decode `num_steps` tokens per sequence with one host sync at the end.
+
+        Each step feeds the tokens `pick` chose from the previous step's logits, so the
+        device runs the steps back to back while the host only queues them. The chunks
+        must be single-token decodes whose block tables already cover `num_steps` KV
+        entries from `num_cached` on. Returns the picked tokens, [B][num_steps].
+        """
+        bucket = self.graph_runner.bucket_for(chunks) if self.graph_runner is not None else None
+        if bucket is not None and bucket[1] == 1:
+            inputs, forward = self.graph_runner.decode_inputs(chunks, bucket)
+        else:
+            inputs, forward = self._eager_decode_inputs(chunks)
+        picks: list[torch.Tensor] = []
+        for step in range(num_steps):
+            if step:
+                inputs.advance(picks[-1], self.block_size)
+            picks.append(pick(self.model.compute_logits(forward(step))))
+        return torch.stack(picks, dim=1).tolist()
+
+    def _eager_decode_inputs(self, chunks: Sequence[SequenceChunk]) -> tuple[DecodeInputs, Callable[[int], torch.Tensor]]:
+        input_ids, positions, meta, _ = self.build_inputs(chunks)
+        inputs = DecodeInputs(input_ids, positions, meta.seq_lens, meta.slot_mapping, meta.block_tables)
+        first_lens, first_max = list(meta.seq_lens_host), meta.max_seq_len
+
+        def forward(step: int) -> torch.Tensor:
+            meta.seq_lens_host = [n + step for n in first_lens]  # the host copies the reference path reads
+            meta.max_seq_len = first_max + step
+            return self.model(inputs.input_ids, inputs.positions, self.kv_pool.layers, meta, self.attention_fn)
+
+        return inputs, forward
 
     def copy_kv_slots(self, moves: Sequence[tuple[Sequence[int], int, int]]) -> None:
         """Compact accepted tree paths: for each (block_table, src_index, dst_index) in storage order."""

@@ -82,6 +82,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("block_size", "Tokens per KV cache block: 8, 16, 32, 64 or 128.", int),
     Flag("enable_prefix_caching", "Reuse the KV of prompts' shared prefixes.", None),
     Flag("enforce_eager", "Never capture CUDA graphs.", None),
+    Flag("num_scheduler_steps", "Decode steps per host round trip, 1-64 (default: 8 on CUDA, 1 on the CPU).", int),
     Flag("tensor_parallel_size", "GPUs for the target model (only 1 is supported).", int),
     Flag("device", "Where the target runs: auto, cpu, cuda or cuda:N."),
     Flag("batch_invariant", "CPU only: each token's KV and logits bit-identical whatever the batch "

@@ -17,6 +17,8 @@ _DTYPES = {
 }
 BATCH_INVARIANT_ENV = "HETERO_BATCH_INVARIANT"
 
+DEFAULT_CUDA_SCHEDULER_STEPS = 8
+
 
 @dataclass
 class EngineConfig:
@@ -32,6 +34,9 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = False
     enforce_eager: bool = False
+    # Decode steps run back to back on the device per host round trip (vLLM's multi-step
+    # scheduling); None: 8 on CUDA, 1 on the CPU. See LLMEngine._reserve_run_ahead.
+    num_scheduler_steps: Optional[int] = None
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     device: str = "auto"
@@ -67,6 +72,11 @@ class EngineConfig:
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         if self.kv_cache_space is not None:
             _check(self.kv_cache_space > 0, "kv_cache_space", self.kv_cache_space, "must be positive (GiB)")
+        if self.num_scheduler_steps is not None:
+            _check(
+                isinstance(self.num_scheduler_steps, int) and 1 <= self.num_scheduler_steps <= 64,
+                "num_scheduler_steps", self.num_scheduler_steps, "must be an int in [1, 64]",
+            )
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size, "must be one of 8, 16, 32, 64, 128")
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device, "must be 'auto', 'cpu' or 'cuda'")
         _check(self.load_format in ("auto", "dummy"), "load_format", self.load_format, "must be 'auto' or 'dummy'")
@@ -121,6 +131,12 @@ class EngineConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA GPU is visible to PyTorch")
         return device
+
+    def resolve_scheduler_steps(self, device: torch.device) -> int:
+        """Multi-step decoding pays off where a host round trip idles the device: on CUDA."""
+        if self.num_scheduler_steps is not None:
+            return self.num_scheduler_steps
+        return DEFAULT_CUDA_SCHEDULER_STEPS if device.type == "cuda" else 1
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":

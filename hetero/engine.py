@@ -64,6 +64,20 @@ class _ChunkRows:
     sample_rows: list[_SampleRow]
 
 
+def _can_run_ahead(seq: Sequence) -> bool:
+    """Whether a sequence's next few tokens depend on their logits alone (see `_reserve_run_ahead`)."""
+    params = seq.params
+    return (
+        params.logprobs is None
+        and (params.best_of or params.n) == params.n
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and not params.no_repeat_ngram_size
+        and seq.num_output_tokens >= params.min_tokens
+    )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, proposer: Optional[Proposer] = None):
         self.config = config
@@ -98,6 +112,7 @@ class LLMEngine:
         self.scheduler = Scheduler(allocator, config.max_num_seqs, max_batched)
         self.proposer = proposer if proposer is not None else build_proposer(config, self.model_config, self.tokenizer)
         max_tree_nodes = min(config.num_speculative_tokens or _DEFAULT_TREE_NODES, MAX_TREE_NODES)
+        self.num_scheduler_steps = config.resolve_scheduler_steps(self.device)
         self.spec_control = SpeculationController(
             max_tree_nodes, getattr(self.proposer, "target_parallelism", _DEFAULT_TARGET_PARALLELISM)
         )
@@ -258,9 +273,13 @@ class LLMEngine:
         decode_only = all(item.samples and item.num_new_tokens == 1 for item in scheduled)
         speculated = decode_only and self._attach_trees(scheduled)  # every item decodes
         tokens_before = self.num_generation_tokens_total
-        chunks, layout = self._build_chunks(scheduled)
-        logits = self.runner.forward(chunks)
-        touched = self._consume_logits(scheduled, layout, logits)
+        num_steps = self._reserve_run_ahead(scheduled) if decode_only and not speculated else 1
+        if num_steps > 1:
+            touched = self._decode_ahead(scheduled, num_steps)
+        else:
+            chunks, layout = self._build_chunks(scheduled)
+            logits = self.runner.forward(chunks)
+            touched = self._consume_logits(scheduled, layout, logits)
         if self.proposer is not None and decode_only:
             emitted = self.num_generation_tokens_total - tokens_before
             self.spec_control.record_step(len(scheduled), speculated, emitted, time.perf_counter() - started)
@@ -295,6 +314,50 @@ class LLMEngine:
             else:
                 self.scheduler.trim_blocks(item.seq, item.seq.num_computed + 1)
         return True
+
+    def _reserve_run_ahead(self, decoding: list[ScheduledSeq]) -> int:
+        """How many decode steps to run before the host looks at the tokens (1: a plain step).
+
+        Running ahead keeps the device busy while the host would otherwise be scheduling and
+        detokenising (vLLM's multi-step scheduling). It needs every row's next token to be a
+        function of its logits alone, so rows with penalties, n-gram bans, pending
+        min_tokens, logprobs or best_of ranking decode one step at a time, as does a batch
+        with requests waiting to be admitted. Steps past a sequence's stop are discarded,
+        like rejected draft tokens. Reserves the KV blocks the extra steps write.
+        """
+        if self.num_scheduler_steps <= 1 or self.scheduler.waiting:
+            return 1
+        if not all(_can_run_ahead(item.seq) for item in decoding):
+            return 1
+        num_steps = min(
+            self.num_scheduler_steps,
+            min(self.max_model_len - item.seq.num_computed for item in decoding),
+            max(item.seq.group.max_tokens - item.seq.num_output_tokens for item in decoding),
+        )
+        if num_steps <= 1:
+            return 1
+        for item in decoding:
+            if not self.scheduler.try_extend(item.seq, item.seq.num_computed + num_steps):
+                for undo in decoding:
+                    self.scheduler.trim_blocks(undo.seq, undo.seq.num_computed + 1)
+                return 1
+        return num_steps
+
+    def _decode_ahead(self, decoding: list[ScheduledSeq], num_steps: int) -> list[SequenceGroup]:
+        """Run `num_steps` decode steps on the device, then append each sequence's tokens up to its stop."""
+        chunks, _ = self._build_chunks(decoding)
+        rows = [self._row_context(_SampleRow(item.seq, [])) for item in decoding]
+        if all(is_plain_greedy(row.params) for row in rows):
+            tokens = self.runner.decode_steps(chunks, num_steps, lambda logits: logits.argmax(dim=-1))
+        else:
+            tokens = self.runner.decode_steps(chunks, num_steps, lambda logits: sample(target_probs(logits, rows), rows))
+        touched: dict[str, SequenceGroup] = {}
+        for item, seq_tokens in zip(decoding, tokens):
+            seq = item.seq
+            seq.num_computed += num_steps
+            self._append_tokens(seq, seq_tokens, None, [])
+            touched[seq.group.request_id] = seq.group
+        return list(touched.values())
 
     def _build_chunks(self, scheduled: list[ScheduledSeq]) -> tuple[list[SequenceChunk], list[_ChunkRows]]:
         chunks, layout = [], []
@@ -396,7 +459,6 @@ class LLMEngine:
                 # Before the tokens are appended: a stop among them releases the sequence,
                 # and the proposer should still learn this last step.
                 self.proposer.commit([Verdict(seq.seq_key, new_tokens[:-1], new_tokens[-1], len(item.tree))])
-            self._register_blocks(seq)
             self._append_tokens(seq, new_tokens, seq_logits, token_rows)
             touched[seq.group.request_id] = seq.group
         return list(touched.values())
@@ -415,9 +477,13 @@ class LLMEngine:
         self.scheduler.trim_blocks(seq, seq.num_computed)
 
     def _register_blocks(self, seq: Sequence) -> None:
-        """Put the sequence's newly filled blocks in the prefix cache (hashing only those)."""
+        """Put the sequence's newly filled blocks in the prefix cache (hashing only those).
+
+        A block is full when its KV is computed and its tokens are known: KV computed past
+        the last appended token (steps after a stop) is never registered.
+        """
         allocator = self.scheduler.allocator
-        full = seq.num_computed // allocator.block_size
+        full = min(seq.num_computed, len(seq.token_ids)) // allocator.block_size
         if not allocator.enable_prefix_caching or full <= seq.num_registered_blocks:
             return
         extend_block_hashes(seq.block_hashes, seq.token_ids, allocator.block_size, full * allocator.block_size)
@@ -425,7 +491,13 @@ class LLMEngine:
         allocator.register_blocks(seq.block_hashes[first:full], seq.block_table[first:full])
         seq.num_registered_blocks = full
 
-    def _append_tokens(self, seq: Sequence, new_tokens: list[int], seq_logits: torch.Tensor, token_rows: list[int]) -> None:
+    def _append_tokens(
+        self, seq: Sequence, new_tokens: list[int], seq_logits: Optional[torch.Tensor], token_rows: list[int]
+    ) -> None:
+        """Append tokens up to the first stop, then register the filled blocks (and finish on a stop).
+
+        `seq_logits` rows `token_rows` score the tokens; they are read only for logprobs.
+        """
         params = seq.params
         want = params.logprobs
         ranks_samples = (params.best_of or params.n) > params.n  # best_of picks by cumulative logprob
@@ -445,8 +517,10 @@ class LLMEngine:
             if want is not None:
                 seq.logprobs.append(self._logprob_entry(token_logprobs[i]))
             if self._check_stop(seq, token):
+                self._register_blocks(seq)
                 self._finish(seq)
                 return
+        self._register_blocks(seq)
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         params = seq.params
