@@ -173,7 +173,7 @@ def write_payload(payload: memoryview, arrays: Mapping[str, np.ndarray], layout:
         payload[first_byte:end_byte] = arrays[name].tobytes()
 
 
-def read_payload(payload: memoryview, views: TypedViews, length: int, layouts: LayoutCache) -> dict[str, np.ndarray]:
+def read_payload(payload: memoryview, typed_views: TypedViews, length: int, layouts: LayoutCache) -> dict[str, np.ndarray]:
     """Views of the arrays in the first ``length`` bytes of ``payload``; raises CorruptMessageError on a bad table."""
     if length < TABLE_HEADER.size:
         raise CorruptMessageError(f"payload of {length} bytes is shorter than its table header")
@@ -186,7 +186,7 @@ def read_payload(payload: memoryview, views: TypedViews, length: int, layouts: L
         raise CorruptMessageError(f"array table places arrays up to byte {layout.length} of the {length}-byte payload")
     arrays = {}
     for name, dtype, first_item, end_item in layout.views:
-        arrays[name] = views[dtype][first_item:end_item]
+        arrays[name] = typed_views[dtype][first_item:end_item]
     return arrays
 
 

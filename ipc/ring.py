@@ -213,7 +213,7 @@ class RingReader:
         """
         seq = self._next
         self._next += 1
-        header, payload, views = self._slots[seq % self._num_slots]
+        header, payload, typed_views = self._slots[seq % self._num_slots]
         slot_seq, length, crc, kind = SLOT_HEADER.unpack_from(header)
         if slot_seq != seq:
             raise CorruptMessageError(f"ring {self.segment.name!r}: slot holds message #{slot_seq}, expected #{seq}")
@@ -224,4 +224,4 @@ class RingReader:
             raise CorruptMessageError(
                 f"ring {self.segment.name!r}: checksum mismatch in message #{seq} (stored {crc:#010x}, computed {actual:#010x})"
             )
-        return Message(kind, read_payload(payload, views, length, self._layouts), seq)
+        return Message(kind, read_payload(payload, typed_views, length, self._layouts), seq)
