@@ -260,6 +260,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        # The controller compares whole steps: scheduling and building outputs cost once per
+        # step, which a multi-step window spreads over many tokens and a speculative step not.
+        started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -269,7 +272,6 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 metrics.time_in_queue = now - metrics.arrival_time
-        started = time.perf_counter()  # proposing is part of what speculation costs
         decode_only = all(item.samples and item.num_new_tokens == 1 for item in scheduled)
         speculated = decode_only and self._attach_trees(scheduled)  # every item decodes
         tokens_before = self.num_generation_tokens_total
@@ -280,10 +282,11 @@ class LLMEngine:
             chunks, layout = self._build_chunks(scheduled)
             logits = self.runner.forward(chunks)
             touched = self._consume_logits(scheduled, layout, logits)
+        outputs = [self._request_output(group) for group in touched]
         if self.proposer is not None and decode_only:
             emitted = self.num_generation_tokens_total - tokens_before
             self.spec_control.record_step(len(scheduled), speculated, emitted, time.perf_counter() - started)
-        return [self._request_output(group) for group in touched]
+        return outputs
 
     def _attach_trees(self, decoding: list[ScheduledSeq]) -> bool:
         """Ask the proposer for a tree per decoding sequence; True when the controller chose to speculate.
