@@ -325,10 +325,12 @@ class LLMEngine:
         detokenising (vLLM's multi-step scheduling). It needs every row's next token to be a
         function of its logits alone, so rows with penalties, n-gram bans, pending
         min_tokens, logprobs or best_of ranking decode one step at a time, as does a batch
-        with requests waiting to be admitted. Steps past a sequence's stop are discarded,
+        with room for a waiting request (so it is admitted at the next step, not a window
+        later). Steps past a sequence's stop are discarded,
         like rejected draft tokens. Reserves the KV blocks the extra steps write.
         """
-        if self.num_scheduler_steps <= 1 or self.scheduler.waiting:
+        scheduler = self.scheduler
+        if self.num_scheduler_steps <= 1 or (scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs):
             return 1
         if not all(_can_run_ahead(item.seq) for item in decoding):
             return 1

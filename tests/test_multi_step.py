@@ -148,3 +148,12 @@ def test_kv_pressure_falls_back_to_single_steps(tiny_llama_dir, single):
 def test_bad_num_scheduler_steps_names_the_field(tiny_llama_dir, steps):
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         LLM(model=str(tiny_llama_dir), num_scheduler_steps=steps)
+
+
+def test_a_full_batch_runs_ahead_while_requests_wait(tiny_llama_dir, single):
+    """Waiting requests that have no room in the batch do not stop the batch from running ahead."""
+    full = _llm(tiny_llama_dir, 4, max_num_seqs=2)
+    runs = _count_runs_ahead(full)
+    outs = full.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+    assert _tokens(outs) == _tokens(single.generate(PROMPTS[:4], GREEDY, use_tqdm=False))
+    assert runs == [4, 4, 4, 4, 4, 2] * 2  # the first two run ahead while the other two wait
