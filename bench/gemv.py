@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench._cuda_timing import median_replay_ms
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from gpu_target.gemv import gemv
@@ -34,15 +35,7 @@ def time_per_call_us(call, num_copies: int, calls_per_copy: int = 20) -> float:
     with torch.cuda.graph(graph):
         for i in range(calls_per_copy * num_copies):
             call(i % num_copies)
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3 / (calls_per_copy * num_copies))
-    return sorted(times)[2]
+    return median_replay_ms(graph, 5) * 1e3 / (calls_per_copy * num_copies)
 
 
 def bench_shape(name: str, n: int, k: int, dtype: torch.dtype, sweep: bool) -> list[dict]:

@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from bench._cuda_timing import median_replay_ms
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from hetero.config import EngineConfig
@@ -190,15 +191,7 @@ def graph_replay_ms(engine: LLMEngine, batch: int) -> float | None:
     if runner is None or (batch, 1) not in runner.graphs:
         return None
     graph, _ = runner.graphs[(batch, 1)]
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(50):
-        start.record()
-        graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return float(np.median(times))
+    return median_replay_ms(graph, 50)
 
 
 def bench_decode(model_dir, batches, scheduler_steps, prompt_len, new_tokens, bandwidth, rows):

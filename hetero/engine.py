@@ -351,10 +351,10 @@ class LLMEngine:
     def _decode_ahead(self, decoding: list[ScheduledSeq], num_steps: int) -> list[SequenceGroup]:
         """Run `num_steps` decode steps on the device, then append each sequence's tokens up to its stop."""
         chunks, _ = self._build_chunks(decoding)
-        rows = [self._row_context(_SampleRow(item.seq, [])) for item in decoding]
-        if all(is_plain_greedy(row.params) for row in rows):
+        if all(is_plain_greedy(item.seq.params) for item in decoding):
             tokens = self.runner.decode_steps(chunks, num_steps, lambda logits: logits.argmax(dim=-1))
         else:
+            rows = [self._row_context(_SampleRow(item.seq, [])) for item in decoding]
             tokens = self.runner.decode_steps(chunks, num_steps, lambda logits: sample(target_probs(logits, rows), rows))
         touched: dict[str, SequenceGroup] = {}
         for item, seq_tokens in zip(decoding, tokens):
