@@ -1,17 +1,27 @@
-"""Batch-1 linear layers as a Triton GEMV: y = x W^T (+ b) for a single row x.
+"""Weight-streaming linear layers at small M: y = x W^T (+ b) for 1..64 rows of x.
 
-At batch-1 decode every projection is a matrix-vector product bound by reading W once.
-cuBLAS picks split-K GEMM kernels for these shapes that stream W at 2.4-2.7 TB/s on an
-H100 and add a reduction kernel per call; a plain GEMV whose programs each own a few
-output rows and stream them whole needs no reduction and keeps more loads in flight.
+At batch-1 decode (M = 1) and batch-1 tree verification (M = 1 + a few tree nodes) every
+projection is bound by reading W once. cuBLAS picks split-K GEMM kernels for these shapes
+that stream W at 2.4-2.7 TB/s on an H100 and add a reduction kernel per call; kernels
+whose programs each own a few output columns (rows of W) and stream them whole over K
+need no reduction and keep more loads in flight.
 
-Each program accumulates a [BLOCK_N, BLOCK_K] tile of fp32 products and reduces it once
-at the end, so the inner loop is loads and FMAs only. The result is rounded to the
-input dtype, as cuBLAS rounds its fp32 accumulator.
+- M = 1: `gemv`. Each program accumulates a [BLOCK_N, BLOCK_K] tile of fp32 products and
+  reduces it once at the end, so the inner loop is loads and FMAs only.
+- 2 <= M <= 64: `skinny_gemm`. Each program streams its BLOCK_N rows of W once and, per
+  K tile, multiplies the whole x tile ([M padded to BLOCK_M, BLOCK_K], small and read
+  from L2) against them with `tl.dot`, accumulating [BLOCK_M, BLOCK_N] in fp32.
+- larger M, CPU tensors, other dtypes: F.linear.
+
+`linear` is the one entry point and dispatches on M. Results are rounded to the input
+dtype, as cuBLAS rounds its fp32 accumulator. Nothing in the dispatch syncs with the
+device, so the calls capture into CUDA graphs (each M compiles its own BLOCK_M once, on
+the warm-up run before capture).
 """
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable, Optional
 
 import torch
@@ -23,22 +33,30 @@ try:
 except ImportError:  # CPU-only installs
     triton = tl = None
 
-GEMV_DTYPES = (torch.bfloat16, torch.float16)
+STREAMING_DTYPES = (torch.bfloat16, torch.float16)
+MAX_STREAMING_ROWS = 64  # above this many rows, cuBLAS's tiled GEMMs win: W is reused enough
+
+
+def _interpreting() -> bool:
+    """Triton 3.9's interpreter multiplies bf16 bit patterns as integers in ``tl.dot``, so
+    under it the skinny GEMM widens bf16 tiles to fp32 first (exact: the GPU's bf16 products
+    accumulate in fp32 too)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.lru_cache(maxsize=None)
-def _jit(kernel: Callable) -> Callable:
-    return triton.jit(kernel)
+def _jit(kernel: Callable, do_not_specialize: tuple[str, ...] = ()) -> Callable:
+    return triton.jit(kernel, do_not_specialize=do_not_specialize)
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row on a CUDA device, half-precision weights, a contiguous K dimension."""
+def streaming_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """1..MAX_STREAMING_ROWS rows on a CUDA device, half-precision weights, contiguous K."""
     return (
         triton is not None
         and x.is_cuda
         and x.dim() == 2
-        and x.shape[0] == 1
-        and x.dtype in GEMV_DTYPES
+        and 1 <= x.shape[0] <= MAX_STREAMING_ROWS
+        and x.dtype in STREAMING_DTYPES
         and weight.dtype == x.dtype
         and weight.stride(1) == 1
         and x.stride(1) == 1
@@ -46,9 +64,11 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear, through the GEMV where it applies."""
-    if gemv_applies(x, weight):
-        return gemv(x, weight, bias)
+    """F.linear: one row through `gemv`, 2..64 rows through `skinny_gemm`, else cuBLAS."""
+    if streaming_applies(x, weight):
+        if x.shape[0] == 1:
+            return gemv(x, weight, bias)
+        return skinny_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -104,3 +124,72 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def skinny_gemm(
+    x: torch.Tensor,  # [M, K], 2 <= M <= 64, K contiguous
+    weight: torch.Tensor,  # [N, K], rows contiguous
+    bias: Optional[torch.Tensor] = None,  # [N]
+    *,
+    block_n: int = 32,
+    block_k: int = 256,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """[M, N] = x W^T (+ bias), in x's dtype, streaming W once with no split-K.
+
+    M is padded (by masks, not by memory traffic) to BLOCK_M, a power of two >= 16, the
+    smallest `tl.dot` tile; block_n must be >= 16 as well. The default tile is a guess for
+    an H100 (`python -m bench.gemv --sweep` times a grid of them at M = 17 and 64).
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    block_m = max(16, triton.next_power_of_2(M))
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    # M is not specialised (Triton would compile M % 16 == 0 apart from the rest), so each
+    # BLOCK_M (16, 32, 64) compiles once, whatever tree sizes a server sees.
+    _jit(_skinny_gemm_kernel, ("M",))[(triton.cdiv(N, block_n),)](
+        x,
+        weight,
+        bias if bias is not None else out,
+        out,
+        M,
+        N,
+        K,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        DOT_IN_FP32=_interpreting() and x.dtype == torch.bfloat16,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                        HAS_BIAS: tl.constexpr, DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    rows = tl.arange(0, BLOCK_M)  # rows of x (tokens)
+    row_mask = rows < M
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+    w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        k_mask = (start + ks) < K
+        x = tl.load(x_tile + start, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_tile + start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        if DOT_IN_FP32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])

@@ -77,7 +77,8 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose single-row products on the GPU run as a Triton GEMV (batch-1 decode)."""
+    """nn.Linear whose products of 1..64 rows on the GPU stream W through Triton kernels
+    (batch-1 decode and tree verification; see gpu_target/gemv.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemv.linear(x, self.weight, self.bias)
