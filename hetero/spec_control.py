@@ -2,31 +2,64 @@
 
 Two limits apply. The node budget (`target_parallelism`, summed over the batch) shrinks
 trees as the batch grows, because a large batch already fills the GPU. And the
-controller measures, per batch-size bucket, the tokens per second that steps with and
-without speculation actually deliver (one speculative step, then `min_samples` plain ones,
-before the first comparison); where speculating is measured slower it stops,
-probing one speculative step every `probe_interval` steps to notice when acceptance
-recovers (and one plain step as often while speculating, to keep the comparison fresh).
-Each probe that confirms the current choice doubles that bucket's probe interval, up to
-`max_probe_interval`; a probe that overturns it resets the interval. A losing option is
-therefore tried ever more rarely, which matters at large batches, where one speculative
-step costs more than a plain one.
+controller measures, per batch-size bucket (powers of two), the tokens per second that
+engine steps with and without speculation actually deliver (`record_step`; the engine
+times a step from the end of the previous one while it is busy, so the caller's work
+between steps counts, and it leaves out steps that the requests' lengths cut short).
+
+Each option keeps its last `window` steps and is judged by their mean tokens per step over
+their median seconds per step: acceptance really varies from step to step and its mean is
+what pays, while a slow step (a cold first step, a pause) is noise that the median
+ignores, as long as it is one of at least three. The controller first alternates, starting
+with speculation, until each option has `min_samples` steps. Then it runs the faster
+option and probes the other one, to notice when acceptance changes: once the winner has
+run for `probe_interval` of the loser's step times. Time, not steps: a plain window emits
+8 tokens per sequence and a speculative step a few, and a probe should cost at most about
+1/`probe_interval` of the time either way. The probe spacing doubles, up to
+`max_probe_interval`, only while the evidence is solid: the losing option's window is full
+and it trails by more than `margin`. A close call or a thin window keeps probing at
+`probe_interval`; a probe faster than the winner is followed by another at once, so a
+verdict that has become wrong is overturned within a few steps instead of being locked in.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-_EMA = 0.2
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Optional
 
 
 @dataclass
-class _Throughput:
-    tokens_per_second: float = 0.0
-    samples: int = 0
+class _Samples:
+    """Recent steps of one option in one bucket: (tokens emitted, seconds) each."""
 
-    def add(self, value: float) -> None:
-        self.tokens_per_second = value if not self.samples else (1 - _EMA) * self.tokens_per_second + _EMA * value
-        self.samples += 1
+    window: int
+    recent: deque = field(default_factory=deque)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.recent.append((tokens, seconds))
+        if len(self.recent) > self.window:
+            self.recent.popleft()
+
+    def tokens_per_second(self) -> float:
+        """Mean tokens per step over median seconds per step.
+
+        Tokens vary from step to step for real (acceptance), and their mean is what a step
+        delivers; a slow step (a pause, a cold start) is noise, which the median ignores.
+        """
+        return sum(t for t, _ in self.recent) / len(self.recent) / self.seconds_per_step()
+
+    def seconds_per_step(self) -> float:
+        return median(s for _, s in self.recent)
+
+
+@dataclass
+class _Bucket:
+    spec: _Samples
+    plain: _Samples
+    interval: int  # time between probes of the losing option, in its step times
+    countdown: float  # time left until the next probe, in the losing option's step times
+    speculating: Optional[bool] = None  # the last verdict, None while exploring
 
 
 class SpeculationController:
@@ -34,62 +67,83 @@ class SpeculationController:
         self,
         max_nodes_per_seq: int,
         target_parallelism: int,
-        probe_interval: int = 16,
+        probe_interval: int = 64,
         max_probe_interval: int = 1024,
         min_samples: int = 3,
+        window: int = 16,
+        margin: float = 0.05,
         always_speculate: bool = False,
     ):
+        if not 1 <= min_samples <= window:
+            raise ValueError(f"min_samples must be in [1, window={window}], got {min_samples}")
         self.max_nodes_per_seq = max_nodes_per_seq
         self.target_parallelism = target_parallelism
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
-        self.min_samples = min_samples  # plain steps measured before the first comparison
+        self.min_samples = min_samples  # samples per option before the first verdict
+        self.window = window  # recent steps per option that its estimate is taken over
+        self.margin = margin  # relative lead below which the verdict counts as a close call
         self.always_speculate = always_speculate  # skip the measurement (tests, cost benchmarks)
-        self._speculative: dict[int, _Throughput] = {}
-        self._plain: dict[int, _Throughput] = {}
-        self._interval: dict[int, int] = {}
-        self._countdown: dict[int, int] = {}
-        self._winner_at_last_probe: dict[int, bool] = {}
+        self._buckets: dict[int, _Bucket] = {}
 
     @staticmethod
     def bucket(num_seqs: int) -> int:
         return 1 << max(num_seqs - 1, 0).bit_length()
+
+    def _state(self, num_seqs: int) -> _Bucket:
+        key = self.bucket(num_seqs)
+        state = self._buckets.get(key)
+        if state is None:
+            state = _Bucket(_Samples(self.window), _Samples(self.window), self.probe_interval, self.probe_interval)
+            self._buckets[key] = state
+        return state
+
+    def _verdict(self, state: _Bucket) -> Optional[bool]:
+        """True: speculate; False: decode plainly; None: not measured enough yet."""
+        if min(len(state.spec.recent), len(state.plain.recent)) < self.min_samples:
+            return None
+        return state.spec.tokens_per_second() >= state.plain.tokens_per_second()
 
     def nodes_per_sequence(self, num_seqs: int) -> int:
         """Tree size to grant each decoding sequence this step (0 = plain decoding)."""
         per_seq = min(self.max_nodes_per_seq, self.target_parallelism // max(num_seqs, 1))
         if per_seq == 0:
             return 0
-        bucket = self.bucket(num_seqs)
-        spec = self._speculative.setdefault(bucket, _Throughput())
-        plain = self._plain.setdefault(bucket, _Throughput())
-        if self.always_speculate or not spec.samples:
+        if self.always_speculate:
             return per_seq
-        if plain.samples < self.min_samples:
-            return 0
-        speculation_wins = spec.tokens_per_second >= plain.tokens_per_second
-        countdown = self._countdown.get(bucket, self.probe_interval)
-        if countdown > 0:
-            self._countdown[bucket] = countdown - 1
-            return per_seq if speculation_wins else 0
-        interval = self._interval.get(bucket, self.probe_interval)
-        confirmed = self._winner_at_last_probe.get(bucket) == speculation_wins
-        interval = min(interval * 2, self.max_probe_interval) if confirmed else self.probe_interval
-        self._interval[bucket] = self._countdown[bucket] = interval
-        self._winner_at_last_probe[bucket] = speculation_wins
-        return 0 if speculation_wins else per_seq
+        state = self._state(num_seqs)
+        speculate = self._verdict(state)
+        if speculate is None:  # exploring: the option measured less so far, speculation first
+            return per_seq if len(state.spec.recent) <= len(state.plain.recent) else 0
+        if speculate != state.speculating:  # a new verdict: its loser's samples are fresh, probe at the base rate
+            state.speculating = speculate
+            state.interval = state.countdown = self.probe_interval
+        if state.countdown > 0:
+            return per_seq if speculate else 0
+        loser, winner = (state.plain, state.spec) if speculate else (state.spec, state.plain)
+        solid = len(loser.recent) == self.window and winner.tokens_per_second() > (1 + self.margin) * loser.tokens_per_second()
+        state.interval = min(2 * state.interval, self.max_probe_interval) if solid else self.probe_interval
+        state.countdown = state.interval
+        return 0 if speculate else per_seq
 
     def record_step(self, num_seqs: int, speculated: bool, tokens_emitted: int, seconds: float) -> None:
         """Measured outcome of one decode step."""
         if seconds <= 0:
             return
-        table = self._speculative if speculated else self._plain
-        table.setdefault(self.bucket(num_seqs), _Throughput()).add(tokens_emitted / seconds)
+        state = self._state(num_seqs)
+        (state.spec if speculated else state.plain).add(tokens_emitted, seconds)
+        speculate = self._verdict(state)
+        if speculate is None:
+            return
+        loser, winner = (state.plain, state.spec) if speculate else (state.spec, state.plain)
+        if speculated == speculate:
+            state.countdown -= seconds / loser.seconds_per_step()
+        elif tokens_emitted / seconds >= winner.tokens_per_second():
+            # A probe faster than the winner: look again at once. Consecutive such probes
+            # overturn the verdict; a fluke is outvoted by the probes after it.
+            state.interval, state.countdown = self.probe_interval, 0
 
     def speculation_pays(self, num_seqs: int) -> bool | None:
         """Whether speculation measured faster at this batch size (None before both were measured)."""
-        bucket = self.bucket(num_seqs)
-        spec, plain = self._speculative.get(bucket), self._plain.get(bucket)
-        if not spec or not plain or not spec.samples or plain.samples < self.min_samples:
-            return None
-        return spec.tokens_per_second >= plain.tokens_per_second
+        state = self._buckets.get(self.bucket(num_seqs))
+        return None if state is None else self._verdict(state)

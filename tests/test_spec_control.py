@@ -1,4 +1,8 @@
 """The speculation controller: node budget per sequence and the measured on/off decision."""
+import random
+
+import pytest
+
 from hetero.spec_control import SpeculationController
 
 
@@ -22,20 +26,45 @@ def test_budget_shrinks_trees_as_the_batch_grows():
 
 
 def test_losing_speculation_is_turned_off_and_probed_ever_more_rarely():
-    controller = SpeculationController(8, 1024, probe_interval=4, max_probe_interval=256)
+    controller = SpeculationController(8, 1024, probe_interval=4, max_probe_interval=256, window=4)
     first = drive(controller, 64, spec_tps=800.0, plain_tps=1000.0, steps=1000)
     assert controller.speculation_pays(64) is False
-    # 1 speculative sample, then probes after 4, 4, 8, 16, ..., 256 plain steps (9 within 1000 steps).
-    assert first <= 1 + 9
+    # Exploring: 3 steps of each option, alternating. Then a probe once plain steps have taken
+    # 4 speculative step times, until speculation's window of 4 is full, then 8, 16, ..., 256
+    # of them (a plain step takes 0.8 of one here): 9 probes within 1000 steps.
+    assert first <= 3 + 9
     later = drive(controller, 64, spec_tps=800.0, plain_tps=1000.0, steps=1024)
     assert later <= 1024 // 256
 
 
+def test_probes_stay_frequent_while_the_evidence_is_thin():
+    controller = SpeculationController(8, 1024, probe_interval=4, window=16)
+    first = drive(controller, 64, spec_tps=800.0, plain_tps=1000.0, steps=100)
+    # 3 while exploring, then one every 4 speculative step times (5 plain steps here) until
+    # the window of 16 is full: 13 probes.
+    assert first >= 3 + 13
+
+
 def test_winning_speculation_stays_on():
-    controller = SpeculationController(8, 1024, probe_interval=4)
+    controller = SpeculationController(8, 1024, probe_interval=4, window=4)
     speculated = drive(controller, 1, spec_tps=1500.0, plain_tps=1000.0, steps=500)
     assert controller.speculation_pays(1) is True
-    assert speculated >= 500 - 3 - 10
+    assert speculated >= 500 - 3 - 7
+
+
+def test_a_probe_that_beats_the_winner_is_repeated_at_once():
+    controller = SpeculationController(8, 1024, probe_interval=64, window=4)
+    assert drive(controller, 64, spec_tps=800.0, plain_tps=1000.0, steps=200) <= 3 + 2
+    # Acceptance recovers. The first probe to see it is followed by more at once, which
+    # overturn the verdict, instead of one probe per interval (128 speculative step times here).
+    probes = []
+    for step in range(1000):
+        if drive(controller, 64, spec_tps=1500.0, plain_tps=1000.0, steps=1):
+            probes.append(step)
+        if controller.speculation_pays(64):
+            break
+    assert controller.speculation_pays(64) is True
+    assert probes[-1] - probes[0] <= 2
 
 
 def test_buckets_decide_independently():
@@ -49,3 +78,75 @@ def test_buckets_decide_independently():
 def test_always_speculate_skips_the_measurement():
     controller = SpeculationController(8, 64, always_speculate=True)
     assert drive(controller, 1, spec_tps=1.0, plain_tps=1000.0, steps=50) == 50
+
+
+class _Never:
+    """Always decodes plainly: the baseline a controller must not fall behind."""
+
+    def nodes_per_sequence(self, num_seqs):
+        return 0
+
+    def record_step(self, *args):
+        pass
+
+
+def simulate(controller, num_seqs, steps, plain_ms, spec_ms, nodes, p_accept, slow_first_plain=1.0, fast_first_spec=1.0):
+    """Drive the controller against a fake clock, like bench.gpu_decode's spec section.
+
+    Plain decoding runs windows of 8 token-steps of `plain_ms` each (one engine step emits 8
+    tokens per sequence); a speculative step costs `spec_ms`, and each sequence emits 1 +
+    the accepted part of a `nodes`-node chain whose nodes are right with probability
+    `p_accept`. Step times carry ±5% noise; the first plain window is `slow_first_plain`
+    times slower, the first speculative step `fast_first_spec` times faster (cold steps).
+    Returns (ms per token, fraction of the steps that speculated).
+    """
+    rng = random.Random(0)
+    total_ms = tokens = speculated = 0
+    first_plain = first_spec = True
+    for _ in range(steps):
+        jitter = rng.uniform(0.95, 1.05)
+        spec = bool(controller.nodes_per_sequence(num_seqs))
+        if spec:
+            emitted = sum(1 + _accepted(rng, nodes, p_accept) for _ in range(num_seqs))
+            ms = spec_ms * jitter / (fast_first_spec if first_spec else 1.0)
+            first_spec = False
+        else:
+            emitted = 8 * num_seqs
+            ms = 8 * plain_ms * jitter * (slow_first_plain if first_plain else 1.0)
+            first_plain = False
+        controller.record_step(num_seqs, spec, emitted, ms / 1e3)
+        total_ms += ms
+        tokens += emitted
+        speculated += spec
+    return total_ms / tokens, speculated / steps
+
+
+def _accepted(rng, nodes, p_accept):
+    accepted = 0
+    while accepted < nodes and rng.random() < p_accept:
+        accepted += 1
+    return accepted
+
+
+# bench/results/gpu_decode-20261123-005459.json, batch 64 at draft_p 0.9: one node per sequence
+# (target_parallelism 64), 1.89 tokens per sequence per 17.3 ms speculative step, against 8.0 ms
+# per token-step of plain decoding in windows of 8: speculation is 13% slower.
+BATCH_64 = dict(num_seqs=64, plain_ms=8.0, spec_ms=17.3, nodes=1, p_accept=0.89)
+# Batch 1 at draft_p 0.9: 3.74 tokens per 7 ms speculative step against 5.9 ms per plain token.
+BATCH_1 = dict(num_seqs=1, plain_ms=5.9, spec_ms=7.0, nodes=8, p_accept=0.755)
+
+
+@pytest.mark.parametrize("outlier", [dict(slow_first_plain=2.0), dict(fast_first_spec=2.0), {}])
+def test_losing_speculation_costs_at_most_a_few_percent(outlier):
+    ms_per_token, _ = simulate(SpeculationController(8, 64), steps=50, **BATCH_64, **outlier)
+    plain_ms_per_token, _ = simulate(_Never(), steps=50, **BATCH_64, **outlier)
+    assert ms_per_token <= 1.03 * plain_ms_per_token
+
+
+@pytest.mark.parametrize("outlier", [dict(fast_first_spec=0.25), dict(slow_first_plain=0.5), {}])
+def test_winning_speculation_is_used_most_of_the_time(outlier):
+    ms_per_token, speculated = simulate(SpeculationController(8, 64), steps=50, **BATCH_1, **outlier)
+    plain_ms_per_token, _ = simulate(_Never(), steps=50, **BATCH_1, **outlier)
+    assert speculated >= 0.8
+    assert ms_per_token <= 0.6 * plain_ms_per_token
+
