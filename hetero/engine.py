@@ -119,6 +119,8 @@ class LLMEngine:
         graph_runner = self._capture_graphs(1 + max_tree_nodes if self.proposer is not None else 1)
         self.runner = ModelRunner(self.model, self.kv_pool, self.device, self._attention_fn(), graph_runner)
         self.spec_stats = SpecStats()
+        self._clock = time.perf_counter  # step timing for the controller (tests replace it)
+        self._last_step_end: Optional[float] = None  # None: idle since, or nothing ran yet
         self.groups: dict[str, SequenceGroup] = {}
         torch.manual_seed(config.seed)
         self.num_prompt_tokens_total = 0
@@ -260,11 +262,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        # The controller compares whole steps: scheduling and building outputs cost once per
-        # step, which a multi-step window spreads over many tokens and a speculative step not.
-        started = time.perf_counter()
+        started = self._clock()
         scheduled = self.scheduler.schedule()
         if not scheduled:
+            self._last_step_end = None  # idle: the wait before the next step is not work
             return []
         now = time.time()
         for item in scheduled:
@@ -273,8 +274,11 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
                 metrics.time_in_queue = now - metrics.arrival_time
         decode_only = all(item.samples and item.num_new_tokens == 1 for item in scheduled)
-        speculated = decode_only and self._attach_trees(scheduled)  # every item decodes
+        nodes_per_seq = self._attach_trees(scheduled) if decode_only else 0  # every item decodes
+        speculated = nodes_per_seq > 0
         tokens_before = self.num_generation_tokens_total
+        # The tokens the requests' lengths still allow their longest-lived sequence, before this step.
+        room = max(self._length_room(item.seq) for item in scheduled) if decode_only and self.proposer is not None else 0
         num_steps = self._reserve_run_ahead(scheduled) if decode_only and not speculated else 1
         if num_steps > 1:
             touched = self._decode_ahead(scheduled, num_steps)
@@ -283,22 +287,47 @@ class LLMEngine:
             logits = self.runner.forward(chunks)
             touched = self._consume_logits(scheduled, layout, logits)
         outputs = [self._request_output(group) for group in touched]
-        if self.proposer is not None and decode_only:
+        finished = self._clock()
+        # The controller compares whole steps: scheduling, building outputs and the caller's
+        # work between steps cost once per step, which a multi-step window spreads over many
+        # tokens and a speculative step not. Steps that the requests' lengths cut short (the
+        # last window or trees of a batch that finishes together) say nothing about either
+        # option's steady pace, and are left out.
+        cut_short = room <= nodes_per_seq if speculated else room < self.num_scheduler_steps
+        if self.proposer is not None and decode_only and not cut_short:
             emitted = self.num_generation_tokens_total - tokens_before
-            self.spec_control.record_step(len(scheduled), speculated, emitted, time.perf_counter() - started)
+            self.spec_control.record_step(len(scheduled), speculated, emitted, self._step_seconds(started, finished))
+        self._last_step_end = finished
         return outputs
 
-    def _attach_trees(self, decoding: list[ScheduledSeq]) -> bool:
-        """Ask the proposer for a tree per decoding sequence; True when the controller chose to speculate.
+    def _step_seconds(self, started: float, finished: float) -> float:
+        """A step's cost: from the previous step's end while the engine is busy, else its own time.
+
+        The gap since the previous step is the caller's handling of its outputs (streaming,
+        bookkeeping), which the engine causes once per step. A gap longer than the step
+        itself is taken for idle time (waiting for requests), and left out.
+        """
+        own = finished - started
+        if self._last_step_end is None:
+            return own
+        gap = started - self._last_step_end
+        return own + gap if 0 <= gap <= own else own
+
+    def _length_room(self, seq: Sequence) -> int:
+        """Tokens the sequence may still emit under its max_tokens and max_model_len."""
+        return min(seq.group.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids))
+
+    def _attach_trees(self, decoding: list[ScheduledSeq]) -> int:
+        """Ask the proposer for a tree per decoding sequence; the nodes granted each (0: no speculation).
 
         A step counts as speculative even when every tree comes back empty: proposing is
         part of what speculation costs.
         """
         if self.proposer is None:
-            return False
+            return 0
         per_seq = self.spec_control.nodes_per_sequence(len(decoding))
         if per_seq == 0:
-            return False
+            return 0
         requests = []
         for item in decoding:
             seq = item.seq
@@ -316,7 +345,7 @@ class LLMEngine:
                 item.tree = tree
             else:
                 self.scheduler.trim_blocks(item.seq, item.seq.num_computed + 1)
-        return True
+        return per_seq
 
     def _reserve_run_ahead(self, decoding: list[ScheduledSeq]) -> int:
         """How many decode steps to run before the host looks at the tokens (1: a plain step).

@@ -150,3 +150,62 @@ def test_winning_speculation_is_used_most_of_the_time(outlier):
     assert speculated >= 0.8
     assert ms_per_token <= 0.6 * plain_ms_per_token
 
+
+class _PlainSpy(SpeculationController):
+    """Always chooses plain decoding and keeps what the engine records."""
+
+    def __init__(self):
+        super().__init__(8, 64)
+        self.records = []
+
+    def nodes_per_sequence(self, num_seqs):
+        return 0
+
+    def record_step(self, *args):
+        self.records.append(args)
+
+
+class _IdleProposer:
+    def propose(self, batch):
+        raise AssertionError("the spy never speculates")
+
+    def commit(self, verdicts):
+        pass
+
+    def release(self, request_id):
+        pass
+
+
+class _StepClock:
+    """Every engine step takes 10 ms; the test moves time on between steps (the caller's work)."""
+
+    def __init__(self):
+        self.now, self.reads = 0.0, 0
+
+    def __call__(self):
+        self.reads += 1
+        if self.reads % 2 == 0:  # a step reads the clock when it starts and when it ends
+            self.now += 0.010
+        return self.now
+
+
+def test_engine_counts_the_callers_time_and_leaves_out_windows_cut_short(tiny_llama_dir):
+    from hetero.config import EngineConfig
+    from hetero.engine import LLMEngine
+    from hetero.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", num_scheduler_steps=4)
+    engine = LLMEngine(config, proposer=_IdleProposer())
+    engine.spec_control = spy = _PlainSpy()
+    engine._clock = clock = _StepClock()
+    engine.add_request("r", "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True))
+    engine.step()  # the prefill samples the first token; not a decode step, not recorded
+    # 22 tokens follow in windows of 4, 4, 4, 4, 4 and a last one cut to 2 by max_tokens.
+    for gap in [0.003, 0.003, 0.050, 0.003, 0.003, 0.003]:
+        clock.now += gap
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    seconds = [round(s, 6) for _, _, _, s in spy.records]
+    # Caller time up to the step's own counts; a longer gap is idle time and does not.
+    assert seconds == [0.013, 0.013, 0.010, 0.013, 0.013]
+    assert [(n, speculated, tokens) for n, speculated, tokens, _ in spy.records] == [(1, False, 4)] * 5
