@@ -39,7 +39,8 @@ SHAPES = dict(qkv_proj=(6144, 4096), o_proj=(4096, 4096), gate_up_proj=(28672, 4
               lm_head=(128256, 4096))
 DEFAULT_ROWS = "1,9,17,33,64,65"
 GEMV_SWEEP = dict(block_n=[1, 2, 4, 8], block_k=[512, 1024, 2048, 4096], num_warps=[4, 8], num_stages=[1, 3])
-SKINNY_SWEEP = dict(block_n=[16, 32, 64], block_k=[128, 256, 512], num_warps=[4, 8], num_stages=[3, 4])
+SKINNY_SWEEP = [dict(w_first=[False], block_n=[16, 32, 64], block_k=[256, 512, 1024], num_warps=[4], num_stages=[2, 3, 4]),
+                dict(w_first=[True], block_n=[64, 128], block_k=[128, 256, 512], num_warps=[4, 8], num_stages=[3, 4, 5])]
 SKINNY_SWEEP_ROWS = (17, 64)
 SHARED_MEMORY_BYTES = 227 * 1024  # an H100's per-block limit; tiles that cannot fit are not compiled
 
@@ -59,8 +60,10 @@ def path_of(m: int) -> str:
     return "gemv" if m == 1 else "skinny" if m <= MAX_STREAMING_ROWS else "cublas"
 
 
-def tiles(grid: dict) -> list[dict]:
-    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+def tiles(grid) -> list[dict]:
+    """Every tile of a grid {name: [values]}, or of each grid in a list of them."""
+    grids = grid if isinstance(grid, list) else [grid]
+    return [dict(zip(g, values)) for g in grids for values in itertools.product(*g.values())]
 
 
 def skinny_tile_fits(m: int, tile: dict) -> bool:

@@ -9,8 +9,8 @@ need no reduction and keep more loads in flight.
 - M = 1: `gemv`. Each program accumulates a [BLOCK_N, BLOCK_K] tile of fp32 products and
   reduces it once at the end, so the inner loop is loads and FMAs only.
 - 2 <= M <= 64: `skinny_gemm`. Each program streams its BLOCK_N rows of W once and, per
-  K tile, multiplies the whole x tile ([M padded to BLOCK_M, BLOCK_K], small and read
-  from L2) against them with `tl.dot`, accumulating [BLOCK_M, BLOCK_N] in fp32.
+  K tile, multiplies them with `tl.dot` against the whole x tile ([M padded to BLOCK_M,
+  BLOCK_K], small and read from L2), accumulating in fp32.
 - larger M, CPU tensors, other dtypes: F.linear.
 
 `linear` is the one entry point and dispatches on M. Results are rounded to the input
@@ -126,22 +126,34 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
+def skinny_tile(n: int) -> dict:
+    """The skinny GEMM's tile for N output columns, from a sweep on an H100 at M = 17 and 64
+    (`python -m bench.gemv --sweep skinny`, bench/results/gemv-20261123-012121.md).
+
+    W goes first in the product (out^T = W x^T), so W's rows fill the MMA's large M
+    dimension and x's few rows the small N one. 128 W rows per program for the wide
+    gate_up and LM-head matrices, 64 with deeper K tiles for the rest, so every shape
+    still has 64+ programs: 1.00-1.08x cuBLAS at M = 17, 0.94-1.08x at M = 64.
+    """
+    if n >= 16384:
+        return dict(block_n=128, block_k=128, num_warps=4, num_stages=4, w_first=True)
+    return dict(block_n=64, block_k=256, num_warps=4, num_stages=4, w_first=True)
+
+
 def skinny_gemm(
     x: torch.Tensor,  # [M, K], 2 <= M <= 64, K contiguous
     weight: torch.Tensor,  # [N, K], rows contiguous
     bias: Optional[torch.Tensor] = None,  # [N]
-    *,
-    block_n: int = 32,
-    block_k: int = 256,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    **tile,
 ) -> torch.Tensor:
     """[M, N] = x W^T (+ bias), in x's dtype, streaming W once with no split-K.
 
     M is padded (by masks, not by memory traffic) to BLOCK_M, a power of two >= 16, the
-    smallest `tl.dot` tile; block_n must be >= 16 as well. The default tile is a guess for
-    an H100 (`python -m bench.gemv --sweep` times a grid of them at M = 17 and 64).
+    smallest `tl.dot` tile; block_n must be >= 16 as well. ``tile`` overrides `skinny_tile`'s
+    choice (block_n, block_k, num_warps, num_stages, w_first), as the sweep does.
     """
+    tile = {**skinny_tile(weight.shape[0]), **tile}
+    block_n, block_k = tile["block_n"], tile["block_k"]
     M, K = x.shape
     N = weight.shape[0]
     block_m = max(16, triton.next_power_of_2(M))
@@ -161,18 +173,20 @@ def skinny_gemm(
         out.stride(0),
         HAS_BIAS=bias is not None,
         DOT_IN_FP32=_interpreting() and x.dtype == torch.bfloat16,
+        EVEN_K=K % block_k == 0,
+        W_FIRST=tile["w_first"],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"],
     )
     return out
 
 
 def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                        HAS_BIAS: tl.constexpr, DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, W_FIRST: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.arange(0, BLOCK_M)  # rows of x (tokens)
     row_mask = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
@@ -180,15 +194,28 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, str
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + rows[:, None] * stride_xm + ks[None, :]
     w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # W_FIRST computes out^T = W x^T, so W's rows fill the MMA's large M dimension.
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if W_FIRST else [BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
-        k_mask = (start + ks) < K
-        x = tl.load(x_tile + start, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_tile + start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        if EVEN_K:
+            x = tl.load(x_tile + start, mask=row_mask[:, None], other=0.0)
+            w = tl.load(w_tile + start, mask=col_mask[:, None], other=0.0)
+        else:
+            k_mask = (start + ks) < K
+            x = tl.load(x_tile + start, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_tile + start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         if DOT_IN_FP32:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            x, w = x.to(tl.float32), w.to(tl.float32)
+            if W_FIRST:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        elif W_FIRST:
+            acc = tl.dot(w, tl.trans(x), acc)
         else:
             acc = tl.dot(x, tl.trans(w), acc)
+    if W_FIRST:
+        acc = tl.trans(acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]

@@ -54,12 +54,15 @@ def test_skinny_gemm_matches_f_linear(dtype, m, n, k, bias):
     torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=ulp)
 
 
-def test_skinny_gemm_small_tiles_and_strided_rows():
-    """Several programs and K steps, rows of x further apart than K (a slice of a wider buffer)."""
+@pytest.mark.parametrize("w_first", [False, True])
+@pytest.mark.parametrize("block_k", [16, 32])  # K = 70 with 16: a ragged last K tile; K = 64 with 32: EVEN_K
+def test_skinny_gemm_small_tiles_and_strided_rows(w_first, block_k):
+    """Several programs and K steps, rows of x further apart than K (a slice of a wider buffer), either operand order."""
     wide, weight, b = _inputs(50, 90, torch.bfloat16, True, m=5)
-    x = wide[:, :70]
-    weight = weight[:, :70].contiguous()
-    got = gemv.skinny_gemm(x, weight, b, block_n=16, block_k=16, num_warps=1, num_stages=1)
+    k = 70 if block_k == 16 else 64
+    x = wide[:, :k]
+    weight = weight[:, :k].contiguous()
+    got = gemv.skinny_gemm(x, weight, b, block_n=16, block_k=block_k, num_warps=1, num_stages=1, w_first=w_first)
     expected = F.linear(x.float(), weight.float(), b.float())
     torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=2.0**-7)
 
