@@ -215,20 +215,34 @@ def fill_host_inputs(host: dict[str, torch.Tensor], chunks: Sequence[SequenceChu
     arrays["seq_lens"][:] = query_len
     arrays["block_tables"][:] = NULL_BLOCK
     arrays["query_start_loc"][:] = np.arange(0, (num_seqs + 1) * query_len, query_len, dtype=np.int32)
+    # The real tokens, gathered in plain lists and written with one numpy assignment per
+    # buffer: per-chunk numpy calls cost microseconds each, for every sequence of every step.
+    causal = (np.left_shift(np.int64(2), np.arange(query_len, dtype=np.int64)) - 1).tolist()
+    index: list[int] = []
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    masks: list[int] = []
     rows: list[int] = []
     for b, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
         start = b * query_len
-        arrays["input_ids"][start : start + n] = chunk.token_ids
-        arrays["positions"][start : start + n] = chunk.positions
-        table = np.asarray(chunk.block_table, np.int64)
-        storage = np.arange(chunk.num_cached, chunk.num_cached + n)
-        arrays["slot_mapping"][start : start + n] = table[storage // block_size] * block_size + storage % block_size
-        if chunk.tree_mask is not None:
-            arrays["tree_mask"][start : start + n] = chunk.tree_mask
-        else:
-            arrays["tree_mask"][start : start + n] = np.left_shift(np.int64(2), np.arange(n, dtype=np.int64)) - 1
-        arrays["seq_lens"][b] = chunk.num_cached + query_len
-        arrays["block_tables"][b, : len(table)] = table
+        index.extend(range(start, start + n))
+        token_ids.extend(chunk.token_ids)
+        positions.extend(chunk.positions)
+        table = chunk.block_table
+        slots.extend(table[i // block_size] * block_size + i % block_size for i in range(chunk.num_cached, chunk.num_cached + n))
+        masks.extend(chunk.tree_mask if chunk.tree_mask is not None else causal[:n])
         rows.extend(start + i for i in chunk.logits_indices)
+    if index:
+        arrays["input_ids"][index] = token_ids
+        arrays["positions"][index] = positions
+        arrays["slot_mapping"][index] = slots
+        arrays["tree_mask"][index] = masks
+    if chunks:
+        arrays["seq_lens"][: len(chunks)] = [chunk.num_cached + query_len for chunk in chunks]
+        width = max(len(chunk.block_table) for chunk in chunks)
+        arrays["block_tables"][: len(chunks), :width] = [
+            list(chunk.block_table) + [NULL_BLOCK] * (width - len(chunk.block_table)) for chunk in chunks
+        ]
     return rows
