@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from gpu_target.batch_invariant import batch_invariant_attention, make_batch_invariant
@@ -62,6 +63,11 @@ class _ChunkRows:
 
     num_prompt_rows: int
     sample_rows: list[_SampleRow]
+
+
+def _as_int64(masks: list[int]) -> list[int]:
+    """Masks as int64 values: node 62's bit lands on bit 63, the sign bit, as the kernels expect."""
+    return [m - (1 << 64) if m >> 63 else m for m in masks]
 
 
 def _can_run_ahead(seq: Sequence) -> bool:
@@ -335,10 +341,14 @@ class LLMEngine:
             requests.append(ProposalRequest(seq.seq_key, seq.token_ids, seq.num_prompt_tokens, max(0, min(per_seq, room))))
         trees = self.proposer.propose(requests)
         vocab = self.model_config.vocab_size
+        # One range check over every node of the step; per tree only when something is out.
+        nonempty = [tree.tokens for tree in trees if len(tree)]
+        every = np.concatenate(nonempty) if nonempty else None
+        all_in_vocab = every is None or (every.min() >= 0 and every.max() < vocab)
         for item, request, tree in zip(decoding, requests, trees):
             if len(tree) == 0 or len(tree) > request.max_nodes:
                 continue
-            if tree.tokens.min() < 0 or tree.tokens.max() >= vocab:
+            if not all_in_vocab and (tree.tokens.min() < 0 or tree.tokens.max() >= vocab):
                 logger.warning("dropping a proposed tree with token ids outside the vocabulary [0, %d)", vocab)
                 continue
             if self.scheduler.try_extend(item.seq, item.seq.num_computed + 1 + len(tree)):
@@ -409,19 +419,19 @@ class LLMEngine:
                     seq_rows.append(_SampleRow(seq, []))
                 chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, logits_indices))
             else:
-                tree = item.tree
-                depths = tree.depths()
-                masks = tree.ancestor_masks()
-                tokens = [seq.token_ids[-1]] + tree.tokens.tolist()
-                positions = [start] + [start + int(d) for d in depths]
-                # int64 arithmetic: node 62's bit lands on bit 63, the sign bit, as the kernels expect.
-                tree_mask = [1] + ((masks << 1) | 1).tolist()
-                num_prompt_rows = 0
+                # Row 0 is the root (the last known token), row i + 1 is node i. Built from plain
+                # lists in one pass: per-node numpy indexing costs more than the rest of the step.
+                node_tokens = item.tree.tokens.tolist()
+                tokens = [seq.token_ids[-1]] + node_tokens
+                positions = [start]
+                tree_mask = [1]  # each row's ancestors (itself included) as bits of row indices
                 seq_rows = [_SampleRow(seq, [])]
-                node_tokens = tree.tokens.tolist()
-                for node, parent in enumerate(tree.parents.tolist()):
+                for node, parent in enumerate(item.tree.parents.tolist()):
+                    positions.append(positions[parent + 1] + 1)
+                    tree_mask.append(tree_mask[parent + 1] | (2 << node))
                     seq_rows.append(_SampleRow(seq, seq_rows[parent + 1].path + [node_tokens[node]]))
-                chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, list(range(len(tokens))), tree_mask))
+                num_prompt_rows = 0
+                chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, list(range(len(tokens))), _as_int64(tree_mask)))
             layout.append(_ChunkRows(num_prompt_rows, seq_rows))
         return chunks, layout
 
@@ -451,10 +461,12 @@ class LLMEngine:
             sample_index.extend(range(offset, offset + len(rows.sample_rows)))
             offset += len(rows.sample_rows)
         sample_rows = [r for rows in layout for r in rows.sample_rows]
-        sample_logits = logits[sample_index]
+        # Decode and verification steps sample every row: no gather (a copy of all the logits).
+        sample_logits = logits if len(sample_index) == logits.shape[0] else logits[sample_index]
         plain = [b for b, item in enumerate(scheduled) if item.samples and item.tree is None]
         # Plain greedy needs only the argmax of each row: one reduction and one host copy.
-        argmax = sample_logits.argmax(dim=-1).tolist() if all(is_plain_greedy(r.seq.params) for r in sample_rows) else None
+        all_greedy = all(is_plain_greedy(item.seq.params) for item, rows in zip(scheduled, layout) if rows.sample_rows)
+        argmax = sample_logits.argmax(dim=-1).tolist() if all_greedy else None
         contexts = [self._row_context(r) for r in sample_rows] if argmax is None else []
         probs = target_probs(sample_logits, contexts) if contexts else None
         if argmax is not None:
@@ -465,6 +477,7 @@ class LLMEngine:
         else:
             plain_tokens = {}
         touched: dict[str, SequenceGroup] = {}
+        kv_moves: list[tuple[list[int], int, int]] = []  # compacting accepted paths, one copy for the batch
         for b, (item, rows) in enumerate(zip(scheduled, layout)):
             seq = item.seq
             if rows.num_prompt_rows:
@@ -475,10 +488,9 @@ class LLMEngine:
                 self._register_blocks(seq)
                 continue
             first = sample_starts[b]
-            seq_logits = sample_logits[first : first + len(rows.sample_rows)]
             if item.tree is None:
                 seq.num_computed += item.num_new_tokens
-                new_tokens, token_rows = [plain_tokens[b]], [0]
+                new_tokens, token_rows = [plain_tokens[b]], [first]
             else:
                 end = first + len(rows.sample_rows)
                 if argmax is not None:
@@ -486,27 +498,33 @@ class LLMEngine:
                 else:
                     accepted, bonus = verify_tree(probs[first:end], item.tree, seq.params.is_greedy, seq.generator)
                 new_tokens = [int(item.tree.tokens[i]) for i in accepted] + [bonus]
-                token_rows = [0] + [i + 1 for i in accepted]
-                self._keep_accepted_kv(item, accepted)
+                token_rows = [first] + [first + i + 1 for i in accepted]
+                self._keep_accepted_kv(item, accepted, kv_moves)
                 seq.spec.record(len(item.tree), len(accepted))
                 self.spec_stats.record(len(item.tree), len(accepted))
                 # Before the tokens are appended: a stop among them releases the sequence,
                 # and the proposer should still learn this last step.
                 self.proposer.commit([Verdict(seq.seq_key, new_tokens[:-1], new_tokens[-1], len(item.tree))])
-            self._append_tokens(seq, new_tokens, seq_logits, token_rows)
+            self._append_tokens(seq, new_tokens, sample_logits, token_rows)
             touched[seq.group.request_id] = seq.group
+        self.runner.copy_kv_slots(kv_moves)
         return list(touched.values())
 
     def _row_context(self, row: _SampleRow) -> RowContext:
         seq = row.seq
         return RowContext(seq.params, seq.group.prompt_token_ids, row.context(), self.eos_token_ids, seq.generator)
 
-    def _keep_accepted_kv(self, item: ScheduledSeq, accepted: list[int]) -> None:
-        """Move the accepted nodes' KV right behind the root and drop the rest of the tree."""
+    def _keep_accepted_kv(self, item: ScheduledSeq, accepted: list[int], moves: list) -> None:
+        """Queue the moves of the accepted nodes' KV right behind the root and drop the rest of the tree.
+
+        The caller copies every sequence's moves at once; each move keeps its own copy of the
+        block table, whose tail is freed here.
+        """
         seq = item.seq
         root = seq.num_computed
-        moves = [(seq.block_table, root + 1 + node, root + 1 + m) for m, node in enumerate(accepted) if node != m]
-        self.runner.copy_kv_slots(moves)
+        if any(node != m for m, node in enumerate(accepted)):
+            table = list(seq.block_table)
+            moves.extend((table, root + 1 + node, root + 1 + m) for m, node in enumerate(accepted) if node != m)
         seq.num_computed = root + 1 + len(accepted)
         self.scheduler.trim_blocks(seq, seq.num_computed)
 
@@ -526,18 +544,18 @@ class LLMEngine:
         seq.num_registered_blocks = full
 
     def _append_tokens(
-        self, seq: Sequence, new_tokens: list[int], seq_logits: Optional[torch.Tensor], token_rows: list[int]
+        self, seq: Sequence, new_tokens: list[int], logits: Optional[torch.Tensor], token_rows: list[int]
     ) -> None:
         """Append tokens up to the first stop, then register the filled blocks (and finish on a stop).
 
-        `seq_logits` rows `token_rows` score the tokens; they are read only for logprobs.
+        `logits` rows `token_rows` score the tokens; they are read only for logprobs.
         """
         params = seq.params
         want = params.logprobs
         ranks_samples = (params.best_of or params.n) > params.n  # best_of picks by cumulative logprob
         if want is not None or ranks_samples:
-            chosen = torch.tensor(new_tokens, device=seq_logits.device)
-            token_logprobs = raw_logprobs(seq_logits[token_rows], chosen, [want or 0] * len(new_tokens))
+            chosen = torch.tensor(new_tokens, device=logits.device)
+            token_logprobs = raw_logprobs(logits[token_rows], chosen, [want or 0] * len(new_tokens))
         now = time.time()
         metrics = seq.group.metrics
         if metrics.first_token_time is None:

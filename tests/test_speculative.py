@@ -154,6 +154,28 @@ def test_stop_and_max_tokens_inside_an_accepted_run(tiny_llama_dir, truth):
     assert out.outputs[0].token_ids == expected[: expected.index(stop_token) + 1]
 
 
+def test_logprobs_under_speculation_match_plain(tiny_llama_dir):
+    """Each emitted token's logprobs come from its own verification row, in every sequence of the batch.
+
+    Batch-invariant on both sides, so a token's logits are bit-identical whatever the step shape.
+    """
+    base = dict(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", batch_invariant=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    expected = LLM(**base).generate(PROMPTS[:6], params, use_tqdm=False)
+    truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in expected}
+    llm = speculative_llm(tiny_llama_dir, OracleProposer(truth, "random", 12, 0.7, vocab=320, seed=2), batch_invariant=True)
+    llm.llm_engine.spec_control.always_speculate = True
+    got = llm.generate(PROMPTS[:6], params, use_tqdm=False)
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+
+    def table(out):
+        return [{t: (lp.logprob, lp.rank) for t, lp in entry.items()} for entry in out.outputs[0].logprobs]
+
+    for want, have in zip(expected, got):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        assert table(have) == table(want)
+
+
 def test_kv_cache_after_speculation_matches_plain(tiny_llama_dir, truth):
     """Rejected nodes leave no trace; accepted ones sit where plain decoding puts them, bit for bit.
 
