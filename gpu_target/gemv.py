@@ -126,18 +126,19 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def skinny_tile(n: int) -> dict:
-    """The skinny GEMM's tile for N output columns, from a sweep on an H100 at M = 17 and 64
-    (`python -m bench.gemv --sweep skinny`, bench/results/gemv-20261123-012121.md).
+def skinny_tile(n: int, block_m: int) -> dict:
+    """The skinny GEMM's tile for N output columns and BLOCK_M padded rows, from a sweep on an
+    H100 at M = 17 and 64 (`python -m bench.gemv --sweep skinny`, bench/results/gemv-20261123-012121.md).
 
     W goes first in the product (out^T = W x^T), so W's rows fill the MMA's large M
     dimension and x's few rows the small N one. 128 W rows per program for the wide
-    gate_up and LM-head matrices, 64 with deeper K tiles for the rest, so every shape
-    still has 64+ programs: 1.00-1.08x cuBLAS at M = 17, 0.94-1.08x at M = 64.
+    gate_up and LM-head matrices, 64 for the rest, so every shape still has 64+ programs:
+    1.00-1.08x cuBLAS at M = 17. At BLOCK_M = 64 the K tiles and the pipeline are shallower,
+    so the staged x and W tiles fit in shared memory.
     """
     if n >= 16384:
-        return dict(block_n=128, block_k=128, num_warps=4, num_stages=4, w_first=True)
-    return dict(block_n=64, block_k=256, num_warps=4, num_stages=4, w_first=True)
+        return dict(block_n=128, block_k=128, num_warps=4, num_stages=3 if block_m > 32 else 4, w_first=True)
+    return dict(block_n=64, block_k=128 if block_m > 32 else 256, num_warps=4, num_stages=4, w_first=True)
 
 
 def skinny_gemm(
@@ -152,11 +153,11 @@ def skinny_gemm(
     smallest `tl.dot` tile; block_n must be >= 16 as well. ``tile`` overrides `skinny_tile`'s
     choice (block_n, block_k, num_warps, num_stages, w_first), as the sweep does.
     """
-    tile = {**skinny_tile(weight.shape[0]), **tile}
-    block_n, block_k = tile["block_n"], tile["block_k"]
     M, K = x.shape
     N = weight.shape[0]
     block_m = max(16, triton.next_power_of_2(M))
+    tile = {**skinny_tile(N, block_m), **tile}
+    block_n, block_k = tile["block_n"], tile["block_k"]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     # M is not specialised (Triton would compile M % 16 == 0 apart from the rest), so each
     # BLOCK_M (16, 32, 64) compiles once, whatever tree sizes a server sees.
