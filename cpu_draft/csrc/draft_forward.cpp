@@ -1,0 +1,583 @@
+// The draft model's whole forward in one call: embedding, every decoder layer, the logits head.
+//
+// Plain C++17 + OpenMP, no torch headers: `cpu_draft/native.py` compiles it at first use
+// (g++ -O3 -march=native -fopenmp) and calls `draft_forward` through ctypes with raw pointers
+// to the weights `cpu_draft/native_model.py` prepared and to the slot K/V cache of
+// `cpu_draft/slot_kv.py`. The maths is `cpu_draft/lean_model.py`'s (norm weights folded
+// into the projections, Q pre-scaled, rotary pairs adjacent); the reason for this file is
+// cost: torch runs ~28 ops per layer, each paying fork/join and dispatch, while here one
+// OpenMP parallel region covers the whole forward, with five barriers per layer:
+//
+//   QKV matmul (rms scale, bias, rotary, K/V store fused in its epilogue) | attention |
+//   O matmul (+= residual, partial sums of squares for the next rms) | gate_up matmul
+//   (silu(gate) * up in its epilogue) | down matmul (+= residual, sums of squares)
+//
+// then the final rms of the requested rows and the logits head. Activations, the residual
+// stream, K/V and attention are float32; weights are float32, bfloat16 (widened in
+// registers: bits << 16) or int8 per output channel with float32 scales.
+//
+// Matmuls are "skinny": M (tokens) is 1..64 in decode, the weights are what costs. Weights
+// come packed in panels of VW output channels, [panels][K][VW], so a thread streams each of
+// its panels once, front to back, and keeps an MT rows x NPT panels block of accumulators in
+// vector registers: per k, NPT weight vectors and MT broadcasts of x[m][k] feed NPT*MT FMAs,
+// with no horizontal sums (NPT = 2 from 5 rows up, more panels at once below that so enough
+// independent FMAs are in flight). Threads own contiguous ranges of panels (static partition), so
+// each output element is summed in the same order whatever the batch: a token's result
+// does not depend on the other tokens of its forward.
+//
+// Only GOMP_parallel / GOMP_barrier / omp_get_* are used (no worksharing constructs), so
+// the library binds to whichever libgomp the process already has (torch's, soname
+// libgomp.so.1): one thread pool, not two fighting for the draft's cores.
+#include <omp.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+namespace {
+
+#if defined(__AVX512F__)
+#define DRAFT_VW 16
+constexpr int MT_MAX = 8;  // 2 x 8 accumulators + 2 weight vectors of 32 zmm registers
+#else
+#define DRAFT_VW 8
+constexpr int MT_MAX = 6;  // 2 x 6 accumulators + 2 weight vectors + 1 broadcast of 16 ymm registers
+#endif
+constexpr int VW = DRAFT_VW;  // floats per vector register
+constexpr int NP_MAX = 8;  // most panels a thread streams side by side (at M = 1)
+
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+typedef uint16_t vu16 __attribute__((vector_size(VW * sizeof(uint16_t))));
+typedef uint32_t vu32 __attribute__((vector_size(VW * sizeof(uint32_t))));
+typedef int8_t vi8 __attribute__((vector_size(VW * sizeof(int8_t))));
+typedef int32_t vi32 __attribute__((vector_size(VW * sizeof(int32_t))));
+
+enum Format : int64_t { F32 = 0, BF16 = 1, I8 = 2 };
+
+// Mirrors of the ctypes structures in cpu_draft/native_model.py: int64 and pointers only.
+struct Matrix {
+    const void* weight;   // [panels][k][VW] in `format`; rows past n are zero
+    const float* scale;   // [panels * VW]: int8 per-channel scales, else null
+    const float* bias;    // [panels * VW] or null
+    int64_t n, k, panels, format;
+};
+
+struct Layer {
+    Matrix qkv, o, gate_up, down;  // gate_up's panels interleave gate and up: g0, u0, g1, u1, ...
+};
+
+struct Model {
+    int64_t hidden, num_layers, num_heads, num_kv_heads, head_dim, intermediate, vocab, max_positions;
+    int64_t embed_format;  // F32 or BF16, [vocab][hidden] row-major
+    const void* embed;
+    const float* cos;  // [max_positions][head_dim / 2]
+    const float* sin;
+    const float* eps;  // [2 * num_layers + 1]: each layer's two norms, then the final one
+    const Layer* layers;
+    Matrix head;
+    int64_t vector_width;  // VW the weights were packed for
+};
+
+inline vf load_w(const float* p) {
+    vf v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// bf16 weights widen to float32 (bits << 16), int8 ones convert exactly; GCC scalarises the generic
+// int8 -> float conversion and splits the 512-bit widening, so x86 takes intrinsics.
+#if defined(__AVX512F__)
+inline vf load_w(const uint16_t* p) {
+    const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+    return vf(_mm512_castsi512_ps(bits));
+}
+
+inline vf load_w(const int8_t* p) {
+    return vf(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+}
+#elif defined(__AVX2__)
+inline vf load_w(const uint16_t* p) {
+    const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+    return vf(_mm256_castsi256_ps(bits));
+}
+
+inline vf load_w(const int8_t* p) {
+    return vf(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+}
+#else
+inline vf load_w(const uint16_t* p) {
+    vu16 raw;
+    std::memcpy(&raw, p, sizeof raw);
+    vu32 bits = __builtin_convertvector(raw, vu32) << 16;
+    vf v;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+inline vf load_w(const int8_t* p) {
+    vi8 raw;
+    std::memcpy(&raw, p, sizeof raw);
+    return __builtin_convertvector(__builtin_convertvector(raw, vi32), vf);
+}
+#endif
+
+inline float bf16_to_float(uint16_t b) {
+    uint32_t bits = uint32_t(b) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// exp(x) for x in about [-87, 88] (clamped), within a few ulp; branch-free so `omp simd` loops vectorise it.
+inline float exp_approx(float x) {
+    x = std::min(std::max(x, -87.0f), 88.0f);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = (int32_t(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+// Sums in an order fixed by n alone (never by the data's alignment, as vectorised reductions can be),
+// so a token's results do not depend on where its rows sit in this forward's buffers.
+inline float lane_sum(vf v) {
+    float lanes[VW];
+    std::memcpy(lanes, &v, sizeof v);
+    float s = 0.0f;
+    for (int i = 0; i < VW; ++i) s += lanes[i];
+    return s;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+    vf acc = {};
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) acc += load_w(a + i) * load_w(b + i);
+    float s = lane_sum(acc);
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+inline float sum(const float* a, int64_t n) {
+    vf acc = {};
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) acc += load_w(a + i);
+    float s = lane_sum(acc);
+    for (; i < n; ++i) s += a[i];
+    return s;
+}
+
+// acc[p][m] = sum_k w_p[k] * x_m[k] for NPT panels and MT rows; out is [NPT][MT][VW].
+template <typename WT, int NPT, int MT>
+inline void tile(const WT* const* wp, const float* const* xr, int64_t K, float* out) {
+    vf acc[NPT][MT];
+    const float* x[MT];
+    for (int m = 0; m < MT; ++m) {
+        x[m] = xr[m];
+        for (int p = 0; p < NPT; ++p) acc[p][m] = vf{};
+    }
+    const WT* w[NPT];
+    for (int p = 0; p < NPT; ++p) w[p] = wp[p];
+    for (int64_t k = 0; k < K; ++k) {
+        vf wv[NPT];
+        for (int p = 0; p < NPT; ++p) wv[p] = load_w(w[p] + k * VW);
+        for (int m = 0; m < MT; ++m) {
+            const float xv = x[m][k];
+            for (int p = 0; p < NPT; ++p) acc[p][m] += wv[p] * xv;
+        }
+    }
+    for (int p = 0; p < NPT; ++p)
+        for (int m = 0; m < MT; ++m) std::memcpy(out + (p * MT + m) * VW, &acc[p][m], sizeof(vf));
+}
+
+// Register blocks that fit: NPT panels x MT rows of accumulators plus NPT weight vectors.
+template <int NPT, int MT>
+constexpr bool fits() {
+    return NPT <= 2 || NPT * MT <= (VW == 16 ? 16 : 8);
+}
+
+template <typename WT, int NPT, int MT = 1>
+inline void tile_rows(int mt, const WT* const* wp, const float* const* xr, int64_t K, float* out) {
+    if constexpr (MT < MT_MAX) {
+        if (mt != MT) return tile_rows<WT, NPT, MT + 1>(mt, wp, xr, K, out);
+    }
+    if constexpr (fits<NPT, MT>()) tile<WT, NPT, MT>(wp, xr, K, out);
+}
+
+template <typename WT>
+inline void tile_any(int np, int mt, const WT* const* wp, const float* const* xr, int64_t K, float* out) {
+    switch (np) {
+        case 8: return tile_rows<WT, 8>(mt, wp, xr, K, out);
+        case 4: return tile_rows<WT, 4>(mt, wp, xr, K, out);
+        case 2: return tile_rows<WT, 2>(mt, wp, xr, K, out);
+        default: return tile_rows<WT, 1>(mt, wp, xr, K, out);
+    }
+}
+
+// Panels streamed side by side for M rows: enough independent accumulators (>= 8) to hide the FMA
+// latency when M is small, and few enough to stay in registers. A power of two, so gate_up's
+// (gate, up) pairs stay whole.
+inline int panels_at_once(int64_t M) {
+    if (VW == 16) return M >= 5 ? 2 : M >= 2 ? 4 : 8;
+    return M >= 3 ? 2 : 4;
+}
+
+// This thread's share of y = x @ W^T: panels in units of `group` (2 keeps gate_up's gate and up panels
+// together); epi(m0, mt, panel, np, out) gets each block of results, out [np][mt][VW], scales applied.
+// Each output is summed over k in order, whatever the block shape, so no result depends on M.
+template <typename WT, typename Epi>
+void matmul_t(const Matrix& W, const float* const* xr, int64_t M, int tid, int nt, int group, float* out, Epi& epi) {
+    const int64_t units = W.panels / group;
+    const int64_t p0 = units * tid / nt * group, p1 = units * (tid + 1) / nt * group;
+    const WT* base = static_cast<const WT*>(W.weight);
+    const int64_t stride = W.k * VW;
+    const int most = panels_at_once(M);
+    for (int64_t p = p0; p < p1;) {
+        int np = most;
+        while (np > p1 - p) np /= 2;
+        const WT* wp[NP_MAX];
+        for (int i = 0; i < np; ++i) wp[i] = base + (p + i) * stride;
+        for (int64_t m0 = 0; m0 < M; m0 += MT_MAX) {
+            const int mt = int(std::min<int64_t>(MT_MAX, M - m0));
+            tile_any<WT>(np, mt, wp, xr + m0, W.k, out);
+            if (W.scale) {
+                for (int pi = 0; pi < np; ++pi) {
+                    const float* s = W.scale + (p + pi) * VW;
+                    for (int mi = 0; mi < mt; ++mi) {
+                        float* o = out + (pi * mt + mi) * VW;
+#pragma omp simd
+                        for (int j = 0; j < VW; ++j) o[j] *= s[j];
+                    }
+                }
+            }
+            epi(m0, mt, p, np, out);
+        }
+        p += np;
+    }
+}
+
+template <typename Epi>
+void matmul(const Matrix& W, const float* const* xr, int64_t M, int tid, int nt, int group, float* out, Epi epi) {
+    switch (W.format) {
+        case BF16: return matmul_t<uint16_t>(W, xr, M, tid, nt, group, out, epi);
+        case I8: return matmul_t<int8_t>(W, xr, M, tid, nt, group, out, epi);
+        default: return matmul_t<float>(W, xr, M, tid, nt, group, out, epi);
+    }
+}
+
+// 1 / rms of each row from the per-thread partial sums of squares [nt][T].
+inline void inverse_rms(const float* partial, int nt, int64_t T, int64_t hidden, float eps, const int64_t* rows, int64_t count, float* inv) {
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t t = rows ? rows[i] : i;
+        float sum = 0.0f;
+        for (int j = 0; j < nt; ++j) sum += partial[j * T + t];
+        inv[i] = 1.0f / std::sqrt(sum / float(hidden) + eps);
+    }
+}
+
+// a[0] becomes the vector whose lane i sums the lanes of the input a[BITREV[i]]: a transpose-and-add
+// tree (VW - 1 shuffle pairs for VW sums) instead of one horizontal reduction per vector.
+#if DRAFT_VW == 16
+constexpr int BITREV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+const vi32 LO[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                    {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                    {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                    {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+const vi32 HI[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+                    {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+                    {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+                    {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+constexpr int LEVELS = 4;
+#else
+constexpr int BITREV[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+const vi32 LO[3] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 8, 9, 4, 5, 12, 13}, {0, 8, 2, 10, 4, 12, 6, 14}};
+const vi32 HI[3] = {{4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 10, 11, 6, 7, 14, 15}, {1, 9, 3, 11, 5, 13, 7, 15}};
+constexpr int LEVELS = 3;
+#endif
+
+template <int LEVEL = 0>
+inline void reduce_step(vf* a) {
+    if constexpr (LEVEL < LEVELS) {
+        constexpr int n = VW >> LEVEL;
+        for (int i = 0; i < n / 2; ++i)
+            a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], LO[LEVEL]) + __builtin_shuffle(a[2 * i], a[2 * i + 1], HI[LEVEL]);
+        reduce_step<LEVEL + 1>(a);
+    }
+}
+
+// Attention of token t's `group` query heads (sharing KV head g) over storage indices 0..len-1.
+template <int DC>
+void attend(const float* q, const float* keys, const float* values, int64_t len, int group, int64_t d_runtime, float* scores, float* acc, float* out) {
+    const int64_t D = DC ? DC : d_runtime;
+    int64_t start = 0;
+    if constexpr (DC > 0 && DC % VW == 0) {  // blocks of VW keys: VW dot products summed by one tree
+        constexpr int C = DC / VW;
+        for (int h = 0; h < group; ++h) {
+            vf qv[C];
+            std::memcpy(qv, q + h * DC, sizeof qv);
+            for (int64_t j0 = 0; j0 + VW <= len; j0 += VW) {
+                vf parts[VW];
+                for (int i = 0; i < VW; ++i) {
+                    const float* k = keys + (j0 + BITREV[i]) * DC;
+                    vf a = qv[0] * load_w(k);
+                    for (int c = 1; c < C; ++c) a += qv[c] * load_w(k + c * VW);
+                    parts[i] = a;
+                }
+                reduce_step(parts);
+                std::memcpy(scores + h * len + j0, &parts[0], sizeof(vf));
+            }
+        }
+        start = len / VW * VW;
+    }
+    for (int64_t j = start; j < len; ++j) {
+        const float* k = keys + j * D;
+        for (int h = 0; h < group; ++h) {
+            const float* qh = q + h * D;
+            scores[h * len + j] = dot(qh, k, D);
+        }
+    }
+    for (int h = 0; h < group; ++h) {
+        float* sc = scores + h * len;
+        float mx = sc[0];
+        for (int64_t j = 1; j < len; ++j) mx = std::max(mx, sc[j]);
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) sc[j] = exp_approx(sc[j] - mx);
+        const float inv = 1.0f / sum(sc, len);
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) sc[j] *= inv;
+        std::memset(acc + h * D, 0, sizeof(float) * D);
+    }
+    for (int64_t j = 0; j < len; ++j) {
+        const float* v = values + j * D;
+        for (int h = 0; h < group; ++h) {
+            const float p = scores[h * len + j];
+            float* a = acc + h * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+        }
+    }
+    std::memcpy(out, acc, sizeof(float) * group * D);
+}
+
+template <typename T>
+std::unique_ptr<T[]> buffer(int64_t n) {
+    return std::unique_ptr<T[]>(new T[std::max<int64_t>(n, 1)]);
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t draft_vector_width() { return VW; }
+
+// Runs the whole forward. Token t (0..T-1) embeds ids[t], rotates at rot_pos[t], writes its K/V at
+// storage index kv_pos[t] of slot slots[t] and attends to indices 0..kv_pos[t] of that slot.
+// K/V of layer l: k_cache[l], v_cache[l], each [num_slots][kv_heads][capacity][head_dim] float32.
+// logits [n_out][vocab] (float32) are those of rows out_rows. Returns 0, or a code naming a bad input:
+// 1 token id, 2 position, 3 slot, 4 output row, 5 vector width.
+int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64_t* rot_pos, const int64_t* slots,
+                  const int64_t* kv_pos, int64_t n_out, const int64_t* out_rows, float* const* k_cache,
+                  float* const* v_cache, int64_t num_slots, int64_t capacity, int64_t num_threads, float* logits) {
+    const Model& md = *model;
+    if (md.vector_width != VW) return 5;
+    int64_t max_len = 1;
+    for (int64_t t = 0; t < T; ++t) {
+        if (ids[t] < 0 || ids[t] >= md.vocab) return 1;
+        if (rot_pos[t] < 0 || rot_pos[t] >= md.max_positions || kv_pos[t] < 0 || kv_pos[t] >= capacity) return 2;
+        if (slots[t] < 0 || slots[t] >= num_slots) return 3;
+        max_len = std::max(max_len, kv_pos[t] + 1);
+    }
+    for (int64_t i = 0; i < n_out; ++i)
+        if (out_rows[i] < 0 || out_rows[i] >= T) return 4;
+    if (T == 0) return 0;
+
+    const int64_t H = md.hidden, D = md.head_dim, half = D / 2, KVH = md.num_kv_heads, I = md.intermediate;
+    const int group = int(md.num_heads / KVH);
+    const int64_t q_size = md.num_heads * D, kv_size = KVH * D;
+    const int max_threads = int(num_threads > 0 ? num_threads : omp_get_max_threads());
+
+    auto residual = buffer<float>(T * H);
+    auto q = buffer<float>(T * q_size);
+    auto attn = buffer<float>(T * q_size);
+    auto act = buffer<float>(T * I);
+    auto partial = buffer<float>(int64_t(max_threads) * T);
+    auto residual_rows = buffer<const float*>(T), attn_rows = buffer<const float*>(T), act_rows = buffer<const float*>(T);
+    auto head_rows = buffer<const float*>(n_out);
+    for (int64_t t = 0; t < T; ++t) {
+        residual_rows[t] = residual.get() + t * H;
+        attn_rows[t] = attn.get() + t * q_size;
+        act_rows[t] = act.get() + t * I;
+    }
+    for (int64_t i = 0; i < n_out; ++i) head_rows[i] = residual.get() + out_rows[i] * H;
+    auto counters = std::unique_ptr<std::atomic<int64_t>[]>(new std::atomic<int64_t>[md.num_layers]);
+    for (int64_t l = 0; l < md.num_layers; ++l) counters[l].store(0, std::memory_order_relaxed);
+
+#pragma omp parallel num_threads(max_threads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        auto inv = buffer<float>(std::max(T, n_out));
+        auto ssq = buffer<float>(T);
+        auto out = buffer<float>(NP_MAX * MT_MAX * VW);
+        auto scores = buffer<float>(int64_t(group) * max_len);
+        auto acc = buffer<float>(int64_t(group) * D);
+        auto publish_ssq = [&]() {
+            for (int64_t t = 0; t < T; ++t) partial[tid * T + t] = ssq[t];
+        };
+
+        // Embedding, and the first norm's sums of squares.
+        std::fill(ssq.get(), ssq.get() + T, 0.0f);
+        for (int64_t t = T * tid / nt; t < T * (tid + 1) / nt; ++t) {
+            float* r = residual.get() + t * H;
+            if (md.embed_format == BF16) {
+                const uint16_t* e = static_cast<const uint16_t*>(md.embed) + ids[t] * H;
+                for (int64_t c = 0; c < H; ++c) r[c] = bf16_to_float(e[c]);
+            } else {
+                std::memcpy(r, static_cast<const float*>(md.embed) + ids[t] * H, sizeof(float) * H);
+            }
+            ssq[t] = dot(r, r, H);
+        }
+        publish_ssq();
+#pragma omp barrier
+
+        auto add_to_residual = [&](const Matrix& W) {
+            return [&, n = W.n](int64_t m0, int mt, int64_t p, int np, const float* o) {
+                for (int pi = 0; pi < np; ++pi) {
+                    const int64_t c0 = (p + pi) * VW, width = std::min<int64_t>(VW, n - c0);
+                    for (int mi = 0; mi < mt; ++mi) {
+                        const int64_t t = m0 + mi;
+                        float* r = residual.get() + t * H + c0;
+                        const float* a = o + (pi * mt + mi) * VW;
+                        float s = 0.0f;
+                        for (int64_t j = 0; j < width; ++j) {
+                            r[j] += a[j];
+                            s += r[j] * r[j];
+                        }
+                        ssq[t] += s;
+                    }
+                }
+            };
+        };
+
+        for (int64_t l = 0; l < md.num_layers; ++l) {
+            const Layer& L = md.layers[l];
+            float* kc = k_cache[l];
+            float* vc = v_cache[l];
+
+            // QKV: rms scale, bias, rotary of Q and K (adjacent pairs), Q to `q`, K/V into the cache.
+            inverse_rms(partial.get(), nt, T, H, md.eps[2 * l], nullptr, T, inv.get());
+            matmul(L.qkv, residual_rows.get(), T, tid, nt, 1, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
+                for (int pi = 0; pi < np; ++pi) {
+                    const int64_t c0 = (p + pi) * VW, width = std::min<int64_t>(VW, L.qkv.n - c0);
+                    for (int mi = 0; mi < mt; ++mi) {
+                        const int64_t t = m0 + mi;
+                        const float* a = o + (pi * mt + mi) * VW;
+                        float x[VW];
+                        for (int j = 0; j < VW; ++j) x[j] = a[j] * inv[t] + (L.qkv.bias ? L.qkv.bias[c0 + j] : 0.0f);
+                        const float* cs = md.cos + rot_pos[t] * half;
+                        const float* sn = md.sin + rot_pos[t] * half;
+                        for (int64_t j = 0; j < width; j += 2) {
+                            const int64_t c = c0 + j;
+                            if (c < q_size + kv_size) {
+                                const int64_t i = (c % D) / 2;
+                                const float re = x[j], im = x[j + 1];
+                                x[j] = re * cs[i] - im * sn[i];
+                                x[j + 1] = re * sn[i] + im * cs[i];
+                            }
+                        }
+                        for (int64_t j = 0; j < width; ++j) {
+                            const int64_t c = c0 + j;
+                            if (c < q_size) {
+                                q[t * q_size + c] = x[j];
+                            } else {
+                                const bool is_k = c < q_size + kv_size;
+                                const int64_t e = c - q_size - (is_k ? 0 : kv_size), h = e / D, d = e % D;
+                                (is_k ? kc : vc)[((slots[t] * KVH + h) * capacity + kv_pos[t]) * D + d] = x[j];
+                            }
+                        }
+                    }
+                }
+            });
+#pragma omp barrier
+
+            // Attention: items (token, KV head), handed out dynamically (lengths differ in a prefill).
+            for (int64_t item; (item = counters[l].fetch_add(1, std::memory_order_relaxed)) < T * KVH;) {
+                const int64_t t = item / KVH, g = item % KVH, len = kv_pos[t] + 1;
+                const int64_t kv_offset = (slots[t] * KVH + g) * capacity * D;
+                const float* qh = q.get() + t * q_size + g * group * D;
+                float* o = attn.get() + t * q_size + g * group * D;
+                if (D == 64)
+                    attend<64>(qh, kc + kv_offset, vc + kv_offset, len, group, D, scores.get(), acc.get(), o);
+                else if (D == 128)
+                    attend<128>(qh, kc + kv_offset, vc + kv_offset, len, group, D, scores.get(), acc.get(), o);
+                else
+                    attend<0>(qh, kc + kv_offset, vc + kv_offset, len, group, D, scores.get(), acc.get(), o);
+            }
+#pragma omp barrier
+
+            // O projection into the residual stream.
+            std::fill(ssq.get(), ssq.get() + T, 0.0f);
+            matmul(L.o, attn_rows.get(), T, tid, nt, 1, out.get(), add_to_residual(L.o));
+            publish_ssq();
+#pragma omp barrier
+
+            // gate_up with silu(gate) * up: each unit is a (gate, up) pair of panels over the same channels.
+            inverse_rms(partial.get(), nt, T, H, md.eps[2 * l + 1], nullptr, T, inv.get());
+            matmul(L.gate_up, residual_rows.get(), T, tid, nt, 2, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
+                for (int pi = 0; pi < np; pi += 2) {
+                    const int64_t c0 = (p + pi) / 2 * VW, width = std::min<int64_t>(VW, I - c0);
+                    for (int mi = 0; mi < mt; ++mi) {
+                        const int64_t t = m0 + mi;
+                        const float* g = o + (pi * mt + mi) * VW;
+                        const float* u = o + ((pi + 1) * mt + mi) * VW;
+                        const float r = inv[t];
+                        float y[VW];
+#pragma omp simd
+                        for (int j = 0; j < VW; ++j) {
+                            const float gate = g[j] * r;
+                            y[j] = gate / (1.0f + exp_approx(-gate)) * (u[j] * r);
+                        }
+                        std::memcpy(act.get() + t * I + c0, y, sizeof(float) * width);
+                    }
+                }
+            });
+#pragma omp barrier
+
+            // down projection into the residual stream.
+            std::fill(ssq.get(), ssq.get() + T, 0.0f);
+            matmul(L.down, act_rows.get(), T, tid, nt, 1, out.get(), add_to_residual(L.down));
+            publish_ssq();
+#pragma omp barrier
+        }
+
+        // Final norm of the requested rows, then the logits head.
+        inverse_rms(partial.get(), nt, T, H, md.eps[2 * md.num_layers], out_rows, n_out, inv.get());
+        matmul(md.head, head_rows.get(), n_out, tid, nt, 1, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
+            for (int pi = 0; pi < np; ++pi) {
+                const int64_t c0 = (p + pi) * VW, width = std::min<int64_t>(VW, md.vocab - c0);
+                for (int mi = 0; mi < mt; ++mi) {
+                    const float* a = o + (pi * mt + mi) * VW;
+                    float* y = logits + (m0 + mi) * md.vocab + c0;
+                    const float r = inv[m0 + mi];
+                    for (int64_t j = 0; j < width; ++j) y[j] = a[j] * r;
+                }
+            }
+        });
+    }
+    return 0;
+}
+
+}  // extern "C"

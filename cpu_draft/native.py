@@ -1,0 +1,116 @@
+"""Builds and loads the native draft forward (`csrc/draft_forward.cpp`) at first use.
+
+The source is compiled with the host's C++ compiler for the host's CPU (``-march=native``)
+into a cache directory (``$HETERO_CACHE_DIR``, else ``~/.cache/hetero/native``) under a
+name hashed from the source, the compiler command, its flags, the machine and the CPU's
+flags, so a changed source or a different CPU builds afresh and a second process reuses
+the first one's build. The build writes a temporary file and renames it into place, so
+processes building at once (test workers, the draft worker) never load a half-written
+library. Where the compiler is missing or the build fails, `load_library` logs one
+warning and returns None, and callers keep the torch forward (`cpu_draft.lean_model`).
+
+The library uses only the OpenMP calls every libgomp has, so loaded after torch it binds
+to torch's libgomp (soname ``libgomp.so.1``): one OpenMP thread pool in the process.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch  # noqa: F401  (loads torch's libgomp first, so the library binds to it)
+
+logger = logging.getLogger("hetero.cpu_draft.native")
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "draft_forward.cpp"
+COMPILER = os.environ.get("CXX", "g++")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 300
+
+_lock = threading.Lock()
+_libraries: dict[tuple, Optional[ctypes.CDLL]] = {}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("HETERO_CACHE_DIR")
+    return Path(base) / "native" if base else Path.home() / ".cache" / "hetero" / "native"
+
+
+def load_library(extra_flags: Sequence[str] = ()) -> Optional[ctypes.CDLL]:
+    """The compiled draft forward, built if needed; None (warned once per build setup) if it cannot be built.
+
+    ``extra_flags`` are appended to the compiler flags (tests build the portable AVX2 path with
+    ``-mno-avx512f`` on an AVX-512 machine).
+    """
+    compiler, flags, directory = COMPILER, (*FLAGS, *extra_flags), cache_dir()
+    key = (compiler, flags, str(directory))
+    with _lock:
+        if key not in _libraries:
+            _libraries[key] = _build_and_load(compiler, flags, directory)
+        return _libraries[key]
+
+
+def available() -> bool:
+    return load_library() is not None
+
+
+def _build_and_load(compiler: str, flags: tuple[str, ...], directory: Path) -> Optional[ctypes.CDLL]:
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256()
+    for part in (source, compiler.encode(), " ".join(flags).encode(), platform.machine().encode(), _cpu_flags().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    path = directory / f"draft_forward-{digest.hexdigest()[:16]}.so"
+    try:
+        if not path.exists():
+            _compile(compiler, flags, path)
+        library = ctypes.CDLL(str(path))
+        library.draft_vector_width.restype = ctypes.c_int64
+        library.draft_forward.restype = ctypes.c_int
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        library.draft_forward.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr]
+        return library
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("native draft forward unavailable, using the torch forward instead: %s", _short(exc))
+        return None
+
+
+def _compile(compiler: str, flags: tuple[str, ...], path: Path) -> None:
+    if shutil.which(compiler) is None:
+        raise FileNotFoundError(f"C++ compiler {compiler!r} not found")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
+    os.close(fd)
+    try:
+        command = [compiler, *flags, str(SOURCE), "-o", temporary]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if result.returncode != 0:
+            raise subprocess.SubprocessError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _short(exc: BaseException, limit: int = 2000) -> str:
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + " ..."
