@@ -1,8 +1,9 @@
 """The draft's two KV layouts behind one small interface the `Drafter` drives.
 
 * `SlotDraftKV` (the CPU default): contiguous per-sequence slots (`cpu_draft.slot_kv`)
-  read by the lean CPU forward (`cpu_draft.lean_model`): attention over slices of them,
-  norms folded into projections packed for oneDNN (BF16) or quantised (INT8).
+  read by the native forward (`cpu_draft.native_model`: one C++/OpenMP call per forward)
+  where it builds, else by the lean torch forward (`cpu_draft.lean_model`): attention over
+  slices of them, norms folded into projections packed for oneDNN (BF16) or quantised (INT8).
 * `PagedDraftKV`: the target's paged pool and `ModelRunner`, with the Triton paged kernel
   on CUDA (the in-process GPU draft) or `PerForwardAttention` on the CPU.
 
@@ -18,6 +19,7 @@ import torch
 
 from cpu_draft.attention import PerForwardAttention
 from cpu_draft.lean_model import KV_DTYPE, LeanDraftModel
+from cpu_draft.native_model import NativeDraftModel, NativeSlotMetadata
 from cpu_draft.slot_kv import SlotHandle, SlotKVCache
 from gpu_target.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks
 from gpu_target.model import CausalLM
@@ -26,8 +28,10 @@ from gpu_target.runner import ModelRunner, SequenceChunk
 
 class SlotDraftKV:
     def __init__(self, model: CausalLM, dtype: torch.dtype, budget_bytes: int, max_positions: int,
-                 pack_linears: bool = True, int8_weights: bool = False):
-        self.model = LeanDraftModel(model, dtype, int8_weights, pack_linears)
+                 pack_linears: bool = True, int8_weights: bool = False, native_kernels: bool = True):
+        native = NativeDraftModel.build(model, dtype, int8_weights) if native_kernels else None
+        self.native = native is not None
+        self.model = native if native is not None else LeanDraftModel(model, dtype, int8_weights, pack_linears)
         self.cache = SlotKVCache(model.config, KV_DTYPE, budget_bytes, max_positions)
 
     new_handle = SlotHandle
@@ -58,11 +62,15 @@ class SlotDraftKV:
         order = sorted(range(len(handles)), key=lambda i: handles[i].slot)
         handles, cached, feeds_sorted = [handles[i] for i in order], [cached_lens[i] for i in order], [feeds[i] for i in order]
         query_lens = [len(f) for f in feeds_sorted]
-        meta = self.cache.metadata(handles, cached, query_lens)
         input_ids = torch.tensor([t for f in feeds_sorted for t in f], dtype=torch.long)
         positions = torch.tensor([p for start, n in zip(cached, query_lens) for p in range(start, start + n)], dtype=torch.long)
         last_rows = torch.tensor(_last_rows(query_lens), dtype=torch.long)
-        logits = self.model(input_ids, positions, self.cache.layers, meta, last_rows)
+        if self.native:  # positions are storage indices; no mask or padding to build
+            slots = torch.tensor([h.slot for h, n in zip(handles, query_lens) for _ in range(n)], dtype=torch.long)
+            logits = self.model(input_ids, positions, self.cache.storage, NativeSlotMetadata(slots, positions), last_rows)
+        else:
+            meta = self.cache.metadata(handles, cached, query_lens)
+            logits = self.model(input_ids, positions, self.cache.layers, meta, last_rows)
         if order != sorted(order):
             logits = logits[torch.tensor(_inverse(order), dtype=torch.long)]
         return logits

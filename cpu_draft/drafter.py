@@ -13,9 +13,9 @@ A tree is a greedy chain, optionally with the next-best siblings of each chain n
 cost no forward pass. Per depth level there is one batched forward over every sequence.
 
 The model is loaded as `gpu_target.model.CausalLM`, the target's own code, and runs over
-one of the KV layouts of `cpu_draft.draft_kv`: on the CPU, contiguous slots read by a lean
-CPU forward built from it (`cpu_draft.lean_model`); on CUDA, the target's paged pool and
-runner with `CausalLM` itself.
+one of the KV layouts of `cpu_draft.draft_kv`: on the CPU, contiguous slots read by a native
+forward (`cpu_draft.native_model`) or a lean torch one (`cpu_draft.lean_model`) built from
+it; on CUDA, the target's paged pool and runner with `CausalLM` itself.
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ class DraftModelOptions:
     max_num_seqs: int = 256
     block_size: int = 16  # paged layout only
     kv_layout: Optional[str] = None  # "slots" | "paged"; None: slots on the CPU, paged elsewhere
-    pack_linears: bool = True  # slots layout: oneDNN-packed projections and logits head
+    pack_linears: bool = True  # slots layout, torch forward: oneDNN-packed projections and logits head
+    native_kernels: bool = True  # slots layout: the native forward (cpu_draft.native_model) where it builds, else the torch one
 
 
 def tree_levels(max_nodes: int, width: int) -> list[int]:
@@ -122,7 +123,8 @@ class Drafter:
         self.max_positions = model.config.max_position_embeddings
         self.kv_layout = default_layout(self.device, options.kv_layout)
         if self.kv_layout == "slots":
-            self.kv = SlotDraftKV(model, options.dtype, options.kv_cache_bytes, self.max_positions, options.pack_linears, options.int8_weights)
+            self.kv = SlotDraftKV(model, options.dtype, options.kv_cache_bytes, self.max_positions, options.pack_linears, options.int8_weights,
+                                  options.native_kernels)
         else:
             self.kv = PagedDraftKV(_paged_layout_model(model, options), options.dtype, self.device, options.kv_cache_bytes, options.max_num_seqs,
                                    options.block_size, self.max_positions)

@@ -1,0 +1,242 @@
+"""The native draft forward (`cpu_draft.native_model`) against the lean torch forward it replaces.
+
+Logits and K/V are compared on tiny random models for prefills of several sequences at
+once, decode batches, mixed query lengths, scattered slots, GQA and MHA, head sizes that
+take the blocked attention path (64) and the generic one, and QKV bias. FP32 is compared
+tightly with `LeanDraftModel`; BF16 and INT8 tightly with a float32 lean forward over the
+same rounded (or dequantised) weights, and loosely with the lean forward in its own dtype
+(which also rounds activations). Where the CPU has AVX-512 the portable AVX2 build
+(``-mno-avx512f``) runs the same checks. Then the drafter with native kernels on and off,
+over accept / reject steps, and the fallback when the compiler is missing.
+"""
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+
+import pytest
+import torch
+
+from cpu_draft import native
+from cpu_draft.drafter import DraftModelOptions, Drafter
+from cpu_draft.lean_model import LeanDraftModel
+from cpu_draft.native_model import NativeDraftModel
+from cpu_draft.quantize import quantize_per_channel
+from cpu_draft.slot_kv import SlotHandle, SlotKVCache
+from gpu_target.loader import parameter_shapes
+from gpu_target.model import build_model
+from gpu_target.model_config import ModelConfig
+
+pytestmark = pytest.mark.skipif(shutil.which(native.COMPILER) is None, reason=f"no C++ compiler ({native.COMPILER})")
+
+
+def _has_avx512() -> bool:
+    return platform.machine() in ("x86_64", "AMD64") and "avx512f" in native._cpu_flags().split()
+
+
+# The native build for this CPU, and the portable (AVX2) one where this CPU would pick AVX-512.
+BUILDS = {"native": ()}
+if _has_avx512():
+    BUILDS["avx2"] = ("-mno-avx512f",)
+
+SHAPES = {  # hidden, heads, kv heads, head dim, intermediate, vocab, qkv bias
+    "gqa": dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96, vocab_size=300),
+    "mha": dict(hidden_size=48, num_heads=3, num_kv_heads=3, head_dim=16, intermediate_size=88, vocab_size=257),
+    "gqa-d64-bias": dict(hidden_size=96, num_heads=3, num_kv_heads=1, head_dim=64, intermediate_size=144, vocab_size=333,
+                         attention_bias=True),
+}
+PRECISIONS = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, False), "int8": (torch.bfloat16, True)}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def build(request):
+    flags = BUILDS[request.param]
+    if native.load_library(flags) is None:
+        pytest.fail(f"the native draft forward did not build ({request.param}); see the warning above")
+    return flags
+
+
+def _model(shape: str, dtype: torch.dtype, seed: int = 0):
+    dims = dict(SHAPES[shape])
+    config = ModelConfig(architecture="qwen2" if dims.get("attention_bias") else "llama", num_layers=2,
+                         max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=shape == "mha", **dims)
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, size in parameter_shapes(config).items():
+        t = torch.randn(size, generator=generator)
+        state[name] = 1 + 0.2 * t if "norm" in name else (0.02 * t if name.endswith("bias") else 0.08 * t)
+    return build_model(config, {k: v.to(dtype) for k, v in state.items()}, dtype, "cpu")
+
+
+def _rounded_reference(model, weight_format: str, head_format: str) -> LeanDraftModel:
+    """A float32 lean forward over the weights the native model holds: rounded to bf16, or int8 dequantised."""
+    lean = LeanDraftModel(model, torch.float32, pack_linears=False)
+
+    def rounded(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+        if fmt == "int8":
+            q, scales = quantize_per_channel(weight.to(torch.bfloat16))
+            return q.float() * scales[:, None]
+        return weight.to(torch.bfloat16).float() if fmt == "bf16" else weight
+
+    with torch.no_grad():
+        for layer in lean.layers:
+            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                linear.weight.copy_(rounded(linear.weight, weight_format))
+                if linear.bias is not None and head_format == "bf16":
+                    linear.bias.copy_(linear.bias.to(torch.bfloat16).float())
+        lean.lm_head.weight.copy_(rounded(lean.lm_head.weight, head_format))
+    return lean
+
+
+def _run_steps(forward, config, steps):
+    """Runs ``forward`` over ``steps`` of (slots, cached lengths, new tokens) on a fresh slot cache.
+
+    Returns each step's logits and the final K/V storage.
+    """
+    cache = SlotKVCache(config, torch.float32, 1 << 26, config.max_position_embeddings)
+    handles = [SlotHandle() for _ in range(6)]
+    for h in handles:
+        assert cache.reserve(h, 64)
+    generator = torch.Generator().manual_seed(1)
+    outputs = []
+    for slot_ids, cached, query_lens in steps:
+        batch = [handles[i] for i in slot_ids]
+        meta = cache.metadata(batch, cached, query_lens)
+        ids = torch.randint(0, config.vocab_size, (sum(query_lens),), generator=generator)
+        last_rows = torch.cumsum(torch.tensor(query_lens), 0) - 1
+        outputs.append(forward(ids, meta.write_positions, cache.layers, meta, last_rows))
+    return outputs, cache.storage
+
+
+# Prefill of several sequences of different lengths (some past 16 keys: blocked attention), a
+# decode batch over non-consecutive slots, then mixed query lengths.
+STEPS = [
+    ([0, 2, 3, 5], [0, 0, 0, 0], [37, 5, 20, 1]),
+    ([0, 2, 3, 5], [37, 5, 20, 1], [1, 1, 1, 1]),
+    ([5, 0, 3], [2, 38, 21], [3, 1, 16]),
+]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_logits_and_kv_match_the_lean_forward(build, shape, precision):
+    dtype, int8 = PRECISIONS[precision]
+    model = _model(shape, dtype)
+    native_model = NativeDraftModel.build(model, dtype, int8, extra_flags=build)
+    assert native_model.weight_format == ("int8" if int8 else precision)
+    assert native_model.head_format == ("bf16" if dtype == torch.bfloat16 else "fp32")
+    got, got_kv = _run_steps(native_model, model.config, STEPS)
+
+    # Against float32 maths over the same weights: tight.
+    reference = _rounded_reference(model, native_model.weight_format, native_model.head_format)
+    want, want_kv = _run_steps(reference, model.config, STEPS)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_kv, want_kv, rtol=1e-4, atol=1e-5)
+
+    # Against the lean forward the drafter used until now, in the same dtype: close.
+    if int8 and model.config.intermediate_size % 16:
+        return  # torch._weight_int8pack_mm crashes on inner sizes that are not multiples of 16
+    lean = LeanDraftModel(model, dtype, int8_weights=int8, pack_linears=True)
+    want, want_kv = _run_steps(lean, model.config, STEPS)
+    tolerance = 1e-5 if precision == "fp32" else 3e-2
+    for g, w in zip(got, want):
+        assert ((g - w).norm() / w.norm()).item() < tolerance
+    assert ((got_kv - want_kv).norm() / want_kv.norm()).item() < tolerance
+
+
+def test_a_tokens_results_do_not_depend_on_the_rest_of_its_batch(build):
+    """Each output sums over its inputs in one order whatever the batch: alone or batched, bit-equal."""
+    model = _model("gqa-d64-bias", torch.bfloat16)
+    native_model = NativeDraftModel.build(model, torch.bfloat16, True, extra_flags=build)
+    lengths = [20, 3, 9]
+    ids = torch.randint(0, model.config.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(2))
+    caches = [SlotKVCache(model.config, torch.float32, 1 << 26, 256) for _ in range(2)]
+    handles = [[SlotHandle() for _ in lengths] for _ in caches]
+    for cache, hs in zip(caches, handles):
+        for h in hs:
+            cache.reserve(h, 64)
+    meta = caches[0].metadata(handles[0], [0, 0, 0], lengths)
+    batched = native_model(ids, meta.write_positions, caches[0].layers, meta, torch.cumsum(torch.tensor(lengths), 0) - 1)
+    start = 0
+    for i, n in enumerate(lengths):
+        meta = caches[1].metadata([handles[1][i]], [0], [n])
+        alone = native_model(ids[start : start + n], meta.write_positions, caches[1].layers, meta, torch.tensor([n - 1]))
+        assert torch.equal(alone[0], batched[i])
+        start += n
+    assert torch.equal(caches[0].storage, caches[1].storage)
+
+
+def test_bad_inputs_raise_instead_of_reading_out_of_bounds(build):
+    model = _model("gqa", torch.float32)
+    native_model = NativeDraftModel.build(model, torch.float32, extra_flags=build)
+    cache = SlotKVCache(model.config, torch.float32, 1 << 26, 256)
+    handle = SlotHandle()
+    cache.reserve(handle, 8)
+    meta = cache.metadata([handle], [0], [2])
+    with pytest.raises(IndexError, match="vocabulary"):
+        native_model(torch.tensor([1, model.config.vocab_size]), meta.write_positions, cache.layers, meta, torch.tensor([1]))
+    with pytest.raises(IndexError, match="row"):
+        native_model(torch.tensor([1, 2]), meta.write_positions, cache.layers, meta, torch.tensor([2]))
+
+
+# ----------------------------------------------------------------- drafter
+def _drafter(model_dir, **options) -> Drafter:
+    return Drafter.load(str(model_dir), DraftModelOptions(dtype=torch.float32, kv_layout="slots", **options))
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_native_drafter_drafts_what_the_lean_one_drafts_through_rollbacks(model_fixture, request):
+    model_dir = request.getfixturevalue(model_fixture)
+    fast, lean = _drafter(model_dir), _drafter(model_dir, native_kernels=False)
+    assert fast.kv.native and isinstance(fast.kv.model, NativeDraftModel)
+    assert not lean.kv.native and isinstance(lean.kv.model, LeanDraftModel)
+    contexts = {"a": list(range(10, 30)), "b": list(range(100, 103)), "c": list(range(7, 60)), "d": [5]}
+    for step in range(6):
+        for drafter in (fast, lean):
+            for seq_id, tokens in contexts.items():
+                drafter.set_context(seq_id, tokens)
+        requests = [(s, 4) for s in reversed(contexts)] if step % 2 else [(s, 4) for s in contexts]
+        drafted = [drafter.draft(requests) for drafter in (fast, lean)]
+        assert [t.tokens.tolist() for t in drafted[0]] == [t.tokens.tolist() for t in drafted[1]]
+        for seq_id, tree in zip([s for s, _ in requests], drafted[0]):
+            chain = tree.tokens.tolist()
+            accepted = chain[: (step + len(seq_id)) % 5]  # the whole chain, part of it, or none, then a diverging bonus
+            contexts[seq_id] = contexts[seq_id] + accepted + [(sum(accepted) + step) % fast.vocab_size]
+        for seq_id in contexts:
+            assert fast.kv_length(seq_id) == lean.kv_length(seq_id)
+            torch.testing.assert_close(fast.kv_snapshot(seq_id), lean.kv_snapshot(seq_id), rtol=1e-4, atol=1e-5)
+        if step == 2:  # one sequence finishes and another arrives in its slot; one rolls back to a shorter context
+            del contexts["b"]
+            fast.release("b"), lean.release("b")
+            contexts["e"] = list(range(200, 230))
+            contexts["c"] = contexts["c"][:40] + [3, 1, 4]
+
+
+def test_int8_native_drafter_stays_close_to_float(tiny_llama_dir):
+    float_drafter, int8_drafter = _drafter(tiny_llama_dir), _drafter(tiny_llama_dir, int8_weights=True)
+    assert int8_drafter.kv.model.weight_format == "int8" and int8_drafter.kv.model.head_format == "fp32"
+    tokens = list(range(20, 52))
+    logits = []
+    for drafter in (float_drafter, int8_drafter):
+        handle = drafter.kv.new_handle()
+        assert drafter.kv.reserve(handle, len(tokens))
+        logits.append(drafter.kv.forward([handle], [0], [tokens]))
+    error = (logits[1] - logits[0]).norm() / logits[0].norm()
+    assert 0 < error < 0.02
+
+
+def test_without_a_compiler_the_drafter_warns_and_uses_the_torch_forward(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(native, "COMPILER", str(tmp_path / "no-such-g++"))
+    monkeypatch.setenv("HETERO_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="hetero.cpu_draft.native"):
+        drafter = _drafter(tiny_llama_dir)
+    assert not drafter.kv.native and isinstance(drafter.kv.model, LeanDraftModel)
+    assert any("native draft forward unavailable" in r.getMessage() for r in caplog.records)
+    drafter.set_context("s", list(range(10, 30)))
+    reference = _drafter(tiny_llama_dir, native_kernels=False)
+    reference.set_context("s", list(range(10, 30)))
+    assert drafter.draft([("s", 4)])[0].tokens.tolist() == reference.draft([("s", 4)])[0].tokens.tolist()
+    assert not list((tmp_path / "cache").glob("**/*.so"))
