@@ -9,10 +9,14 @@ single-token forward per further depth level). ``forward_ms`` is one batched for
     python -m bench.cpu_draft [--model SmolLM2-135M-Instruct | --random-shape 576,30,9,3,1536,49152]
                               [--precisions bf16 fp32 int8] [--batch-sizes 1 8 32]
                               [--context 256] [--draft-tokens 4] [--steps 20] [--cpus 4-15] [--threads 12]
-                              [--kv-layouts slots paged] [--no-pack-linears]
+                              [--kv-layouts slots paged] [--kernels native lean] [--no-pack-linears]
 
 ``--kv-layouts slots paged`` times the contiguous-slot layout (the CPU default) next to the
 paged one it replaced on the CPU (gathers per layer, plain F.linear), in one run.
+``--kernels native lean`` times the slots layout's native forward (one C++/OpenMP call per
+forward, `cpu_draft.native_model`, the default) next to the lean torch forward, in one run;
+the ``kernels`` column says which ran (``torch`` for the paged layout, and ``lean`` where
+the native forward was asked for but did not build).
 
 Prints a table and writes ``bench/results/cpu_draft-<hostname>.csv`` with the exact
 command and the machine (CPU model, AMX / AVX-512 BF16 flags, IPEX).
@@ -64,9 +68,9 @@ def random_config(shape: str) -> ModelConfig:
                        tie_word_embeddings=True, **dims)
 
 
-def load_drafter(args, dtype: torch.dtype, int8: bool, max_num_seqs: int, kv_layout: str) -> Drafter:
+def load_drafter(args, dtype: torch.dtype, int8: bool, max_num_seqs: int, kv_layout: str, kernels: str = "native") -> Drafter:
     options = DraftModelOptions(dtype=dtype, int8_weights=int8, kv_cache_bytes=int(args.kv_cache_gib * 2**30), max_num_seqs=max_num_seqs,
-                                kv_layout=kv_layout, pack_linears=args.pack_linears)
+                                kv_layout=kv_layout, pack_linears=args.pack_linears, native_kernels=kernels == "native")
     if args.random_shape is None:
         return Drafter.load(args.model, options)
     config = random_config(args.random_shape)
@@ -113,6 +117,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--kv-layouts", nargs="+", default=["slots"], choices=["slots", "paged"],
                         help="draft KV layouts to time (paged: the layout the CPU draft used before slots)")
+    parser.add_argument("--kernels", nargs="+", default=["native"], choices=["native", "lean"],
+                        help="slots layout: the native forward (C++/OpenMP, one call per forward) and/or the lean torch forward")
     parser.add_argument("--pack-linears", action=argparse.BooleanOptionalAction, default=True,
                         help="slots layout: oneDNN-packed projections and logits head")
     parser.add_argument("--out", type=Path, default=None, help="CSV path (default bench/results/cpu_draft-<hostname>.csv)")
@@ -135,17 +141,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.random_shape is None:
         config = load_config(args.model)
         print(f"shape: {config.num_parameters() / 1e6:.0f} M parameters, {config.num_layers} layers, hidden {config.hidden_size}")
-    print(f"{'layout':>6} {'precision':>9} {'batch':>5} {'step p50 ms':>11} {'step p90 ms':>11} {'forward ms':>10} {'draft tok/s':>11}")
+    print(f"{'layout':>6} {'kernels':>7} {'precision':>9} {'batch':>5} {'step p50 ms':>11} {'step p90 ms':>11} {'forward ms':>10} "
+          f"{'draft tok/s':>11}")
     rows = []
-    for precision, layout in itertools.product(args.precisions, args.kv_layouts):
+    runs = [(layout, kernels) for layout in args.kv_layouts for kernels in (args.kernels if layout == "slots" else ["torch"])]
+    for precision, (layout, kernels) in itertools.product(args.precisions, runs):
         dtype, int8 = PRECISIONS[precision]
-        drafter = load_drafter(args, dtype, int8, max(args.batch_sizes), layout)
+        drafter = load_drafter(args, dtype, int8, max(args.batch_sizes), layout, kernels)
+        if kernels == "native" and not drafter.kv.native:
+            kernels = "lean"  # the native forward did not build (warned): this is the torch forward
         for batch_size in args.batch_sizes:
             times = time_draft_steps(drafter, batch_size, args.context, args.draft_tokens, args.steps, args.warmup)
             p50, p90 = np.percentile(times, 50) * 1e3, np.percentile(times, 90) * 1e3
             row = {
                 "kv_layout": layout,
-                "packed_linears": layout == "slots" and args.pack_linears,
+                "kernels": kernels,
+                "packed_linears": kernels == "lean" and args.pack_linears,
                 "precision": precision,
                 "batch_size": batch_size,
                 "step_p50_ms": round(p50, 3),
@@ -157,7 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "steps": args.steps,
             }
             rows.append(row)
-            print(f"{layout:>6} {precision:>9} {batch_size:>5} {p50:>11.2f} {p90:>11.2f} {row['forward_ms']:>10.2f} {row['draft_tokens_per_s']:>11.0f}")
+            print(f"{layout:>6} {kernels:>7} {precision:>9} {batch_size:>5} {p50:>11.2f} {p90:>11.2f} {row['forward_ms']:>10.2f} {row['draft_tokens_per_s']:>11.0f}")
         del drafter
     extra = {
         "model": model_name,
