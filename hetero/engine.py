@@ -70,6 +70,16 @@ def _as_int64(masks: list[int]) -> list[int]:
     return [m - (1 << 64) if m >> 63 else m for m in masks]
 
 
+def _cut_short(rooms: list[int], tokens_per_seq: int, tolerance: float = 0.1) -> bool:
+    """Whether the sequences' remaining lengths (``rooms``) take more than ``tolerance`` of the
+    ``tokens_per_seq`` each could emit this step: a step that mostly measures requests ending.
+
+    A share, not any one sequence: in a server some request is always about to finish.
+    """
+    lost = sum(max(0, tokens_per_seq - room) for room in rooms)
+    return lost > tolerance * tokens_per_seq * len(rooms)
+
+
 def _can_run_ahead(seq: Sequence) -> bool:
     """Whether a sequence's next few tokens depend on their logits alone (see `_reserve_run_ahead`)."""
     params = seq.params
@@ -283,8 +293,7 @@ class LLMEngine:
         nodes_per_seq = self._attach_trees(scheduled) if decode_only else 0  # every item decodes
         speculated = nodes_per_seq > 0
         tokens_before = self.num_generation_tokens_total
-        # The tokens the requests' lengths still allow their longest-lived sequence, before this step.
-        room = max(self._length_room(item.seq) for item in scheduled) if decode_only and self.proposer is not None else 0
+        rooms = [self._length_room(item.seq) for item in scheduled] if decode_only and self.proposer is not None else []
         num_steps = self._reserve_run_ahead(scheduled) if decode_only and not speculated else 1
         if num_steps > 1:
             touched = self._decode_ahead(scheduled, num_steps)
@@ -297,10 +306,9 @@ class LLMEngine:
         # The controller compares whole steps: scheduling, building outputs and the caller's
         # work between steps cost once per step, which a multi-step window spreads over many
         # tokens and a speculative step not. Steps that the requests' lengths cut short (the
-        # last window or trees of a batch that finishes together) say nothing about either
+        # last window or trees of sequences about to finish) say nothing about either
         # option's steady pace, and are left out.
-        cut_short = room <= nodes_per_seq if speculated else room < self.num_scheduler_steps
-        if self.proposer is not None and decode_only and not cut_short:
+        if self.proposer is not None and decode_only and not _cut_short(rooms, nodes_per_seq + 1 if speculated else self.num_scheduler_steps):
             emitted = self.num_generation_tokens_total - tokens_before
             self.spec_control.record_step(len(scheduled), speculated, emitted, self._step_seconds(started, finished))
         self._last_step_end = finished

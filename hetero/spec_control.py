@@ -20,6 +20,12 @@ run for `probe_interval` of the loser's step times. Time, not steps: a plain win
 and it trails by more than `margin`. A close call or a thin window keeps probing at
 `probe_interval`; a probe faster than the winner is followed by another at once, so a
 verdict that has become wrong is overturned within a few steps instead of being locked in.
+
+A bucket with no verdict of its own borrows its neighbours' (`_inherited_verdict`):
+speculation that pays at a batch size is kept at smaller ones, plain decoding that wins at
+one is kept at larger ones, and the other option is probed every `probe_interval` steps
+until the bucket has measured both. A batch whose requests finish unevenly therefore does
+not re-explore every smaller bucket on its way down.
 """
 from __future__ import annotations
 
@@ -113,7 +119,14 @@ class SpeculationController:
             return per_seq
         state = self._state(num_seqs)
         speculate = self._verdict(state)
-        if speculate is None:  # exploring: the option measured less so far, speculation first
+        if speculate is None:
+            inherited = self._inherited_verdict(self.bucket(num_seqs))
+            if inherited is not None and state.countdown > 0:
+                state.countdown -= 1  # in steps: the other option has no step time here yet
+                return per_seq if inherited else 0
+            if inherited is not None:
+                state.countdown = self.probe_interval
+            # Exploring (or probing an inherited verdict): the option measured less so far, speculation first.
             return per_seq if len(state.spec.recent) <= len(state.plain.recent) else 0
         if speculate != state.speculating:  # a new verdict: its loser's samples are fresh, probe at the base rate
             state.speculating = speculate
@@ -125,6 +138,20 @@ class SpeculationController:
         state.interval = min(2 * state.interval, self.max_probe_interval) if solid else self.probe_interval
         state.countdown = state.interval
         return 0 if speculate else per_seq
+
+    def _inherited_verdict(self, bucket: int) -> Optional[bool]:
+        """The verdict of measured neighbours for a bucket that has none of its own yet.
+
+        Speculation that pays at a batch size pays at smaller ones too (each sequence gets
+        more nodes, and verification costs less relative to a plain step), and plain
+        decoding that wins at a batch size wins at larger ones. So a batch that shrinks as
+        its requests finish keeps speculating without re-exploring each smaller bucket:
+        there, a plain window costs 8 token-steps for a few sequences' last tokens.
+        """
+        verdicts = {key: self._verdict(state) for key, state in self._buckets.items() if key != bucket}
+        speculate = any(v is True and key > bucket for key, v in verdicts.items())
+        plain = any(v is False and key < bucket for key, v in verdicts.items())
+        return None if speculate == plain else speculate
 
     def record_step(self, num_seqs: int, speculated: bool, tokens_emitted: int, seconds: float) -> None:
         """Measured outcome of one decode step."""

@@ -75,6 +75,26 @@ def test_buckets_decide_independently():
     assert controller.speculation_pays(64) is False
 
 
+def test_a_shrinking_batch_keeps_speculating_without_exploring_again():
+    """A batch of 64 finishing unevenly passes through buckets 32 ... 1: speculation measured to
+    pay at 64 is kept there from their first step, with no plain window for a few last tokens."""
+    controller = SpeculationController(8, 64, probe_interval=16)
+    drive(controller, 64, spec_tps=1200.0, plain_tps=1000.0, steps=50)
+    assert controller.speculation_pays(64) is True
+    for num_seqs in (20, 9, 3, 1):
+        assert drive(controller, num_seqs, spec_tps=2000.0, plain_tps=1000.0, steps=10) == 10
+
+
+def test_plain_winning_at_a_batch_size_is_inherited_by_larger_ones_and_then_probed():
+    controller = SpeculationController(8, 1024, probe_interval=8)
+    drive(controller, 8, spec_tps=500.0, plain_tps=1000.0, steps=100)
+    assert controller.speculation_pays(8) is False
+    # Batch 64 starts plain; one probe per 8 steps until it has measured speculation itself.
+    assert drive(controller, 64, spec_tps=500.0, plain_tps=1000.0, steps=8) == 0
+    assert drive(controller, 64, spec_tps=500.0, plain_tps=1000.0, steps=9 * 3) == 3
+    assert controller.speculation_pays(64) is False
+
+
 def test_always_speculate_skips_the_measurement():
     controller = SpeculationController(8, 64, always_speculate=True)
     assert drive(controller, 1, spec_tps=1.0, plain_tps=1000.0, steps=50) == 50
@@ -187,6 +207,15 @@ class _StepClock:
         if self.reads % 2 == 0:  # a step reads the clock when it starts and when it ends
             self.now += 0.010
         return self.now
+
+
+def test_a_step_is_cut_short_when_ending_requests_take_a_tenth_of_it():
+    from hetero.engine import _cut_short
+
+    assert not _cut_short([100] * 63 + [2], tokens_per_seq=8)  # one request of 64 ending: a server's usual step
+    assert _cut_short([100] * 8 + [1] * 56, tokens_per_seq=8)  # the batch's last window
+    assert _cut_short([5], tokens_per_seq=8)
+    assert not _cut_short([9], tokens_per_seq=9)
 
 
 def test_engine_counts_the_callers_time_and_leaves_out_windows_cut_short(tiny_llama_dir):
