@@ -10,6 +10,7 @@ single-token forward per further depth level). ``forward_ms`` is one batched for
                               [--precisions bf16 fp32 int8] [--batch-sizes 1 8 32]
                               [--context 256] [--draft-tokens 4] [--steps 20] [--cpus 4-15] [--threads 12]
                               [--kv-layouts slots paged] [--kernels native lean] [--no-pack-linears]
+                              [--profile-native]
 
 ``--kv-layouts slots paged`` times the contiguous-slot layout (the CPU default) next to the
 paged one it replaced on the CPU (gathers per layer, plain F.linear), in one run.
@@ -17,6 +18,13 @@ paged one it replaced on the CPU (gathers per layer, plain F.linear), in one run
 forward, `cpu_draft.native_model`, the default) next to the lean torch forward, in one run;
 the ``kernels`` column says which ran (``torch`` for the paged layout, and ``lean`` where
 the native forward was asked for but did not build).
+
+``--profile-native`` turns on the native forward's phase timing (as ``HETERO_NATIVE_PROFILE=1``
+does) and prints, for each native row, milliseconds per forward in each phase (embed, qkv,
+attention, o, gate_up, down, lm_head: mean compute plus the wait at the barrier closing the
+phase), all barrier waits, the busiest thread's excess over the mean, and the rest of the
+call; the same numbers go to ``bench/results/cpu_draft-<hostname>-profile.csv``. Timing
+adds a few clock reads per phase, so compare ``forward ms`` from runs without it.
 
 Prints a table and writes ``bench/results/cpu_draft-<hostname>.csv`` with the exact
 command and the machine (CPU model, AMX / AVX-512 BF16 flags, IPEX).
@@ -37,6 +45,7 @@ import torch
 
 from bench._machine import describe_machine
 from bench._report import write_csv_with_context
+from cpu_draft import native
 from cpu_draft.affinity import default_draft_cpus, pin_current_process
 from cpu_draft.drafter import DraftModelOptions, Drafter
 from gpu_target.loader import load_config, parameter_shapes, resolve_model_path
@@ -80,8 +89,12 @@ def load_drafter(args, dtype: torch.dtype, int8: bool, max_num_seqs: int, kv_lay
     return Drafter(model, options)
 
 
-def time_draft_steps(drafter: Drafter, batch_size: int, context: int, draft_tokens: int, steps: int, warmup: int) -> np.ndarray:
-    """Seconds per draft step, each after accepting the previous chain and a bonus token."""
+def time_draft_steps(drafter: Drafter, batch_size: int, context: int, draft_tokens: int, steps: int, warmup: int,
+                     on_measure_start=None) -> np.ndarray:
+    """Seconds per draft step, each after accepting the previous chain and a bonus token.
+
+    ``on_measure_start`` (if given) is called once, after the warm-up steps.
+    """
     rng = np.random.default_rng(0)
     seqs = {f"s{b}": rng.integers(0, drafter.vocab_size, context).tolist() for b in range(batch_size)}
     for seq_id, tokens in seqs.items():
@@ -89,6 +102,8 @@ def time_draft_steps(drafter: Drafter, batch_size: int, context: int, draft_toke
     drafter.draft([(s, draft_tokens) for s in seqs])
     times = []
     for step in range(warmup + steps):
+        if step == warmup and on_measure_start is not None:
+            on_measure_start()
         for seq_id in seqs:
             chain = drafter.last_chain(seq_id)
             seqs[seq_id] = seqs[seq_id] + chain + [chain[-1]]
@@ -121,6 +136,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="slots layout: the native forward (C++/OpenMP, one call per forward) and/or the lean torch forward")
     parser.add_argument("--pack-linears", action=argparse.BooleanOptionalAction, default=True,
                         help="slots layout: oneDNN-packed projections and logits head")
+    parser.add_argument("--profile-native", action="store_true",
+                        help="native rows: time each phase of the forward and print ms per forward per phase")
     parser.add_argument("--out", type=Path, default=None, help="CSV path (default bench/results/cpu_draft-<hostname>.csv)")
     return parser.parse_args(argv)
 
@@ -143,15 +160,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"shape: {config.num_parameters() / 1e6:.0f} M parameters, {config.num_layers} layers, hidden {config.hidden_size}")
     print(f"{'layout':>6} {'kernels':>7} {'precision':>9} {'batch':>5} {'step p50 ms':>11} {'step p90 ms':>11} {'forward ms':>10} "
           f"{'draft tok/s':>11}")
-    rows = []
+    rows, profile_rows = [], []
     runs = [(layout, kernels) for layout in args.kv_layouts for kernels in (args.kernels if layout == "slots" else ["torch"])]
     for precision, (layout, kernels) in itertools.product(args.precisions, runs):
         dtype, int8 = PRECISIONS[precision]
         drafter = load_drafter(args, dtype, int8, max(args.batch_sizes), layout, kernels)
         if kernels == "native" and not drafter.kv.native:
             kernels = "lean"  # the native forward did not build (warned): this is the torch forward
+        library = drafter.kv.model.library if kernels == "native" and args.profile_native else None
+        if library is not None:
+            native.enable_profile(library)
         for batch_size in args.batch_sizes:
-            times = time_draft_steps(drafter, batch_size, args.context, args.draft_tokens, args.steps, args.warmup)
+            on_start = (lambda: native.reset_profile(library)) if library is not None else None
+            times = time_draft_steps(drafter, batch_size, args.context, args.draft_tokens, args.steps, args.warmup, on_start)
             p50, p90 = np.percentile(times, 50) * 1e3, np.percentile(times, 90) * 1e3
             row = {
                 "kv_layout": layout,
@@ -169,6 +190,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             }
             rows.append(row)
             print(f"{layout:>6} {kernels:>7} {precision:>9} {batch_size:>5} {p50:>11.2f} {p90:>11.2f} {row['forward_ms']:>10.2f} {row['draft_tokens_per_s']:>11.0f}")
+            if library is not None:
+                profile = native.read_profile(library)
+                table = native.profile_table(profile)
+                profile_rows.append({"precision": precision, "batch_size": batch_size, "forwards": profile["calls"],
+                                     "threads": profile["threads"], **{f"{k}_ms": round(v, 4) for k, v in table.items()}})
+                print("        phases, ms per forward: " + "  ".join(f"{k} {v:.3f}" for k, v in table.items()))
+        if library is not None:
+            native.enable_profile(library, False)
         del drafter
     extra = {
         "model": model_name,
@@ -187,6 +216,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     }
     out = args.out or RESULTS_DIR / f"cpu_draft-{machine['hostname']}.csv"
     write_csv_with_context(out, rows, extra)
+    if profile_rows:
+        names = [k for k in profile_rows[0] if k.endswith("_ms")]
+        print("native forward phases, ms per forward (phase = mean compute + mean wait at its closing barrier):")
+        print(f"{'precision':>9} {'batch':>5} " + " ".join(f"{n[:-3]:>9}" for n in names))
+        for r in profile_rows:
+            print(f"{r['precision']:>9} {r['batch_size']:>5} " + " ".join(f"{r[n]:>9.3f}" for n in names))
+        write_csv_with_context(out.with_name(f"{out.stem}-profile{out.suffix}"), profile_rows, extra)
     return 0
 
 

@@ -62,6 +62,43 @@ def available() -> bool:
     return load_library() is not None
 
 
+def enable_profile(library: ctypes.CDLL, on: bool = True) -> None:
+    """Turns the per-phase timing on or off (``HETERO_NATIVE_PROFILE=1`` turns it on at load); keeps the sums."""
+    library.draft_profile_enable(int(on))
+
+
+def reset_profile(library: ctypes.CDLL) -> None:
+    library.draft_profile_reset()
+
+
+def read_profile(library: ctypes.CDLL) -> dict:
+    """The phase timing summed since the last reset: ``calls``, ``total_s`` (wall time inside the calls),
+    ``threads``, and per phase (``embed``, ``qkv`` with rotary and the K/V store, ``attention``, ``o``,
+    ``gate_up`` with silu, ``down``, ``lm_head``) a dict of ``compute_s`` (mean over threads),
+    ``compute_max_s`` (the busiest thread) and ``wait_s`` (mean time at the barrier that ends the phase:
+    load imbalance plus the barrier itself)."""
+    names = library.draft_profile_names().decode().split(",")
+    values = (ctypes.c_double * (3 + 3 * len(names)))()
+    library.draft_profile(values, len(values))
+    phases = {name: {"compute_s": values[3 + 3 * i], "compute_max_s": values[4 + 3 * i], "wait_s": values[5 + 3 * i]}
+              for i, name in enumerate(names)}
+    return {"calls": int(values[0]), "total_s": values[1], "threads": int(values[2]), "phases": phases}
+
+
+def profile_table(profile: dict) -> dict[str, float]:
+    """Milliseconds per forward: each phase's wall time (mean compute + mean barrier wait), then ``barrier``
+    (all waits), ``imbalance`` (busiest thread minus mean, summed), ``other`` (the rest of the call:
+    buffers, the parallel region's start and join) and ``total``."""
+    calls = max(profile["calls"], 1)
+    table = {name: 1e3 * (p["compute_s"] + p["wait_s"]) / calls for name, p in profile["phases"].items()}
+    phases = profile["phases"].values()
+    table["barrier"] = 1e3 * sum(p["wait_s"] for p in phases) / calls
+    table["imbalance"] = 1e3 * sum(p["compute_max_s"] - p["compute_s"] for p in phases) / calls
+    table["other"] = 1e3 * profile["total_s"] / calls - sum(table[name] for name in profile["phases"])
+    table["total"] = 1e3 * profile["total_s"] / calls
+    return table
+
+
 def _build_and_load(compiler: str, flags: tuple[str, ...], directory: Path) -> Optional[ctypes.CDLL]:
     source = SOURCE.read_bytes()
     digest = hashlib.sha256()
@@ -77,6 +114,11 @@ def _build_and_load(compiler: str, flags: tuple[str, ...], directory: Path) -> O
         library.draft_forward.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         library.draft_forward.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr]
+        library.draft_profile_enable.argtypes = [i64]
+        library.draft_profile_enabled.restype = i64
+        library.draft_profile_names.restype = ctypes.c_char_p
+        library.draft_profile.argtypes = [ptr, i64]
+        library.draft_profile.restype = i64
         return library
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("native draft forward unavailable, using the torch forward instead: %s", _short(exc))

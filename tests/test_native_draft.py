@@ -182,6 +182,30 @@ def test_bad_inputs_raise_instead_of_reading_out_of_bounds(build):
         native_model(torch.tensor([1, 2]), meta.write_positions, cache.layers, meta, torch.tensor([2]))
 
 
+def test_phase_profile_counts_calls_and_resets(build):
+    model = _model("gqa", torch.float32)
+    native_model = NativeDraftModel.build(model, torch.float32, extra_flags=build)
+    library = native_model.library
+    was_on = bool(library.draft_profile_enabled())
+    try:
+        native.enable_profile(library)
+        native.reset_profile(library)
+        _run_steps(native_model, model.config, STEPS)
+        profile = native.read_profile(library)
+        assert profile["calls"] == len(STEPS) and profile["threads"] >= 1
+        assert set(profile["phases"]) == {"embed", "qkv", "attention", "o", "gate_up", "down", "lm_head"}
+        assert all(p["compute_max_s"] >= p["compute_s"] > 0 and p["wait_s"] >= 0 for p in profile["phases"].values())
+        table = native.profile_table(profile)
+        assert table["total"] > 0 and table["total"] >= sum(table[n] for n in profile["phases"]) - 1e-9
+        native.enable_profile(library, False)
+        _run_steps(native_model, model.config, STEPS[:1])
+        assert native.read_profile(library)["calls"] == len(STEPS)  # off: nothing added
+        native.reset_profile(library)
+        assert native.read_profile(library)["calls"] == 0 and native.read_profile(library)["total_s"] == 0
+    finally:
+        native.enable_profile(library, was_on)
+
+
 # ----------------------------------------------------------------- drafter
 def _drafter(model_dir, **options) -> Drafter:
     return Drafter.load(str(model_dir), DraftModelOptions(dtype=torch.float32, kv_layout="slots", **options))

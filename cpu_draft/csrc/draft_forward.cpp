@@ -25,6 +25,10 @@
 // each output element is summed in the same order whatever the batch: a token's result
 // does not depend on the other tokens of its forward.
 //
+// HETERO_NATIVE_PROFILE=1 (read once at load; draft_profile_enable switches it) sums each thread's time
+// per phase, computing and waiting at the closing barrier: draft_profile / draft_profile_reset,
+// read by `cpu_draft.native.read_profile` and `python -m bench.cpu_draft --profile-native`.
+//
 // Only GOMP_parallel / GOMP_barrier / omp_get_* are used (no worksharing constructs), so
 // the library binds to whichever libgomp the process already has (torch's, soname
 // libgomp.so.1): one thread pool, not two fighting for the draft's cores.
@@ -35,8 +39,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -82,6 +88,53 @@ struct Model {
     const Layer* layers;
     Matrix head;
     int64_t vector_width;  // VW the weights were packed for
+};
+
+// Phase timing (HETERO_NATIVE_PROFILE=1 at load, or draft_profile_enable): per thread, the time each
+// phase computed and then waited at the barrier that ends it, summed over calls. Off, it costs one
+// predictable branch per phase.
+enum Phase : int { P_EMBED, P_QKV, P_ATTN, P_O, P_GATE_UP, P_DOWN, P_HEAD, NUM_PHASES };
+constexpr const char* PHASE_NAMES = "embed,qkv,attention,o,gate_up,down,lm_head";
+constexpr int PROFILE_THREADS = 512;
+
+struct alignas(64) ThreadProfile {
+    double compute[NUM_PHASES];
+    double wait[NUM_PHASES];
+};
+
+bool env_flag(const char* name) {
+    const char* v = std::getenv(name);
+    return v && *v && std::strcmp(v, "0") != 0;
+}
+
+bool g_profile = env_flag("HETERO_NATIVE_PROFILE");
+ThreadProfile g_thread_profile[PROFILE_THREADS];
+int64_t g_profile_calls = 0, g_profile_threads = 0;
+double g_profile_total = 0.0;
+
+inline double now_s() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// One thread's clock within a forward: `computed(p)` closes phase p's work, `waited(p)` its barrier.
+struct PhaseClock {
+    ThreadProfile* tp;
+    double mark;
+    PhaseClock(bool on, int tid) : tp(on && tid < PROFILE_THREADS ? &g_thread_profile[tid] : nullptr), mark(tp ? now_s() : 0.0) {}
+    void computed(int phase) {
+        if (tp) {
+            const double t = now_s();
+            tp->compute[phase] += t - mark;
+            mark = t;
+        }
+    }
+    void waited(int phase) {
+        if (tp) {
+            const double t = now_s();
+            tp->wait[phase] += t - mark;
+            mark = t;
+        }
+    }
 };
 
 inline vf load_w(const float* p) {
@@ -394,6 +447,8 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                   float* const* v_cache, int64_t num_slots, int64_t capacity, int64_t num_threads, float* logits) {
     const Model& md = *model;
     if (md.vector_width != VW) return 5;
+    const bool profile = g_profile;
+    const double started = profile ? now_s() : 0.0;
     int64_t max_len = 1;
     for (int64_t t = 0; t < T; ++t) {
         if (ids[t] < 0 || ids[t] >= md.vocab) return 1;
@@ -429,6 +484,8 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
 #pragma omp parallel num_threads(max_threads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        PhaseClock clock(profile, tid);
+        if (profile && tid == 0) g_profile_threads = std::max<int64_t>(g_profile_threads, nt);
         auto inv = buffer<float>(std::max(T, n_out));
         auto ssq = buffer<float>(T);
         auto out = buffer<float>(NP_MAX * MT_MAX * VW);
@@ -451,7 +508,9 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
             ssq[t] = dot(r, r, H);
         }
         publish_ssq();
+        clock.computed(P_EMBED);
 #pragma omp barrier
+        clock.waited(P_EMBED);
 
         auto add_to_residual = [&](const Matrix& W) {
             return [&, n = W.n](int64_t m0, int mt, int64_t p, int np, const float* o) {
@@ -511,7 +570,9 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                     }
                 }
             });
+            clock.computed(P_QKV);
 #pragma omp barrier
+            clock.waited(P_QKV);
 
             // Attention: items (token, KV head), handed out dynamically (lengths differ in a prefill).
             for (int64_t item; (item = counters[l].fetch_add(1, std::memory_order_relaxed)) < T * KVH;) {
@@ -526,13 +587,17 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                 else
                     attend<0>(qh, kc + kv_offset, vc + kv_offset, len, group, D, scores.get(), acc.get(), o);
             }
+            clock.computed(P_ATTN);
 #pragma omp barrier
+            clock.waited(P_ATTN);
 
             // O projection into the residual stream.
             std::fill(ssq.get(), ssq.get() + T, 0.0f);
             matmul(L.o, attn_rows.get(), T, tid, nt, 1, out.get(), add_to_residual(L.o));
             publish_ssq();
+            clock.computed(P_O);
 #pragma omp barrier
+            clock.waited(P_O);
 
             // gate_up with silu(gate) * up: each unit is a (gate, up) pair of panels over the same channels.
             inverse_rms(partial.get(), nt, T, H, md.eps[2 * l + 1], nullptr, T, inv.get());
@@ -554,13 +619,17 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                     }
                 }
             });
+            clock.computed(P_GATE_UP);
 #pragma omp barrier
+            clock.waited(P_GATE_UP);
 
             // down projection into the residual stream.
             std::fill(ssq.get(), ssq.get() + T, 0.0f);
             matmul(L.down, act_rows.get(), T, tid, nt, 1, out.get(), add_to_residual(L.down));
             publish_ssq();
+            clock.computed(P_DOWN);
 #pragma omp barrier
+            clock.waited(P_DOWN);
         }
 
         // Final norm of the requested rows, then the logits head.
@@ -576,8 +645,45 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                 }
             }
         });
+        clock.computed(P_HEAD);
+    }
+    if (profile) {
+        g_profile_total += now_s() - started;
+        ++g_profile_calls;
     }
     return 0;
+}
+
+// Phase timing. draft_profile writes calls, total seconds, most threads, then per phase (draft_profile_names
+// order) the mean over threads of seconds computing, the most any thread computed, and the mean seconds
+// waiting at the phase's closing barrier; returns how many values it wrote (at most `capacity`).
+void draft_profile_enable(int64_t on) { g_profile = on != 0; }
+int64_t draft_profile_enabled() { return g_profile; }
+const char* draft_profile_names() { return PHASE_NAMES; }
+
+void draft_profile_reset() {
+    std::memset(static_cast<void*>(g_thread_profile), 0, sizeof g_thread_profile);
+    g_profile_calls = g_profile_threads = 0;
+    g_profile_total = 0.0;
+}
+
+int64_t draft_profile(double* out, int64_t capacity) {
+    const int64_t nt = std::min<int64_t>(g_profile_threads, PROFILE_THREADS);
+    double values[3 + 3 * NUM_PHASES] = {double(g_profile_calls), g_profile_total, double(g_profile_threads)};
+    for (int p = 0; p < NUM_PHASES; ++p) {
+        double compute = 0.0, most = 0.0, wait = 0.0;
+        for (int64_t t = 0; t < nt; ++t) {
+            compute += g_thread_profile[t].compute[p];
+            most = std::max(most, g_thread_profile[t].compute[p]);
+            wait += g_thread_profile[t].wait[p];
+        }
+        values[3 + 3 * p] = nt ? compute / nt : 0.0;
+        values[4 + 3 * p] = most;
+        values[5 + 3 * p] = nt ? wait / nt : 0.0;
+    }
+    const int64_t n = std::min<int64_t>(capacity, 3 + 3 * NUM_PHASES);
+    std::memcpy(out, values, sizeof(double) * n);
+    return n;
 }
 
 }  // extern "C"
