@@ -17,7 +17,8 @@ HETERO_DRAFT_QUANTIZATION (``int8`` for INT8 weights), ``draft_cpus`` / HETERO_D
 (e.g. ``4-15``), ``draft_threads`` / HETERO_DRAFT_THREADS, ``draft_kv_cache_gib`` /
 HETERO_DRAFT_KV_CACHE_GIB, ``draft_reply_timeout_s`` / HETERO_DRAFT_REPLY_TIMEOUT_S,
 ``draft_overlap`` / HETERO_DRAFT_OVERLAP (0 turns drafting ahead off), ``draft_dtype`` /
-HETERO_DRAFT_DTYPE (the CPU worker's ``float32``, the default, or ``bfloat16``).
+HETERO_DRAFT_DTYPE (the CPU worker's ``auto``, the default: ``bfloat16`` where the native
+draft forward builds, else ``float32``; or either named).
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ class DraftSettings:
     reply_timeout_s: float = 10.0
     start_timeout_s: float = 600.0
     overlap: bool = True
-    cpu_dtype: torch.dtype = torch.float32
+    cpu_dtype: Optional[torch.dtype] = None  # None: auto, see resolve_cpu_dtype
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "DraftSettings":
@@ -99,7 +100,7 @@ class DraftSettings:
             kv_cache_gib=knob("draft_kv_cache_gib", float, 1.0),
             reply_timeout_s=knob("draft_reply_timeout_s", float, 10.0),
             overlap=knob("draft_overlap", lambda v: str(v).lower() not in ("0", "false", "no"), True),
-            cpu_dtype=knob("draft_dtype", cpu_dtype, torch.float32),
+            cpu_dtype=knob("draft_dtype", cpu_dtype, None),
         )
         if settings.tree_width < 1:
             raise ValueError(f"draft_tree_width must be at least 1, got {settings.tree_width}")
@@ -115,7 +116,7 @@ def build_draft_proposer(config: EngineConfig, target_config: ModelConfig, token
         cpus = tuple(default_draft_cpus(settings.cpus))
         options = WorkerOptions(
             model=str(draft_path),
-            draft=_model_options(config, settings, torch.device("cpu"), settings.cpu_dtype),
+            draft=_model_options(config, settings, torch.device("cpu"), resolve_cpu_dtype(settings.cpu_dtype)),
             cpus=cpus,
             num_threads=settings.num_threads,
             overlap=settings.overlap,
@@ -126,17 +127,37 @@ def build_draft_proposer(config: EngineConfig, target_config: ModelConfig, token
     return InProcessDraftProposer(Drafter.load(str(draft_path), options))
 
 
-def cpu_dtype(requested: str) -> torch.dtype:
-    """The CPU draft worker's dtype: ``float32`` or ``bfloat16``.
-
-    FP32 is the default even on AMX hosts: with plain PyTorch, oneDNN's BF16 matmuls carry
-    a fixed cost of ~40 µs per call at a small draft's shapes, and on the GPU host FP32
-    draft forwards beat BF16 ones at batch 1, 8 and 32 (bench/results/cpu_draft-h100host.csv).
-    """
-    dtypes = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16}
+def cpu_dtype(requested: str) -> Optional[torch.dtype]:
+    """The CPU draft worker's dtype: ``auto`` (None; `resolve_cpu_dtype` picks), ``float32`` or ``bfloat16``."""
+    dtypes = {"auto": None, "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16}
     if requested not in dtypes:
-        raise ValueError(f"draft_dtype must be 'float32' or 'bfloat16', got {requested!r}")
+        raise ValueError(f"draft_dtype must be 'auto', 'float32' or 'bfloat16', got {requested!r}")
     return dtypes[requested]
+
+
+_logged_auto_dtype: Optional[torch.dtype] = None
+
+
+def resolve_cpu_dtype(requested: Optional[torch.dtype]) -> torch.dtype:
+    """``requested``, or for auto (None): BF16 where the native draft forward builds on this machine, else FP32.
+
+    With the native forward (`cpu_draft.native_model`), BF16 weights ran faster than FP32 at batch
+    1, 8 and 32 on the GPU host (3.7 / 8.4 / 27.2 ms against 6.8 / 12.4 / 29.9 ms per forward of a
+    135M draft at context 256): half the weight bytes. The lean torch forward it falls back to is
+    the other way round (oneDNN's BF16 matmuls carry a fixed ~40 µs per call at a small draft's
+    shapes; bench/results/cpu_draft-h100host.csv), so there FP32 stays. Logged once per choice.
+    """
+    global _logged_auto_dtype
+    if requested is not None:
+        return requested
+    from cpu_draft import native  # the first call builds the library (cached on disk for the worker)
+
+    dtype = torch.bfloat16 if native.available() else torch.float32
+    if dtype != _logged_auto_dtype:
+        logger.info("draft_dtype auto: %s (the native draft forward %s)", str(dtype).removeprefix("torch."),
+                    "builds here" if dtype == torch.bfloat16 else "is unavailable")
+        _logged_auto_dtype = dtype
+    return dtype
 
 
 def _model_options(config: EngineConfig, settings: DraftSettings, device: torch.device, dtype: torch.dtype) -> DraftModelOptions:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -366,14 +367,33 @@ def test_tokenizer_mismatch_is_a_clear_error(tiny_llama_dir, tmp_path):
         LLM(model=str(tiny_llama_dir), speculative_model=str(shuffled), num_speculative_tokens=K, cpu_draft_worker=True)
 
 
-def test_draft_dtype_knob_defaults_to_float32_and_names_a_bad_value(monkeypatch):
+def test_draft_dtype_knob_defaults_to_auto_and_names_a_bad_value(monkeypatch):
     from cpu_draft.proposer import DraftSettings
     from hetero.config import EngineConfig
 
     monkeypatch.delenv("HETERO_DRAFT_DTYPE", raising=False)
-    assert DraftSettings.from_config(EngineConfig(model="m")).cpu_dtype == torch.float32
+    assert DraftSettings.from_config(EngineConfig(model="m")).cpu_dtype is None
+    assert DraftSettings.from_config(EngineConfig(model="m", extra={"draft_dtype": "auto"})).cpu_dtype is None
     assert DraftSettings.from_config(EngineConfig(model="m", extra={"draft_dtype": "bfloat16"})).cpu_dtype == torch.bfloat16
+    assert DraftSettings.from_config(EngineConfig(model="m", extra={"draft_dtype": "float32"})).cpu_dtype == torch.float32
     monkeypatch.setenv("HETERO_DRAFT_DTYPE", "bfloat16")
     assert DraftSettings.from_config(EngineConfig(model="m")).cpu_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="draft_dtype"):
         DraftSettings.from_config(EngineConfig(model="m", extra={"draft_dtype": "int4"}))
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_auto_draft_dtype_is_bf16_where_the_native_forward_builds(monkeypatch, caplog, available):
+    from cpu_draft import native, proposer
+
+    monkeypatch.setattr(native, "available", lambda: available)
+    monkeypatch.setattr(proposer, "_logged_auto_dtype", None)
+    want = torch.bfloat16 if available else torch.float32
+    with caplog.at_level(logging.INFO, logger="hetero.cpu_draft"):
+        assert proposer.resolve_cpu_dtype(None) == want
+        assert proposer.resolve_cpu_dtype(None) == want
+    assert len([r for r in caplog.records if "draft_dtype auto" in r.getMessage()]) == 1  # logged once
+    for explicit in (torch.float32, torch.bfloat16):  # an explicit dtype is kept whatever builds
+        assert proposer.resolve_cpu_dtype(explicit) == explicit
+
+
