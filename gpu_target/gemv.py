@@ -64,12 +64,20 @@ def streaming_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear: one row through `gemv`, 2..64 rows through `skinny_gemm`, else cuBLAS."""
+    """F.linear: one row through `gemv`, a few rows through `skinny_gemm`, else cuBLAS."""
     if streaming_applies(x, weight):
         if x.shape[0] == 1:
             return gemv(x, weight, bias)
-        return skinny_gemm(x, weight, bias)
+        if skinny_wins(x.shape[0], weight.shape[0]):
+            return skinny_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def skinny_wins(m: int, n: int) -> bool:
+    """Where the skinny GEMM measured at least cuBLAS's speed on an H100: up to 32 rows, and up to
+    64 for the wide gate_up and LM-head matrices (at 33-64 rows and N = 4096 it was 0.85-0.96x;
+    `python -m bench.gemv --rows 2,17,33,64`, bench/results/gemv-20261123-013507.md)."""
+    return m <= 32 or n >= 16384
 
 
 def gemv(

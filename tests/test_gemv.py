@@ -75,13 +75,14 @@ class _ClaimsCuda(torch.Tensor):
         return True
 
 
-@pytest.mark.parametrize("m,path", [(1, "gemv"), (2, "skinny"), (17, "skinny"), (64, "skinny"), (65, "cublas")])
-def test_linear_dispatches_on_the_number_of_rows(monkeypatch, m, path):
+@pytest.mark.parametrize("m,n,path", [(1, 8, "gemv"), (2, 8, "skinny"), (17, 8, "skinny"), (32, 8, "skinny"), (33, 8, "cublas"),
+                                      (64, 16384, "skinny"), (65, 16384, "cublas")])
+def test_linear_dispatches_on_rows_and_width(monkeypatch, m, n, path):
     calls = []
     monkeypatch.setattr(gemv, "gemv", lambda x, w, b=None: calls.append("gemv"))
     monkeypatch.setattr(gemv, "skinny_gemm", lambda x, w, b=None: calls.append("skinny"))
     monkeypatch.setattr(gemv.F, "linear", lambda x, w, b=None: calls.append("cublas"))
-    weight = torch.randn(8, 16, dtype=torch.bfloat16)
+    weight = torch.randn(n, 16, dtype=torch.bfloat16)
     gemv.linear(torch.randn(m, 16, dtype=torch.bfloat16).as_subclass(_ClaimsCuda), weight)
     assert calls == [path]
 
