@@ -272,20 +272,23 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
         for p in probabilities:
             oracle.p = p
             engine.spec_control = type(engine.spec_control)(k, target_parallelism)  # learns across the repeats
-            plain_runs, spec_runs, steps, accepted = [], [], 0, 0
+            plain_runs, spec_runs, steps, accepted, matching, outputs = [], [], 0, 0, 0, 0
             for _ in range(repeats):  # alternate, so drift hits both alike; medians below
                 engine.proposer = None  # the same engine, graphs and KV pool, decoding plainly
                 elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
                 plain_runs.append(tokens / elapsed)
                 engine.proposer = oracle
                 before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens)
-                elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
+                elapsed, tokens, spec_out = timed_decode(engine, prompts, new_tokens)
                 spec_runs.append(tokens / elapsed)
+                matching += sum(truth.get(prompt) == out for prompt, out in spec_out.items())
+                outputs += len(spec_out)
                 steps += engine.spec_stats.num_steps - before[0]
                 accepted += engine.spec_stats.num_accepted_tokens - before[1]
             plain, spec = float(np.median(plain_runs)), float(np.median(spec_runs))
             rows.append(dict(section="spec", batch=batch, draft_p=p, k=k, repeats=repeats,
                              spec_seq_steps=steps, mean_accepted_length=round((accepted + steps) / max(steps, 1), 2),
+                             same_tokens_as_plain=f"{matching}/{outputs}",
                              tokens_per_s=round(spec, 1), plain_tokens_per_s=round(plain, 1),
                              speedup=round(spec / plain, 2), speedup_range=f"{min(spec_runs) / max(plain_runs):.2f}-{max(spec_runs) / min(plain_runs):.2f}"))
             print(rows[-1], flush=True)
