@@ -13,7 +13,11 @@ adjacent: one implementation of the folding), then converted once to the kernel'
   channel (`cpu_draft.quantize.quantize_per_channel` of the weights rounded to the compute
   dtype, as `Int8Linear` quantises them) with float32 scales;
 * packed in panels of the kernel's vector width, ``[panels, in, width]``, gate and up
-  panels interleaved so one thread computes silu(gate) * up of its channels;
+  panels interleaved so one thread computes silu(gate) * up of its channels; where the
+  library was built with AVX512_BF16 (``bf16_pairs``), bf16 panels hold pairs of
+  consecutive inputs side by side, ``[panels, in / 2, width, 2]``, for ``vpdpbf16ps``, and
+  those matmuls round their (rms-scaled) input rows to bf16 once: float32 accumulation of
+  bf16 x bf16 products, as the AMX / oneDNN BF16 path of the torch forward also computes;
 * the logits head in the compute dtype (bf16, or fp32 for a float32 model), never int8:
   its error would land directly on the logits the drafter ranks.
 
@@ -93,6 +97,7 @@ class NativeDraftModel:
         self.standard_k_order = lean.standard_k_order
         self.library = library
         self.vector_width = int(library.draft_vector_width())
+        self.bf16_pairs = bool(library.draft_bf16_pairs())
         self._keep: list[torch.Tensor] = []  # everything the C structures point into
 
         def matrix(linear, fmt: str, interleave: int = 0) -> _Matrix:
@@ -153,9 +158,13 @@ class NativeDraftModel:
             weight, scale = quantize_per_channel(weight.to(quantize_from))
         elif fmt == "bf16":
             weight = weight.to(torch.bfloat16)
-        padded = weight.new_zeros(panels * width, k)
-        padded[:n] = weight
-        packed = padded.view(panels, width, k).transpose(1, 2).contiguous()
+        pairs = fmt == "bf16" and self.bf16_pairs
+        padded = weight.new_zeros(panels * width, k + (k % 2 if pairs else 0))
+        padded[:n, :k] = weight
+        packed = padded.view(panels, width, -1).transpose(1, 2)
+        if pairs:  # [panels, k / 2, width, 2]
+            packed = packed.unflatten(1, (-1, 2)).transpose(2, 3)
+        packed = packed.contiguous()
         return packed, _pad(scale, panels * width), _pad(bias, panels * width)
 
     def __call__(self, *args):

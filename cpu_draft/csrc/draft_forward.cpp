@@ -45,6 +45,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 namespace {
 
@@ -56,6 +57,18 @@ constexpr int MT_MAX = 8;  // 2 x 8 accumulators + 2 weight vectors of 32 zmm re
 constexpr int MT_MAX = 6;  // 2 x 6 accumulators + 2 weight vectors + 1 broadcast of 16 ymm registers
 #endif
 constexpr int VW = DRAFT_VW;  // floats per vector register
+
+// With AVX512_BF16, bf16 weights are packed in pairs of k, [panels][k / 2][VW][2], and each matmul
+// rounds its input rows to bf16 once (after the rms scale, where there is one) so one vpdpbf16ps
+// does 2 x VW multiply-adds into float32 accumulators.
+#if defined(__AVX512BF16__) && DRAFT_VW == 16
+#define DRAFT_BF16_PAIRS 1
+#else
+#define DRAFT_BF16_PAIRS 0
+#endif
+struct bf16x2 {  // a pair of bf16 weights of consecutive k (only the type matters: it selects the pair kernel)
+    uint32_t bits;
+};
 constexpr int NP_MAX = 8;  // most panels a thread streams side by side (at M = 1)
 
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
@@ -234,9 +247,9 @@ inline float sum(const float* a, int64_t n) {
     return s;
 }
 
-// acc[p][m] = sum_k w_p[k] * x_m[k] for NPT panels and MT rows; out is [NPT][MT][VW].
+// The float kernel: weights widened to float32 in registers (load_w), one FMA per weight and row.
 template <typename WT, int NPT, int MT>
-inline void tile(const WT* const* wp, const float* const* xr, int64_t K, float* out) {
+inline void tile_float(const WT* const* wp, const float* const* xr, int64_t K, float* out) {
     vf acc[NPT][MT];
     const float* x[MT];
     for (int m = 0; m < MT; ++m) {
@@ -257,6 +270,36 @@ inline void tile(const WT* const* wp, const float* const* xr, int64_t K, float* 
         for (int m = 0; m < MT; ++m) std::memcpy(out + (p * MT + m) * VW, &acc[p][m], sizeof(vf));
 }
 
+// acc[p][m] = sum_k w_p[k] * x_m[k] for NPT panels and MT rows; out is [NPT][MT][VW].
+// bf16x2 weights take rows of bf16 pairs (uint32) and K counts pairs.
+template <typename WT, int NPT, int MT>
+inline void tile(const WT* const* wp, const void* const* xr, int64_t K, float* out) {
+#if DRAFT_BF16_PAIRS
+    if constexpr (std::is_same_v<WT, bf16x2>) {
+        __m512 acc[NPT][MT];
+        const uint32_t* x[MT];
+        for (int m = 0; m < MT; ++m) {
+            x[m] = static_cast<const uint32_t*>(xr[m]);
+            for (int p = 0; p < NPT; ++p) acc[p][m] = _mm512_setzero_ps();
+        }
+        const bf16x2* w[NPT];
+        for (int p = 0; p < NPT; ++p) w[p] = wp[p];
+        for (int64_t k = 0; k < K; ++k) {
+            __m512bh wv[NPT];
+            for (int p = 0; p < NPT; ++p) wv[p] = (__m512bh)_mm512_loadu_si512(w[p] + k * VW);
+            for (int m = 0; m < MT; ++m) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(x[m][k]));
+                for (int p = 0; p < NPT; ++p) acc[p][m] = _mm512_dpbf16_ps(acc[p][m], wv[p], xv);
+            }
+        }
+        for (int p = 0; p < NPT; ++p)
+            for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (p * MT + m) * VW, acc[p][m]);
+        return;
+    }
+#endif
+    if constexpr (!std::is_same_v<WT, bf16x2>) tile_float<WT, NPT, MT>(wp, reinterpret_cast<const float* const*>(xr), K, out);
+}
+
 // Register blocks that fit: NPT panels x MT rows of accumulators plus NPT weight vectors.
 template <int NPT, int MT>
 constexpr bool fits() {
@@ -264,7 +307,7 @@ constexpr bool fits() {
 }
 
 template <typename WT, int NPT, int MT = 1>
-inline void tile_rows(int mt, const WT* const* wp, const float* const* xr, int64_t K, float* out) {
+inline void tile_rows(int mt, const WT* const* wp, const void* const* xr, int64_t K, float* out) {
     if constexpr (MT < MT_MAX) {
         if (mt != MT) return tile_rows<WT, NPT, MT + 1>(mt, wp, xr, K, out);
     }
@@ -272,7 +315,7 @@ inline void tile_rows(int mt, const WT* const* wp, const float* const* xr, int64
 }
 
 template <typename WT>
-inline void tile_any(int np, int mt, const WT* const* wp, const float* const* xr, int64_t K, float* out) {
+inline void tile_any(int np, int mt, const WT* const* wp, const void* const* xr, int64_t K, float* out) {
     switch (np) {
         case 8: return tile_rows<WT, 8>(mt, wp, xr, K, out);
         case 4: return tile_rows<WT, 4>(mt, wp, xr, K, out);
@@ -289,46 +332,103 @@ inline int panels_at_once(int64_t M) {
     return M >= 3 ? 2 : 4;
 }
 
-// This thread's share of y = x @ W^T: panels in units of `group` (2 keeps gate_up's gate and up panels
-// together); epi(m0, mt, panel, np, out) gets each block of results, out [np][mt][VW], scales applied.
+#if DRAFT_BF16_PAIRS
+// Rows x[m] * (row_scale ? row_scale[m] : 1) rounded to bf16 (nearest even), K padded with a zero to
+// whole pairs: rows[m] points at row m's K / 2 pairs. Each thread rounds its own copy.
+inline void round_rows_bf16(const float* const* xr, const float* row_scale, int64_t M, int64_t K, const void** rows) {
+    thread_local std::unique_ptr<uint16_t[]> buffer;
+    thread_local int64_t size = 0;
+    const int64_t K2 = (K + 1) / 2, need = M * K2 * 2;
+    if (need > size) {
+        buffer.reset(new uint16_t[need]);
+        size = need;
+    }
+    for (int64_t m = 0; m < M; ++m) {
+        uint16_t* b = buffer.get() + m * K2 * 2;
+        const __m512 scale = _mm512_set1_ps(row_scale ? row_scale[m] : 1.0f);
+        for (int64_t k = 0; k < K2 * 2; k += VW) {
+            const int64_t left = K - k;
+            const __mmask16 in = left >= VW ? __mmask16(0xffff) : __mmask16(left > 0 ? (1u << left) - 1 : 0);
+            const int64_t stored = std::min<int64_t>(VW, K2 * 2 - k);
+            const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, xr[m] + k), scale);
+            _mm256_mask_storeu_epi16(b + k, __mmask16((1u << stored) - 1), (__m256i)_mm512_cvtneps_pbh(x));
+        }
+        rows[m] = b;
+    }
+}
+#endif
+
+// This thread's share of y = x @ W^T, each row m scaled by row_scale[m] (if given: the rms of a norm
+// folded into W): panels in units of `group` (2 keeps gate_up's gate and up panels together);
+// epi(m0, mt, panel, np, out) gets each block of results, out [np][mt][VW], scales applied.
 // Each output is summed over k in order, whatever the block shape, so no result depends on M.
+// Float kernels apply the row scale to the sums; the bf16 pair kernel to the rows before rounding them.
 template <typename WT, typename Epi>
-void matmul_t(const Matrix& W, const float* const* xr, int64_t M, int tid, int nt, int group, float* out, Epi& epi) {
+void matmul_t(const Matrix& W, const float* const* xr, const float* row_scale, int64_t M, int tid, int nt, int group,
+              float* out, Epi& epi) {
+    constexpr bool pairs = std::is_same_v<WT, bf16x2>;
     const int64_t units = W.panels / group;
     const int64_t p0 = units * tid / nt * group, p1 = units * (tid + 1) / nt * group;
+    if (p0 == p1) return;
     const WT* base = static_cast<const WT*>(W.weight);
-    const int64_t stride = W.k * VW;
+    const int64_t K = pairs ? (W.k + 1) / 2 : W.k, stride = K * VW;
+    const void* const* rows = reinterpret_cast<const void* const*>(xr);
+    const float* post_scale = row_scale;
+#if DRAFT_BF16_PAIRS
+    const void* rounded[MT_MAX * 8];  // M <= 64 rows a call: more would go round the loop below
+    if constexpr (pairs) post_scale = nullptr;
+#endif
     const int most = panels_at_once(M);
-    for (int64_t p = p0; p < p1;) {
-        int np = most;
-        while (np > p1 - p) np /= 2;
-        const WT* wp[NP_MAX];
-        for (int i = 0; i < np; ++i) wp[i] = base + (p + i) * stride;
-        for (int64_t m0 = 0; m0 < M; m0 += MT_MAX) {
-            const int mt = int(std::min<int64_t>(MT_MAX, M - m0));
-            tile_any<WT>(np, mt, wp, xr + m0, W.k, out);
-            if (W.scale) {
-                for (int pi = 0; pi < np; ++pi) {
-                    const float* s = W.scale + (p + pi) * VW;
-                    for (int mi = 0; mi < mt; ++mi) {
-                        float* o = out + (pi * mt + mi) * VW;
+    for (int64_t r0 = 0; r0 < M; r0 += pairs ? MT_MAX * 8 : M) {  // float kernels take every row at once
+        const int64_t R = pairs ? std::min<int64_t>(MT_MAX * 8, M - r0) : M;
+#if DRAFT_BF16_PAIRS
+        if constexpr (pairs) {
+            round_rows_bf16(xr + r0, row_scale ? row_scale + r0 : nullptr, R, W.k, rounded);
+            rows = rounded;
+        }
+#endif
+        for (int64_t p = p0; p < p1;) {
+            int np = most;
+            while (np > p1 - p) np /= 2;
+            const WT* wp[NP_MAX];
+            for (int i = 0; i < np; ++i) wp[i] = base + (p + i) * stride;
+            for (int64_t m0 = 0; m0 < R; m0 += MT_MAX) {
+                const int mt = int(std::min<int64_t>(MT_MAX, R - m0));
+                tile_any<WT>(np, mt, wp, rows + m0, K, out);
+                if (W.scale || post_scale) {
+                    for (int pi = 0; pi < np; ++pi) {
+                        const float* s = W.scale ? W.scale + (p + pi) * VW : nullptr;
+                        for (int mi = 0; mi < mt; ++mi) {
+                            float* o = out + (pi * mt + mi) * VW;
+                            const float r = post_scale ? post_scale[r0 + m0 + mi] : 1.0f;
+                            if (s) {
 #pragma omp simd
-                        for (int j = 0; j < VW; ++j) o[j] *= s[j];
+                                for (int j = 0; j < VW; ++j) o[j] = o[j] * s[j] * r;
+                            } else {
+#pragma omp simd
+                                for (int j = 0; j < VW; ++j) o[j] *= r;
+                            }
+                        }
                     }
                 }
+                epi(r0 + m0, mt, p, np, out);
             }
-            epi(m0, mt, p, np, out);
+            p += np;
         }
-        p += np;
     }
 }
 
 template <typename Epi>
-void matmul(const Matrix& W, const float* const* xr, int64_t M, int tid, int nt, int group, float* out, Epi epi) {
+void matmul(const Matrix& W, const float* const* xr, const float* row_scale, int64_t M, int tid, int nt, int group, float* out,
+            Epi epi) {
     switch (W.format) {
-        case BF16: return matmul_t<uint16_t>(W, xr, M, tid, nt, group, out, epi);
-        case I8: return matmul_t<int8_t>(W, xr, M, tid, nt, group, out, epi);
-        default: return matmul_t<float>(W, xr, M, tid, nt, group, out, epi);
+#if DRAFT_BF16_PAIRS
+        case BF16: return matmul_t<bf16x2>(W, xr, row_scale, M, tid, nt, group, out, epi);
+#else
+        case BF16: return matmul_t<uint16_t>(W, xr, row_scale, M, tid, nt, group, out, epi);
+#endif
+        case I8: return matmul_t<int8_t>(W, xr, row_scale, M, tid, nt, group, out, epi);
+        default: return matmul_t<float>(W, xr, row_scale, M, tid, nt, group, out, epi);
     }
 }
 
@@ -437,6 +537,9 @@ extern "C" {
 
 int64_t draft_vector_width() { return VW; }
 
+// 1 where bf16 weights are packed in pairs of k ([panels][k / 2][VW][2]) for the AVX512_BF16 kernel.
+int64_t draft_bf16_pairs() { return DRAFT_BF16_PAIRS; }
+
 // Runs the whole forward. Token t (0..T-1) embeds ids[t], rotates at rot_pos[t], writes its K/V at
 // storage index kv_pos[t] of slot slots[t] and attends to indices 0..kv_pos[t] of that slot.
 // K/V of layer l: k_cache[l], v_cache[l], each [num_slots][kv_heads][capacity][head_dim] float32.
@@ -538,14 +641,14 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
 
             // QKV: rms scale, bias, rotary of Q and K (adjacent pairs), Q to `q`, K/V into the cache.
             inverse_rms(partial.get(), nt, T, H, md.eps[2 * l], nullptr, T, inv.get());
-            matmul(L.qkv, residual_rows.get(), T, tid, nt, 1, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
+            matmul(L.qkv, residual_rows.get(), inv.get(), T, tid, nt, 1, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
                 for (int pi = 0; pi < np; ++pi) {
                     const int64_t c0 = (p + pi) * VW, width = std::min<int64_t>(VW, L.qkv.n - c0);
                     for (int mi = 0; mi < mt; ++mi) {
                         const int64_t t = m0 + mi;
                         const float* a = o + (pi * mt + mi) * VW;
                         float x[VW];
-                        for (int j = 0; j < VW; ++j) x[j] = a[j] * inv[t] + (L.qkv.bias ? L.qkv.bias[c0 + j] : 0.0f);
+                        for (int j = 0; j < VW; ++j) x[j] = a[j] + (L.qkv.bias ? L.qkv.bias[c0 + j] : 0.0f);
                         const float* cs = md.cos + rot_pos[t] * half;
                         const float* sn = md.sin + rot_pos[t] * half;
                         for (int64_t j = 0; j < width; j += 2) {
@@ -593,7 +696,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
 
             // O projection into the residual stream.
             std::fill(ssq.get(), ssq.get() + T, 0.0f);
-            matmul(L.o, attn_rows.get(), T, tid, nt, 1, out.get(), add_to_residual(L.o));
+            matmul(L.o, attn_rows.get(), nullptr, T, tid, nt, 1, out.get(), add_to_residual(L.o));
             publish_ssq();
             clock.computed(P_O);
 #pragma omp barrier
@@ -601,20 +704,16 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
 
             // gate_up with silu(gate) * up: each unit is a (gate, up) pair of panels over the same channels.
             inverse_rms(partial.get(), nt, T, H, md.eps[2 * l + 1], nullptr, T, inv.get());
-            matmul(L.gate_up, residual_rows.get(), T, tid, nt, 2, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
+            matmul(L.gate_up, residual_rows.get(), inv.get(), T, tid, nt, 2, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
                 for (int pi = 0; pi < np; pi += 2) {
                     const int64_t c0 = (p + pi) / 2 * VW, width = std::min<int64_t>(VW, I - c0);
                     for (int mi = 0; mi < mt; ++mi) {
                         const int64_t t = m0 + mi;
                         const float* g = o + (pi * mt + mi) * VW;
                         const float* u = o + ((pi + 1) * mt + mi) * VW;
-                        const float r = inv[t];
                         float y[VW];
 #pragma omp simd
-                        for (int j = 0; j < VW; ++j) {
-                            const float gate = g[j] * r;
-                            y[j] = gate / (1.0f + exp_approx(-gate)) * (u[j] * r);
-                        }
+                        for (int j = 0; j < VW; ++j) y[j] = g[j] / (1.0f + exp_approx(-g[j])) * u[j];
                         std::memcpy(act.get() + t * I + c0, y, sizeof(float) * width);
                     }
                 }
@@ -625,7 +724,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
 
             // down projection into the residual stream.
             std::fill(ssq.get(), ssq.get() + T, 0.0f);
-            matmul(L.down, act_rows.get(), T, tid, nt, 1, out.get(), add_to_residual(L.down));
+            matmul(L.down, act_rows.get(), nullptr, T, tid, nt, 1, out.get(), add_to_residual(L.down));
             publish_ssq();
             clock.computed(P_DOWN);
 #pragma omp barrier
@@ -634,14 +733,13 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
 
         // Final norm of the requested rows, then the logits head.
         inverse_rms(partial.get(), nt, T, H, md.eps[2 * md.num_layers], out_rows, n_out, inv.get());
-        matmul(md.head, head_rows.get(), n_out, tid, nt, 1, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
+        matmul(md.head, head_rows.get(), inv.get(), n_out, tid, nt, 1, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
             for (int pi = 0; pi < np; ++pi) {
                 const int64_t c0 = (p + pi) * VW, width = std::min<int64_t>(VW, md.vocab - c0);
                 for (int mi = 0; mi < mt; ++mi) {
                     const float* a = o + (pi * mt + mi) * VW;
                     float* y = logits + (m0 + mi) * md.vocab + c0;
-                    const float r = inv[m0 + mi];
-                    for (int64_t j = 0; j < width; ++j) y[j] = a[j] * r;
+                    std::memcpy(y, a, sizeof(float) * width);
                 }
             }
         });
