@@ -18,8 +18,11 @@ adjacent: one implementation of the folding), then converted once to the kernel'
   consecutive inputs side by side, ``[panels, in / 2, width, 2]``, for ``vpdpbf16ps``, and
   those matmuls round their (rms-scaled) input rows to bf16 once: float32 accumulation of
   bf16 x bf16 products, as the AMX / oneDNN BF16 path of the torch forward also computes;
-* the logits head in the compute dtype (bf16, or fp32 for a float32 model), never int8:
-  its error would land directly on the logits the drafter ranks.
+* the logits head in the compute dtype (bf16, or fp32 for a float32 model), or int8 per
+  row like the projections under ``int8_weights``: for a large-vocabulary draft the head is
+  most of the bytes a forward streams (Llama 3's 128256 x 576 is 148 MB in bf16), and
+  per-row scales keep each logit's relative error at the projections' level
+  (`tests/test_native_draft.py` checks the drafted tokens and logits against float).
 
 Activations, the residual stream, K/V and attention stay float32. The K/V cache is
 `cpu_draft.slot_kv`'s: token t writes its K/V at ``(write_slots[t], write_positions[t])``
@@ -78,8 +81,10 @@ def weight_formats(dtype: torch.dtype, int8_weights: bool) -> Optional[tuple[str
     """(projection format, logits head format) for a draft in ``dtype``; None if the kernel has none for it."""
     if dtype not in (torch.float32, torch.bfloat16):
         return None
-    head = "bf16" if dtype == torch.bfloat16 else "fp32"
-    return ("int8" if int8_weights else head), head
+    if int8_weights:
+        return "int8", "int8"
+    plain = "bf16" if dtype == torch.bfloat16 else "fp32"
+    return plain, plain
 
 
 class NativeDraftModel:
@@ -89,11 +94,11 @@ class NativeDraftModel:
 
         ``quantize_from``: int8 weights are quantised from the folded weights rounded to this dtype.
         """
-        if weight_format not in FORMATS or head_format not in ("fp32", "bf16"):
+        if weight_format not in FORMATS or head_format not in FORMATS:
             raise ValueError(f"unsupported native formats: weights {weight_format!r}, head {head_format!r}")
         c = self.config = lean.config
         self.weight_format, self.head_format = weight_format, head_format
-        self.dtype = torch.float32 if head_format == "fp32" else torch.bfloat16
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(head_format, quantize_from)  # biases round to it
         self.standard_k_order = lean.standard_k_order
         self.library = library
         self.vector_width = int(library.draft_vector_width())

@@ -14,7 +14,9 @@
 //
 // then the final rms of the requested rows and the logits head. Activations, the residual
 // stream, K/V and attention are float32; weights are float32, bfloat16 (widened in
-// registers: bits << 16) or int8 per output channel with float32 scales.
+// registers: bits << 16; with AVX512_BF16, packed in k pairs for vpdpbf16ps over inputs rounded
+// to bf16 once per matmul) or int8 per output channel with float32 scales (the logits head too,
+// under int8 weights).
 //
 // Matmuls are "skinny": M (tokens) is 1..64 in decode, the weights are what costs. Weights
 // come packed in panels of VW output channels, [panels][K][VW], so a thread streams each of
