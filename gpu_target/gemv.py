@@ -73,11 +73,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return F.linear(x, weight, bias)
 
 
+MIN_SKINNY_COLUMNS = 4096  # narrower W (a small draft model's projections) leaves most SMs idle
+
+
 def skinny_wins(m: int, n: int) -> bool:
-    """Where the skinny GEMM measured at least cuBLAS's speed on an H100: up to 32 rows, and up to
-    64 for the wide gate_up and LM-head matrices (at 33-64 rows and N = 4096 it was 0.85-0.96x;
-    `python -m bench.gemv --rows 2,17,33,64`, bench/results/gemv-20261123-013507.md)."""
-    return m <= 32 or n >= 16384
+    """Where the skinny GEMM measured at least cuBLAS's speed on an H100: Llama-3-8B's matrices
+    (N >= 4096) at up to 32 rows, and up to 64 for the wide gate_up and LM-head matrices (at
+    33-64 rows and N = 4096 it was 0.85-0.96x; `python -m bench.gemv --rows 2,17,33,64`,
+    bench/results/gemv-20261123-013507.md). With 64-128 W rows per program, a narrow matrix
+    would run on a handful of programs."""
+    return n >= MIN_SKINNY_COLUMNS and (m <= 32 or n >= 16384)
 
 
 def gemv(

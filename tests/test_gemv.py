@@ -75,8 +75,8 @@ class _ClaimsCuda(torch.Tensor):
         return True
 
 
-@pytest.mark.parametrize("m,n,path", [(1, 8, "gemv"), (2, 8, "skinny"), (17, 8, "skinny"), (32, 8, "skinny"), (33, 8, "cublas"),
-                                      (64, 16384, "skinny"), (65, 16384, "cublas")])
+@pytest.mark.parametrize("m,n,path", [(1, 8, "gemv"), (2, 4096, "skinny"), (17, 4096, "skinny"), (32, 4096, "skinny"),
+                                      (33, 4096, "cublas"), (64, 16384, "skinny"), (65, 16384, "cublas"), (17, 1536, "cublas")])
 def test_linear_dispatches_on_rows_and_width(monkeypatch, m, n, path):
     calls = []
     monkeypatch.setattr(gemv, "gemv", lambda x, w, b=None: calls.append("gemv"))
