@@ -135,6 +135,7 @@ class LLMEngine:
         graph_runner = self._capture_graphs(1 + max_tree_nodes if self.proposer is not None else 1)
         self.runner = ModelRunner(self.model, self.kv_pool, self.device, self._attention_fn(), graph_runner)
         self.spec_stats = SpecStats()
+        self.num_trees_withheld = 0  # sequence-steps whose tree DraftBackoff withheld (drafts that kept missing)
         self._clock = time.perf_counter  # step timing for the controller (tests replace it)
         self._last_step_end: Optional[float] = None  # None: idle since, or nothing ran yet
         self.groups: dict[str, SequenceGroup] = {}
@@ -334,19 +335,34 @@ class LLMEngine:
     def _attach_trees(self, decoding: list[ScheduledSeq]) -> int:
         """Ask the proposer for a tree per decoding sequence; the nodes granted each (0: no speculation).
 
-        A step counts as speculative even when every tree comes back empty: proposing is
-        part of what speculation costs.
+        A sequence whose drafts keep missing is granted no nodes for a while (its
+        `DraftBackoff`; not under `always_speculate`, which tests and cost benchmarks set to
+        verify trees whatever they hold); the proposer still sees it, with a budget of 0, to
+        keep up with its tokens. When no sequence is granted a node, the step is a plain one
+        (run-ahead windows included) and the proposer is not asked. A step counts as
+        speculative even when every tree comes back empty: proposing is part of what
+        speculation costs.
         """
         if self.proposer is None:
             return 0
         per_seq = self.spec_control.nodes_per_sequence(len(decoding))
         if per_seq == 0:
             return 0
+        gated = not self.spec_control.always_speculate
         requests = []
+        granted = withheld = 0
         for item in decoding:
             seq = item.seq
             room = min(self.max_model_len - len(seq.token_ids), seq.group.max_tokens - seq.num_output_tokens - 1)
-            requests.append(ProposalRequest(seq.seq_key, seq.token_ids, seq.num_prompt_tokens, max(0, min(per_seq, room))))
+            budget = max(0, min(per_seq, room))
+            if budget and gated and not seq.draft_backoff.grants_tree():
+                budget = 0
+                withheld += 1
+            granted += budget > 0
+            requests.append(ProposalRequest(seq.seq_key, seq.token_ids, seq.num_prompt_tokens, budget))
+        self.num_trees_withheld += withheld
+        if not granted:
+            return 0
         trees = self.proposer.propose(requests)
         vocab = self.model_config.vocab_size
         # One range check over every node of the step; per tree only when something is out.
@@ -509,6 +525,7 @@ class LLMEngine:
                 token_rows = [first] + [first + i + 1 for i in accepted]
                 self._keep_accepted_kv(item, accepted, kv_moves)
                 seq.spec.record(len(item.tree), len(accepted))
+                seq.draft_backoff.record(len(accepted))
                 self.spec_stats.record(len(item.tree), len(accepted))
                 # Before the tokens are appended: a stop among them releases the sequence,
                 # and the proposer should still learn this last step.

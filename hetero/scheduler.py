@@ -22,6 +22,7 @@ from hetero.detokenizer import DetokenizerState, init_state
 from hetero.outputs import Logprob, RequestMetrics
 from hetero.protocols import SpecStats, TokenTree
 from hetero.sampling_params import SamplingParams
+from hetero.spec_control import DraftBackoff
 
 
 class SeqStatus(enum.Enum):
@@ -50,6 +51,7 @@ class Sequence:
         self.finish_reason: Optional[str] = None
         self.stop_reason: int | str | None = None
         self.spec = SpecStats()
+        self.draft_backoff = DraftBackoff()  # withholds trees while this sequence's drafts keep missing
 
     @property
     def params(self) -> SamplingParams:

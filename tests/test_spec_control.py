@@ -238,3 +238,186 @@ def test_engine_counts_the_callers_time_and_leaves_out_windows_cut_short(tiny_ll
     # Caller time up to the step's own counts; a longer gap is idle time and does not.
     assert seconds == [0.013, 0.013, 0.010, 0.013, 0.013]
     assert [(n, speculated, tokens) for n, speculated, tokens, _ in spy.records] == [(1, False, 4)] * 5
+
+
+# --------------------------------------------------------------- per-sequence draft back-off
+
+def _outcomes(backoff, accepted_by_tree):
+    """Feed a DraftBackoff decode steps; `accepted_by_tree` gives the accepted count of each tree
+    it grants, in order. Returns the steps as 'T' (a tree) or '.' (withheld)."""
+    from hetero.spec_control import DraftBackoff
+
+    assert isinstance(backoff, DraftBackoff)
+    steps = []
+    for accepted in accepted_by_tree:
+        while not backoff.grants_tree():
+            steps.append(".")
+        steps.append("T")
+        backoff.record(accepted)
+    return "".join(steps)
+
+
+def test_draft_backoff_grows_while_the_drafts_keep_missing():
+    from hetero.spec_control import DraftBackoff
+
+    backoff = DraftBackoff()
+    # 4 misses, then 4 steps without a tree, a probe that misses, 8, a probe, 16, a probe, 32, a probe, 32 (capped).
+    got = _outcomes(backoff, [0] * 9)
+    assert got == "TTTT" + "." * 4 + "T" + "." * 8 + "T" + "." * 16 + "T" + "." * 32 + "T" + "." * 32 + "T"
+    assert DraftBackoff.MAX_BACKOFF == 32
+
+
+def test_an_accepted_probe_ends_the_backoff():
+    from hetero.spec_control import DraftBackoff
+
+    backoff = DraftBackoff()
+    got = _outcomes(backoff, [0, 0, 0, 0, 0, 2] + [0] * 4 + [0])
+    # After the accepting probe the sequence speculates again, and the next run of misses
+    # starts over: 4 misses before a back-off, which is the first one's length again.
+    assert got == "TTTT" + "...." + "T" + "........" + "T" + "TTTT" + "...." + "T"
+
+
+def test_any_acceptance_resets_the_run_of_misses():
+    from hetero.spec_control import DraftBackoff
+
+    backoff = DraftBackoff()
+    assert _outcomes(backoff, [0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0]) == "T" * 11
+
+
+class _AlwaysSpeculate(SpeculationController):
+    """Grants the node budget at every step, as a measured verdict of "speculate" would,
+    without always_speculate (which turns the per-sequence back-off off)."""
+
+    def nodes_per_sequence(self, num_seqs):
+        return min(self.max_nodes_per_seq, self.target_parallelism // max(num_seqs, 1))
+
+    def record_step(self, *args):
+        pass
+
+
+class _RightOrWrongProposer:
+    """Chains along the known greedy continuation for requests named 'right*', and of wrong tokens for the rest."""
+
+    def __init__(self, truth):
+        self.truth = truth  # prompt token ids -> greedy output token ids
+        self.requests = []  # (request id, max_nodes) of every proposal request
+
+    def propose(self, batch):
+        import numpy as np
+
+        from hetero.protocols import TokenTree
+
+        trees = []
+        for request in batch:
+            self.requests.append((request.request_id, request.max_nodes))
+            if request.max_nodes == 0:
+                trees.append(TokenTree.empty())
+                continue
+            truth = self.truth[tuple(request.token_ids[: request.num_prompt_tokens])]
+            done = len(request.token_ids) - request.num_prompt_tokens
+            want = (truth[done:] + [0] * request.max_nodes)[: request.max_nodes]
+            tokens = want if request.request_id.startswith("right") else [(t + 1) % 256 for t in want]
+            trees.append(TokenTree(np.array(tokens), np.arange(-1, len(tokens) - 1)))
+        return trees
+
+    def commit(self, verdicts):
+        pass
+
+    def release(self, request_id):
+        pass
+
+    def budgets(self, request_id):
+        return [n for r, n in self.requests if r == request_id]
+
+
+def _greedy_truth(model_dir, prompts, max_tokens):
+    from hetero import LLM
+    from hetero.sampling_params import SamplingParams
+
+    plain = LLM(model=str(model_dir), max_model_len=256, dtype="float32")
+    outs = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in outs}
+
+
+def _spec_engine(model_dir, truth, **kwargs):
+    from hetero.config import EngineConfig
+    from hetero.engine import LLMEngine
+
+    proposer = _RightOrWrongProposer(truth)
+    config = EngineConfig(model=str(model_dir), max_model_len=256, dtype="float32", **kwargs)
+    engine = LLMEngine(config, proposer=proposer)
+    engine.spec_control = _AlwaysSpeculate(engine.spec_control.max_nodes_per_seq, engine.spec_control.target_parallelism)
+    return engine, proposer
+
+
+def _run(engine):
+    outputs, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                outputs[tuple(out.prompt_token_ids)] = out.outputs[0].token_ids
+    return outputs, steps
+
+
+def test_a_sequence_whose_drafts_always_miss_stops_getting_trees(tiny_llama_dir):
+    from hetero.sampling_params import SamplingParams
+
+    prompts = ["Hello, my name is", "The capital of France is"]
+    truth = _greedy_truth(tiny_llama_dir, prompts, 60)
+    engine, proposer = _spec_engine(tiny_llama_dir, truth, num_speculative_tokens=2)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    engine.add_request("wrong", prompts[0], params)
+    engine.add_request("right", prompts[1], params)
+    outputs, _ = _run(engine)
+    assert outputs == truth
+    # The right one speculates at every decode step until its last token: 2 accepted nodes and a bonus each.
+    right = proposer.budgets("right#0")
+    assert right[:19] == [2] * 19 and 0 not in right[:-1]
+    # The wrong one is withheld its tree after 4 misses, for 4 steps, then probed, then 8 steps ...
+    wrong = proposer.budgets("wrong#0")
+    assert wrong[:18] == [2] * 4 + [0] * 4 + [2] + [0] * 8 + [2]
+    assert engine.num_trees_withheld >= 12
+    # Once the right one has finished, the wrong one's withheld steps are plain: the proposer is not asked.
+    assert len(wrong) < len(right) + 3
+
+
+def test_a_lone_sequence_whose_drafts_miss_decodes_in_multi_step_windows(tiny_llama_dir):
+    from hetero.sampling_params import SamplingParams
+
+    prompt = "Hello, my name is"
+    truth = _greedy_truth(tiny_llama_dir, [prompt], 100)
+    engine, proposer = _spec_engine(tiny_llama_dir, truth, num_speculative_tokens=4, num_scheduler_steps=8)
+    windows = []
+    decode_steps = engine.runner.decode_steps
+
+    def spy(chunks, num_steps, pick):
+        windows.append(num_steps)
+        return decode_steps(chunks, num_steps, pick)
+
+    engine.runner.decode_steps = spy
+    engine.add_request("wrong", prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    outputs, steps = _run(engine)
+    assert outputs == truth
+    assert engine.spec_stats.num_accepted_tokens == 0
+    # After the prefill's token: 4 missing trees, 4 windows of 8, a probe that misses, then windows
+    # of 8 to the end (8 of them before the next probe). Without the back-off every one of the 99
+    # decode steps speculates, one token each.
+    assert engine.spec_stats.num_steps <= 8
+    assert windows[:4] == [8] * 4 and sum(windows) >= 80
+    assert steps <= 1 + 8 + 12
+
+
+def test_always_speculate_keeps_every_tree(tiny_llama_dir):
+    """Tests and cost benchmarks that force speculation verify trees whatever they hold."""
+    from hetero.sampling_params import SamplingParams
+
+    prompt = "Hello, my name is"
+    truth = _greedy_truth(tiny_llama_dir, [prompt], 20)
+    engine, proposer = _spec_engine(tiny_llama_dir, truth, num_speculative_tokens=2)
+    engine.spec_control.always_speculate = True
+    engine.add_request("wrong", prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    outputs, _ = _run(engine)
+    assert outputs == truth
+    assert proposer.budgets("wrong#0") == [2] * 17 + [1]  # the last token has no room for a tree
+    assert engine.num_trees_withheld == 0
