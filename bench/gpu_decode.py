@@ -8,6 +8,10 @@ Sections (all in one run, side by side):
   spec     wall speedup and tokens per step of speculative decoding vs plain decoding, with an
            oracle proposer whose drafts are right with probability p (the acceptance knob).
 
+``--waves W`` runs each batch point as a server would: batch x W requests through `batch`
+slots, a finished request's slot going to the next waiting one (W = 1: one closed batch,
+whose requests all start and end together).
+
     python -m bench.gpu_decode --out bench/results
 """
 from __future__ import annotations
@@ -82,14 +86,16 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int) -> tuple[float, int, dict]:
-    """Prefill every prompt, then time the decode steps until all finish: (seconds, tokens, outputs)."""
+    """Prefill the first batch of prompts (as many as the engine runs at once), then time the
+    steps until every prompt is done, later ones prefilled as slots free up: (seconds, tokens, outputs)."""
     ids = []
     for i, prompt in enumerate(prompts):
         rid = f"r{time.monotonic_ns()}-{i}"
         engine.add_request(rid, prompt, greedy(max_tokens))
         ids.append(rid)
+    first_batch = ids[: engine.scheduler.max_num_seqs]
     outputs: dict[str, list[int]] = {}
-    while not all(engine.groups[r].seqs[0].output_token_ids for r in ids if r in engine.groups):
+    while not all(engine.groups[r].seqs[0].output_token_ids for r in first_batch if r in engine.groups):
         engine.step()
     done_before = sum(len(engine.groups[r].seqs[0].output_token_ids) for r in ids if r in engine.groups)
     torch.cuda.synchronize()
@@ -194,7 +200,7 @@ def graph_replay_ms(engine: LLMEngine, batch: int) -> float | None:
     return median_replay_ms(graph, 50)
 
 
-def bench_decode(model_dir, batches, scheduler_steps, prompt_len, new_tokens, bandwidth, rows):
+def bench_decode(model_dir, batches, scheduler_steps, prompt_len, new_tokens, bandwidth, rows, waves=1):
     engine = engine_for(model_dir, max(batches))
     rows.append(dict(section="startup", what="cuda_graph_capture_s", value=round(engine.cuda_graph_capture_seconds, 2)))
     rows.append(dict(section="profile", text=profile_decode_step(engine)))
@@ -206,7 +212,8 @@ def bench_decode(model_dir, batches, scheduler_steps, prompt_len, new_tokens, ba
     truth = {}
     for batch, steps in [(b, s) for b in batches for s in scheduler_steps]:
         engine.num_scheduler_steps = steps
-        prompts = random_prompts(batch, prompt_len, cfg.vocab_size, seed=batch)
+        engine.scheduler.max_num_seqs = batch
+        prompts = random_prompts(batch * waves, prompt_len, cfg.vocab_size, seed=batch)
         timed_decode(engine, prompts[:1], 8)  # warm-up
         elapsed, tokens, outputs = timed_decode(engine, prompts, new_tokens)
         # Multi-step decoding must not change a token: the first setting's outputs are the reference.
@@ -219,7 +226,7 @@ def bench_decode(model_dir, batches, scheduler_steps, prompt_len, new_tokens, ba
         roofline_steps = bandwidth / (weight_bytes + kv_bytes)
         read_roofline_steps = bandwidth / (weight_bytes - embedding_bytes + kv_bytes)
         replay_ms = graph_replay_ms(engine, batch)
-        rows.append(dict(section="decode", engine="hetero", num_scheduler_steps=steps, batch=batch, tokens_per_s=round(tok_s, 1),
+        rows.append(dict(section="decode", engine="hetero", num_scheduler_steps=steps, batch=batch, waves=waves, tokens_per_s=round(tok_s, 1),
                          step_ms=round(1e3 / steps_s, 3), graph_replay_ms=round(replay_ms, 3) if replay_ms else "",
                          roofline_steps_per_s=round(roofline_steps, 1),
                          fraction_of_roofline=round(steps_s / roofline_steps, 3),
@@ -263,12 +270,13 @@ def bench_verify(model_dir, tree_sizes, batches, prompt_len, rows):
     del engine
 
 
-def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, prompt_len, new_tokens, repeats, rows):
+def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, prompt_len, new_tokens, repeats, rows, waves=1):
     vocab = LLAMA3_8B["vocab_size"]
     oracle = ChainOracle(truth, k=k, p=0.0, vocab=vocab, target_parallelism=target_parallelism)
     engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=k)
     for batch in batches:
-        prompts = random_prompts(batch, prompt_len, vocab, seed=batch)
+        engine.scheduler.max_num_seqs = batch
+        prompts = random_prompts(batch * waves, prompt_len, vocab, seed=batch)
         for p in probabilities:
             oracle.p = p
             engine.spec_control = type(engine.spec_control)(k, target_parallelism)  # learns across the repeats
@@ -286,7 +294,7 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
                 steps += engine.spec_stats.num_steps - before[0]
                 accepted += engine.spec_stats.num_accepted_tokens - before[1]
             plain, spec = float(np.median(plain_runs)), float(np.median(spec_runs))
-            rows.append(dict(section="spec", batch=batch, draft_p=p, k=k, repeats=repeats,
+            rows.append(dict(section="spec", batch=batch, waves=waves, draft_p=p, k=k, repeats=repeats,
                              spec_seq_steps=steps, mean_accepted_length=round((accepted + steps) / max(steps, 1), 2),
                              same_tokens_as_plain=f"{matching}/{outputs}",
                              tokens_per_s=round(spec, 1), plain_tokens_per_s=round(plain, 1),
@@ -341,6 +349,7 @@ def main(argv=None) -> None:
     parser.add_argument("--spec-k", type=int, default=8)
     parser.add_argument("--target-parallelism", type=int, default=64, help="tree nodes per step over the batch")
     parser.add_argument("--repeats", type=int, default=3, help="alternating plain/speculative runs per spec point")
+    parser.add_argument("--waves", type=int, default=1, help="requests per slot in the decode and spec sections (1: a closed batch)")
     args = parser.parse_args(argv)
     sections = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
@@ -355,7 +364,7 @@ def main(argv=None) -> None:
     truth = {}
     if "decode" in sections or "spec" in sections:
         steps = [int(n) for n in args.scheduler_steps.split(",")]
-        truth = bench_decode(model_dir, batches, steps, args.prompt_len, args.new_tokens, bandwidth, rows)
+        truth = bench_decode(model_dir, batches, steps, args.prompt_len, args.new_tokens, bandwidth, rows, args.waves)
     gc.collect()
     torch.cuda.empty_cache()
     if "verify" in sections:
@@ -365,7 +374,7 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
     if "spec" in sections:
         bench_spec(model_dir, truth, batches, [float(p) for p in args.draft_p.split(",")], args.spec_k, args.target_parallelism,
-                   args.prompt_len, args.new_tokens, args.repeats, rows)
+                   args.prompt_len, args.new_tokens, args.repeats, rows, args.waves)
         gc.collect()
         torch.cuda.empty_cache()
     if "hf" in sections:
