@@ -261,9 +261,9 @@ def test_draft_backoff_grows_while_the_drafts_keep_missing():
     from hetero.spec_control import DraftBackoff
 
     backoff = DraftBackoff()
-    # 4 misses, then 4 steps without a tree, a probe that misses, 8, a probe, 16, a probe, 32, a probe, 32 (capped).
-    got = _outcomes(backoff, [0] * 9)
-    assert got == "TTTT" + "." * 4 + "T" + "." * 8 + "T" + "." * 16 + "T" + "." * 32 + "T" + "." * 32 + "T"
+    # 8 misses, then 4 steps without a tree, a probe that misses, 8, a probe, 16, a probe, 32, a probe, 32 (capped).
+    got = _outcomes(backoff, [0] * 13)
+    assert got == "T" * 8 + "." * 4 + "T" + "." * 8 + "T" + "." * 16 + "T" + "." * 32 + "T" + "." * 32 + "T"
     assert DraftBackoff.MAX_BACKOFF == 32
 
 
@@ -271,17 +271,17 @@ def test_an_accepted_probe_ends_the_backoff():
     from hetero.spec_control import DraftBackoff
 
     backoff = DraftBackoff()
-    got = _outcomes(backoff, [0, 0, 0, 0, 0, 2] + [0] * 4 + [0])
+    got = _outcomes(backoff, [0] * 9 + [2] + [0] * 8 + [0])
     # After the accepting probe the sequence speculates again, and the next run of misses
-    # starts over: 4 misses before a back-off, which is the first one's length again.
-    assert got == "TTTT" + "...." + "T" + "........" + "T" + "TTTT" + "...." + "T"
+    # starts over: 8 misses before a back-off, which is the first one's length again.
+    assert got == "T" * 8 + "...." + "T" + "........" + "T" + "T" * 8 + "...." + "T"
 
 
 def test_any_acceptance_resets_the_run_of_misses():
     from hetero.spec_control import DraftBackoff
 
     backoff = DraftBackoff()
-    assert _outcomes(backoff, [0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0]) == "T" * 11
+    assert _outcomes(backoff, [0] * 7 + [1] + [0] * 7 + [1] + [0] * 7) == "T" * 23
 
 
 class _AlwaysSpeculate(SpeculationController):
@@ -374,10 +374,10 @@ def test_a_sequence_whose_drafts_always_miss_stops_getting_trees(tiny_llama_dir)
     # The right one speculates at every decode step until its last token: 2 accepted nodes and a bonus each.
     right = proposer.budgets("right#0")
     assert right[:19] == [2] * 19 and 0 not in right[:-1]
-    # The wrong one is withheld its tree after 4 misses, for 4 steps, then probed, then 8 steps ...
+    # The wrong one is withheld its tree after 8 misses, for 4 steps, then probed, then 8 steps ...
     wrong = proposer.budgets("wrong#0")
-    assert wrong[:18] == [2] * 4 + [0] * 4 + [2] + [0] * 8 + [2]
-    assert engine.num_trees_withheld >= 12
+    assert wrong[:19] == [2] * 8 + [0] * 4 + [2] + [0] * 6
+    assert engine.num_trees_withheld >= 10
     # Once the right one has finished, the wrong one's withheld steps are plain: the proposer is not asked.
     assert len(wrong) < len(right) + 3
 
@@ -400,12 +400,12 @@ def test_a_lone_sequence_whose_drafts_miss_decodes_in_multi_step_windows(tiny_ll
     outputs, steps = _run(engine)
     assert outputs == truth
     assert engine.spec_stats.num_accepted_tokens == 0
-    # After the prefill's token: 4 missing trees, 4 windows of 8, a probe that misses, then windows
+    # After the prefill's token: 8 missing trees, 4 windows of 8, a probe that misses, then windows
     # of 8 to the end (8 of them before the next probe). Without the back-off every one of the 99
     # decode steps speculates, one token each.
-    assert engine.spec_stats.num_steps <= 8
+    assert engine.spec_stats.num_steps <= 12
     assert windows[:4] == [8] * 4 and sum(windows) >= 80
-    assert steps <= 1 + 8 + 12
+    assert steps <= 1 + 12 + 12
 
 
 def test_always_speculate_keeps_every_tree(tiny_llama_dir):
