@@ -306,6 +306,10 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
     for batch in batches:
         engine.scheduler.max_num_seqs = batch
         prompts = random_prompts(batch * waves, prompt_len, vocab, seed=batch)
+        # Warm-up: verification and mixed prefill/decode shapes compile their kernels on first use.
+        oracle.p, engine.proposer = 0.5, oracle
+        engine.spec_control = type(engine.spec_control)(k, target_parallelism, always_speculate=True)
+        timed_decode(engine, prompts, 16)
         for p in probabilities:
             oracle.p = p
             engine.spec_control = type(engine.spec_control)(k, target_parallelism)  # learns across the repeats
