@@ -444,7 +444,8 @@ def test_benchmark_against_a_live_streaming_server(tmp_path, capsys):
         assert request["prompt_tokens"] == input_len
         assert behaviour.first_token_delay_s <= request["ttft"] < request["e2e"]
         assert len(request["itl"]) == chunks - 1
-        assert all(gap >= behaviour.chunk_delay_s * 0.9 for gap in request["itl"])
+        # Arrival gaps, not the server's send gaps: a reader that falls behind gets two chunks at once.
+        assert all(gap >= 0 for gap in request["itl"])
         assert request["tpot"] == pytest.approx((request["e2e"] - request["ttft"]) / (output_len - 1))
     assert summary["total_output_tokens"] == num_prompts * output_len
     assert summary["total_input_tokens"] == num_prompts * input_len
@@ -456,6 +457,8 @@ def test_benchmark_against_a_live_streaming_server(tmp_path, capsys):
     fastest_e2e = behaviour.first_token_delay_s + (chunks - 1) * behaviour.chunk_delay_s
     assert duration >= fastest_e2e
     assert summary["output_throughput"] <= num_prompts * output_len / fastest_e2e
+    gaps = [gap for request in requests for gap in request["itl"]]
+    assert summary["itl_ms"]["mean"] == pytest.approx(1e3 * sum(gaps) / len(gaps))
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         stats = summary[metric]
         assert 0 < stats["median"] <= stats["p99"] and stats["mean"] > 0
