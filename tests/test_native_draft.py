@@ -29,6 +29,7 @@ from cpu_draft.slot_kv import SlotHandle, SlotKVCache
 from gpu_target.loader import parameter_shapes
 from gpu_target.model import build_model
 from gpu_target.model_config import ModelConfig
+from test_cpu_draft import int8_logit_error
 
 pytestmark = pytest.mark.skipif(shutil.which(native.COMPILER) is None, reason=f"no C++ compiler ({native.COMPILER})")
 
@@ -302,14 +303,7 @@ def test_native_drafter_drafts_what_the_lean_one_drafts_through_rollbacks(model_
 def test_int8_native_drafter_stays_close_to_float(tiny_llama_dir):
     float_drafter, int8_drafter = _drafter(tiny_llama_dir), _drafter(tiny_llama_dir, int8_weights=True)
     assert int8_drafter.kv.model.weight_format == "int8" and int8_drafter.kv.model.head_format == "int8"
-    tokens = list(range(20, 52))
-    logits = []
-    for drafter in (float_drafter, int8_drafter):
-        handle = drafter.kv.new_handle()
-        assert drafter.kv.reserve(handle, len(tokens))
-        logits.append(drafter.kv.forward([handle], [0], [tokens]))
-    error = (logits[1] - logits[0]).norm() / logits[0].norm()
-    assert 0 < error < 0.02
+    assert 0 < int8_logit_error(float_drafter, int8_drafter) < 0.02
 
 
 def test_without_a_compiler_the_drafter_warns_and_uses_the_torch_forward(tiny_llama_dir, tmp_path, monkeypatch, caplog):

@@ -635,6 +635,15 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                 }
             };
         };
+        // A projection added into the residual stream (with the next norm's sums of squares), then the phase's barrier.
+        auto project_into_residual = [&](const Matrix& W, const float* const* rows, int phase) {
+            std::fill(ssq.get(), ssq.get() + T, 0.0f);
+            matmul(W, rows, nullptr, T, tid, nt, 1, out.get(), add_to_residual(W));
+            publish_ssq();
+            clock.computed(phase);
+#pragma omp barrier
+            clock.waited(phase);
+        };
 
         for (int64_t l = 0; l < md.num_layers; ++l) {
             const Layer& L = md.layers[l];
@@ -696,13 +705,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
 #pragma omp barrier
             clock.waited(P_ATTN);
 
-            // O projection into the residual stream.
-            std::fill(ssq.get(), ssq.get() + T, 0.0f);
-            matmul(L.o, attn_rows.get(), nullptr, T, tid, nt, 1, out.get(), add_to_residual(L.o));
-            publish_ssq();
-            clock.computed(P_O);
-#pragma omp barrier
-            clock.waited(P_O);
+            project_into_residual(L.o, attn_rows.get(), P_O);
 
             // gate_up with silu(gate) * up: each unit is a (gate, up) pair of panels over the same channels.
             inverse_rms(partial.get(), nt, T, H, md.eps[2 * l + 1], nullptr, T, inv.get());
@@ -724,13 +727,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
 #pragma omp barrier
             clock.waited(P_GATE_UP);
 
-            // down projection into the residual stream.
-            std::fill(ssq.get(), ssq.get() + T, 0.0f);
-            matmul(L.down, act_rows.get(), nullptr, T, tid, nt, 1, out.get(), add_to_residual(L.down));
-            publish_ssq();
-            clock.computed(P_DOWN);
-#pragma omp barrier
-            clock.waited(P_DOWN);
+            project_into_residual(L.down, act_rows.get(), P_DOWN);
         }
 
         // Final norm of the requested rows, then the logits head.
