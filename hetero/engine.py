@@ -290,8 +290,9 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 metrics.time_in_queue = now - metrics.arrival_time
-        decode_only = all(item.samples and item.num_new_tokens == 1 for item in scheduled)
-        nodes_per_seq = self._attach_trees(scheduled) if decode_only else 0  # every item decodes
+        decoding = [item for item in scheduled if item.samples and item.num_new_tokens == 1]
+        decode_only = len(decoding) == len(scheduled)
+        nodes_per_seq = self._attach_trees(decoding, measured=decode_only) if decoding else 0
         speculated = nodes_per_seq > 0
         tokens_before = self.num_generation_tokens_total
         rooms = [self._length_room(item.seq) for item in scheduled] if decode_only and self.proposer is not None else []
@@ -332,8 +333,13 @@ class LLMEngine:
         """Tokens the sequence may still emit under its max_tokens and max_model_len."""
         return min(seq.group.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids))
 
-    def _attach_trees(self, decoding: list[ScheduledSeq]) -> int:
+    def _attach_trees(self, decoding: list[ScheduledSeq], measured: bool) -> int:
         """Ask the proposer for a tree per decoding sequence; the nodes granted each (0: no speculation).
+
+        A step that also prefills (``measured=False``: admitting a request) verifies trees
+        too when speculation is the current verdict, without counting as a probe: in a
+        server whose requests finish at different steps, admissions come one at a time and
+        would otherwise make every other step a plain one.
 
         A sequence whose drafts keep missing is granted no nodes for a while (its
         `DraftBackoff`; not under `always_speculate`, which tests and cost benchmarks set to
@@ -345,7 +351,7 @@ class LLMEngine:
         """
         if self.proposer is None:
             return 0
-        per_seq = self.spec_control.nodes_per_sequence(len(decoding))
+        per_seq = self.spec_control.nodes_per_sequence(len(decoding), explore=measured)
         if per_seq == 0:
             return 0
         gated = not self.spec_control.always_speculate

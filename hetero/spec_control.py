@@ -117,13 +117,24 @@ class SpeculationController:
             return None
         return state.spec.tokens_per_second() >= state.plain.tokens_per_second()
 
-    def nodes_per_sequence(self, num_seqs: int) -> int:
-        """Tree size to grant each decoding sequence this step (0 = plain decoding)."""
+    def nodes_per_sequence(self, num_seqs: int, explore: bool = True) -> int:
+        """Tree size to grant each decoding sequence this step (0 = plain decoding).
+
+        ``explore=False`` is for a step that will not be recorded (one that also prefills):
+        it follows the bucket's verdict, or its neighbours', and neither explores nor
+        counts toward a probe; with no verdict at all it decodes plainly.
+        """
         per_seq = min(self.max_nodes_per_seq, self.target_parallelism // max(num_seqs, 1))
         if per_seq == 0:
             return 0
         if self.always_speculate:
             return per_seq
+        if not explore:
+            state = self._buckets.get(self.bucket(num_seqs))
+            verdict = None if state is None else self._verdict(state)
+            if verdict is None:
+                verdict = self._inherited_verdict(self.bucket(num_seqs))
+            return per_seq if verdict else 0
         state = self._state(num_seqs)
         speculate = self._verdict(state)
         if speculate is None:

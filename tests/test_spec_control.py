@@ -103,7 +103,7 @@ def test_always_speculate_skips_the_measurement():
 class _Never:
     """Always decodes plainly: the baseline a controller must not fall behind."""
 
-    def nodes_per_sequence(self, num_seqs):
+    def nodes_per_sequence(self, num_seqs, explore=True):
         return 0
 
     def record_step(self, *args):
@@ -178,7 +178,7 @@ class _PlainSpy(SpeculationController):
         super().__init__(8, 64)
         self.records = []
 
-    def nodes_per_sequence(self, num_seqs):
+    def nodes_per_sequence(self, num_seqs, explore=True):
         return 0
 
     def record_step(self, *args):
@@ -288,7 +288,7 @@ class _AlwaysSpeculate(SpeculationController):
     """Grants the node budget at every step, as a measured verdict of "speculate" would,
     without always_speculate (which turns the per-sequence back-off off)."""
 
-    def nodes_per_sequence(self, num_seqs):
+    def nodes_per_sequence(self, num_seqs, explore=True):
         return min(self.max_nodes_per_seq, self.target_parallelism // max(num_seqs, 1))
 
     def record_step(self, *args):
@@ -421,3 +421,19 @@ def test_always_speculate_keeps_every_tree(tiny_llama_dir):
     assert outputs == truth
     assert proposer.budgets("wrong#0") == [2] * 17 + [1]  # the last token has no room for a tree
     assert engine.num_trees_withheld == 0
+
+
+def test_an_unmeasured_step_follows_the_verdict_without_exploring_or_probing():
+    controller = SpeculationController(8, 64, probe_interval=4, window=4)
+    assert controller.nodes_per_sequence(8, explore=False) == 0  # no verdict yet: plain
+    assert controller._buckets == {}  # and nothing started: exploring is for measured steps
+    drive(controller, 8, spec_tps=2000.0, plain_tps=1000.0, steps=6)
+    assert controller.speculation_pays(8) is True
+    state = controller._buckets[controller.bucket(8)]
+    countdown = state.countdown
+    assert all(controller.nodes_per_sequence(8, explore=False) == 8 for _ in range(50))
+    assert state.countdown == countdown  # fifty unmeasured steps brought no probe nearer
+    assert controller.nodes_per_sequence(4, explore=False) == 8  # a smaller batch inherits speculation
+    drive(controller, 32, spec_tps=500.0, plain_tps=1000.0, steps=6)
+    assert controller.nodes_per_sequence(32, explore=False) == 0
+    assert controller.nodes_per_sequence(64, explore=False) == 0  # plain at 32 is kept at 64

@@ -176,6 +176,30 @@ def test_logprobs_under_speculation_match_plain(tiny_llama_dir):
         assert table(have) == table(want)
 
 
+def test_steps_that_admit_a_request_verify_the_running_trees(tiny_llama_dir, truth):
+    """Requests finish at different steps under speculation, so a server admits one now and
+    then: the decoding sequences of such a step keep their trees, and outputs stay plain's."""
+    proposer = OracleProposer(truth, "chain", 4, 0.7, vocab=320, seed=5)
+    llm = speculative_llm(tiny_llama_dir, proposer, max_num_seqs=3)
+    engine = llm.llm_engine
+    engine.spec_control.always_speculate = True
+    mixed_with_trees = 0
+    forward = engine.runner.forward
+
+    def spy(chunks):
+        nonlocal mixed_with_trees
+        prefills = any(len(c.token_ids) > 1 and c.tree_mask is None for c in chunks)
+        mixed_with_trees += prefills and any(c.tree_mask is not None for c in chunks)
+        return forward(chunks)
+
+    engine.runner.forward = spy
+    outs = llm.generate(PROMPTS[:8], GREEDY, use_tqdm=False)
+    assert mixed_with_trees > 0
+    for out in outs:
+        assert out.outputs[0].token_ids == truth[tuple(out.prompt_token_ids)]
+    assert engine.scheduler.allocator.num_free == engine.kv_pool.num_blocks
+
+
 def test_kv_cache_after_speculation_matches_plain(tiny_llama_dir, truth):
     """Rejected nodes leave no trace; accepted ones sit where plain decoding puts them, bit for bit.
 
