@@ -6,7 +6,9 @@ Sections (all in one run, side by side):
   hf       HF transformers `generate` at the same batch sizes (eager, its default cache);
   verify   step time of verifying a token tree of n nodes per sequence vs a plain decode step;
   spec     wall speedup and tokens per step of speculative decoding vs plain decoding, with an
-           oracle proposer whose drafts are right with probability p (the acceptance knob).
+           oracle proposer whose drafts are right with probability p (the acceptance knob);
+           ``spec_run_steps`` splits the speculative runs' time by step kind (`StepKinds`):
+           share of the time @ tokens/s within those steps.
 
 ``--waves W`` runs each batch point as a server would: batch x W requests through `batch`
 slots, a finished request's slot going to the next waiting one (W = 1: one closed batch,
@@ -85,9 +87,51 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
 
-def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int) -> tuple[float, int, dict]:
+class StepKinds:
+    """Labels each engine step by what the device ran, and sums time and tokens per label.
+
+    'spec': trees verified, decodes only; 'spec+prefill': trees beside a prefill (a request
+    admitted mid-run); 'plain': one decode step or a multi-step window; 'prefill': a step
+    that prefills, no trees. Installed on the engine's runner; `timed_decode` records.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.kind = "plain"
+        self.seconds: dict[str, float] = {}
+        self.tokens: dict[str, int] = {}
+        runner = engine.runner
+        forward, decode_steps = runner.forward, runner.decode_steps
+
+        def labelled_forward(chunks):
+            trees = any(c.tree_mask is not None for c in chunks)
+            prefill = any(len(c.token_ids) > 1 and c.tree_mask is None for c in chunks)
+            self.kind = "spec+prefill" if trees and prefill else "spec" if trees else "prefill" if prefill else "plain"
+            return forward(chunks)
+
+        def labelled_decode_steps(*args, **kwargs):
+            self.kind = "plain"
+            return decode_steps(*args, **kwargs)
+
+        runner.forward, runner.decode_steps = labelled_forward, labelled_decode_steps
+
+    def reset(self) -> None:
+        self.seconds, self.tokens = {}, {}
+
+    def record(self, seconds: float, tokens: int) -> None:
+        self.seconds[self.kind] = self.seconds.get(self.kind, 0.0) + seconds
+        self.tokens[self.kind] = self.tokens.get(self.kind, 0) + tokens
+
+    def summary(self) -> str:
+        """Per label: share of the time, and tokens per second within those steps."""
+        total = sum(self.seconds.values()) or 1.0
+        return " ".join(f"{kind} {self.seconds[kind] / total:.2f}@{self.tokens[kind] / max(self.seconds[kind], 1e-9):.0f}"
+                        for kind in sorted(self.seconds))
+
+
+def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int, kinds: StepKinds | None = None) -> tuple[float, int, dict]:
     """Prefill the first batch of prompts (as many as the engine runs at once), then time the
-    steps until every prompt is done, later ones prefilled as slots free up: (seconds, tokens, outputs)."""
+    steps until every prompt is done, later ones prefilled as slots free up: (seconds, tokens, outputs).
+    With `kinds`, each timed step's seconds and tokens are added under its label."""
     ids = []
     for i, prompt in enumerate(prompts):
         rid = f"r{time.monotonic_ns()}-{i}"
@@ -101,9 +145,12 @@ def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int) -> tup
     torch.cuda.synchronize()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
+        step_start, tokens_before = time.perf_counter(), engine.num_generation_tokens_total
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
+        if kinds is not None:
+            kinds.record(time.perf_counter() - step_start, engine.num_generation_tokens_total - tokens_before)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     tokens = sum(len(v) for v in outputs.values()) - done_before
@@ -300,6 +347,7 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
     vocab = LLAMA3_8B["vocab_size"]
     oracle = ChainOracle([], k=k, p=0.0, vocab=vocab, target_parallelism=target_parallelism)
     engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=k)
+    kinds = StepKinds(engine)
     oracle.successors = greedy_successors(engine.model)
     rows.append(dict(section="startup", what="oracle_successor_agreement", value=round(successor_agreement(oracle.successors, truth), 4)))
     print(rows[-1], flush=True)
@@ -314,13 +362,14 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
             oracle.p = p
             engine.spec_control = type(engine.spec_control)(k, target_parallelism)  # learns across the repeats
             plain_runs, spec_runs, steps, accepted, matching, outputs = [], [], 0, 0, 0, 0
+            kinds.reset()
             for _ in range(repeats):  # alternate, so drift hits both alike; medians below
                 engine.proposer = None  # the same engine, graphs and KV pool, decoding plainly
                 elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
                 plain_runs.append(tokens / elapsed)
                 engine.proposer = oracle
                 before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens)
-                elapsed, tokens, spec_out = timed_decode(engine, prompts, new_tokens)
+                elapsed, tokens, spec_out = timed_decode(engine, prompts, new_tokens, kinds)
                 spec_runs.append(tokens / elapsed)
                 matching += sum(truth.get(prompt) == out for prompt, out in spec_out.items())
                 outputs += len(spec_out)
@@ -331,7 +380,8 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
                              spec_seq_steps=steps, mean_accepted_length=round((accepted + steps) / max(steps, 1), 2),
                              same_tokens_as_plain=f"{matching}/{outputs}",
                              tokens_per_s=round(spec, 1), plain_tokens_per_s=round(plain, 1),
-                             speedup=round(spec / plain, 2), speedup_range=f"{min(spec_runs) / max(plain_runs):.2f}-{max(spec_runs) / min(plain_runs):.2f}"))
+                             speedup=round(spec / plain, 2), speedup_range=f"{min(spec_runs) / max(plain_runs):.2f}-{max(spec_runs) / min(plain_runs):.2f}",
+                             spec_run_steps=kinds.summary()))
             print(rows[-1], flush=True)
     del engine
 

@@ -1,0 +1,30 @@
+"""bench.gpu_decode's step labels, on the CPU: a server-style run splits into the step kinds it ran."""
+from __future__ import annotations
+
+import torch
+
+from bench.gpu_decode import ChainOracle, StepKinds, greedy_successors, stabilise_greedy, timed_decode
+from hetero.config import EngineConfig
+from hetero.engine import LLMEngine
+
+VOCAB = 320  # tests/tiny_models.py
+
+
+def test_step_kinds_split_a_server_run_by_what_each_step_ran(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    oracle = ChainOracle([], k=3, p=0.5, vocab=VOCAB, target_parallelism=6)
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=128, dtype="float32", max_num_seqs=3, num_speculative_tokens=3)
+    engine = LLMEngine(config, proposer=oracle)
+    engine.spec_control.always_speculate = True
+    stabilise_greedy(engine.model)  # as the bench does: drafts of greedy successors then get accepted
+    oracle.successors = greedy_successors(engine.model)
+    kinds = StepKinds(engine)
+    elapsed, tokens, outputs = timed_decode(engine, [{"prompt_token_ids": [7 * i + j for j in range(6)]} for i in range(8)], 16, kinds)
+    assert len(outputs) == 8 and all(len(out) == 16 for out in outputs.values())
+    assert {"spec", "spec+prefill"} <= set(kinds.seconds)  # later requests are admitted beside trees
+    assert sum(kinds.tokens.values()) == tokens
+    assert 0 < sum(kinds.seconds.values()) <= elapsed
+    words = kinds.summary().split()
+    shares = {kind: float(value.split("@")[0]) for kind, value in zip(words[::2], words[1::2])}
+    assert set(shares) == set(kinds.seconds)
+    assert abs(sum(shares.values()) - 1.0) < 0.02
