@@ -8,7 +8,7 @@ Sections (all in one run, side by side):
   spec     wall speedup and tokens per step of speculative decoding vs plain decoding, with an
            oracle proposer whose drafts are right with probability p (the acceptance knob);
            ``spec_run_steps`` splits the speculative runs' time by step kind (`StepKinds`):
-           share of the time @ tokens/s within those steps.
+           share of the time @ tokens/s within those steps / mean ms per step.
 
 ``--waves W`` runs each batch point as a server would: batch x W requests through `batch`
 slots, a finished request's slot going to the next waiting one (W = 1: one closed batch,
@@ -99,6 +99,7 @@ class StepKinds:
         self.kind = "plain"
         self.seconds: dict[str, float] = {}
         self.tokens: dict[str, int] = {}
+        self.steps: dict[str, int] = {}
         runner = engine.runner
         forward, decode_steps = runner.forward, runner.decode_steps
 
@@ -115,17 +116,18 @@ class StepKinds:
         runner.forward, runner.decode_steps = labelled_forward, labelled_decode_steps
 
     def reset(self) -> None:
-        self.seconds, self.tokens = {}, {}
+        self.seconds, self.tokens, self.steps = {}, {}, {}
 
     def record(self, seconds: float, tokens: int) -> None:
         self.seconds[self.kind] = self.seconds.get(self.kind, 0.0) + seconds
         self.tokens[self.kind] = self.tokens.get(self.kind, 0) + tokens
+        self.steps[self.kind] = self.steps.get(self.kind, 0) + 1
 
     def summary(self) -> str:
-        """Per label: share of the time, and tokens per second within those steps."""
+        """Per label: share of the time @ tokens per second within those steps / mean ms per step."""
         total = sum(self.seconds.values()) or 1.0
         return " ".join(f"{kind} {self.seconds[kind] / total:.2f}@{self.tokens[kind] / max(self.seconds[kind], 1e-9):.0f}"
-                        for kind in sorted(self.seconds))
+                        f"/{1e3 * self.seconds[kind] / self.steps[kind]:.1f}ms" for kind in sorted(self.seconds))
 
 
 def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int, kinds: StepKinds | None = None) -> tuple[float, int, dict]:

@@ -1,6 +1,7 @@
 """bench.gpu_decode's step labels, on the CPU: a server-style run splits into the step kinds it ran."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench.gpu_decode import ChainOracle, StepKinds, greedy_successors, stabilise_greedy, timed_decode
@@ -26,5 +27,7 @@ def test_step_kinds_split_a_server_run_by_what_each_step_ran(tiny_llama_dir, mon
     assert 0 < sum(kinds.seconds.values()) <= elapsed
     words = kinds.summary().split()
     shares = {kind: float(value.split("@")[0]) for kind, value in zip(words[::2], words[1::2])}
+    step_ms = {kind: float(value.split("/")[1].rstrip("ms")) for kind, value in zip(words[::2], words[1::2])}
+    assert step_ms == pytest.approx({kind: 1e3 * kinds.seconds[kind] / kinds.steps[kind] for kind in kinds.seconds}, abs=0.06)
     assert set(shares) == set(kinds.seconds)
     assert abs(sum(shares.values()) - 1.0) < 0.02
