@@ -17,8 +17,10 @@ installed, ``True`` forces the kernel (on CPU tensors it then needs Triton's int
 
 The kernels are plain functions JIT-wrapped on first launch rather than at import, so
 whether they run compiled or interpreted follows ``TRITON_INTERPRET`` at that moment,
-whatever imported this module first. They allocate fresh outputs, take strided inputs,
-and size their grids from shapes only: no host syncs, so they are CUDA-graph safe.
+whatever imported this module first; the device functions they call (`device_function`,
+also gemv.py's) are wrapped along with the first kernel. They allocate fresh outputs, take
+strided inputs, and size their grids from shapes only: no host syncs, so they are
+CUDA-graph safe.
 """
 from __future__ import annotations
 
@@ -48,8 +50,30 @@ def _wants_triton(x: torch.Tensor, use_triton: Optional[bool]) -> bool:
     return use_triton
 
 
+_PENDING_DEVICE_FUNCTIONS: list[Callable] = []
+
+
+def device_function(fn: Callable) -> Callable:
+    """Mark a plain function as a Triton device function that kernels call by its name.
+
+    Like the kernels it is JIT-wrapped at the first kernel launch, not at import (its
+    module-global name is then rebound to the wrapper), so it runs compiled or interpreted
+    as its callers do. Device functions are inlined into their callers.
+    """
+    _PENDING_DEVICE_FUNCTIONS.append(fn)
+    return fn
+
+
+def jit_device_functions() -> None:
+    """Wrap the device functions defined so far; every kernel JIT wrapper calls this first."""
+    while _PENDING_DEVICE_FUNCTIONS:
+        fn = _PENDING_DEVICE_FUNCTIONS.pop()
+        fn.__globals__[fn.__name__] = triton.jit(fn)
+
+
 @functools.lru_cache(maxsize=None)
 def _jit(kernel: Callable) -> Callable:
+    jit_device_functions()
     return triton.jit(kernel)
 
 
@@ -253,6 +277,16 @@ def rotary_and_store_kv(
     return q_out
 
 
+@device_function
+def _rotate_half(x1, x2, cos, sin):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) in fp32 from model-dtype halves, rounded back to
+    their dtype: the reference's rounding. Shared with gemv's fused qkv kernel, so the two
+    paths contract the same multiplies into FMAs."""
+    first = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
+    second = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
+    return first.to(x1.dtype), second.to(x1.dtype)
+
+
 def _rotary_kv_kernel(
     q_ptr,
     k_ptr,
@@ -300,10 +334,9 @@ def _rotary_kv_kernel(
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + half * stride_q_dim, mask=mask, other=0.0)
     dst = q_out_ptr + (token * num_heads + heads) * head_dim + dims[None, :]
-    first = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
-    second = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
-    tl.store(dst, first.to(x1.dtype), mask=mask)
-    tl.store(dst + half, second.to(x1.dtype), mask=mask)
+    first, second = _rotate_half(x1, x2, cos, sin)
+    tl.store(dst, first, mask=mask)
+    tl.store(dst + half, second, mask=mask)
 
     kv_heads = tl.arange(0, BLOCK_KVH)[:, None]
     kv_mask = (kv_heads < num_kv_heads) & dim_mask[None, :]
@@ -311,11 +344,10 @@ def _rotary_kv_kernel(
     x1 = tl.load(src, mask=kv_mask, other=0.0)
     x2 = tl.load(src + half * stride_k_dim, mask=kv_mask, other=0.0)
     cache_row = (slot * num_kv_heads + kv_heads) * head_dim + dims[None, :]
-    first = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
-    second = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
+    first, second = _rotate_half(x1, x2, cos, sin)
     cache_dtype = k_cache_ptr.dtype.element_ty
-    tl.store(k_cache_ptr + cache_row, first.to(x1.dtype).to(cache_dtype), mask=kv_mask)
-    tl.store(k_cache_ptr + cache_row + half, second.to(x1.dtype).to(cache_dtype), mask=kv_mask)
+    tl.store(k_cache_ptr + cache_row, first.to(cache_dtype), mask=kv_mask)
+    tl.store(k_cache_ptr + cache_row + half, second.to(cache_dtype), mask=kv_mask)
 
     src = v_ptr + token * stride_v_tok + kv_heads * stride_v_head + dims[None, :] * stride_v_dim
     value_dtype = v_cache_ptr.dtype.element_ty
@@ -360,6 +392,16 @@ def silu_and_mul(x: torch.Tensor, *, use_triton: Optional[bool] = None) -> torch
     return out
 
 
+@device_function
+def _silu_mul(gate, up):
+    """SiLU(gate) * up from model-dtype inputs: SiLU in fp32 rounded to the dtype, then the
+    product in fp32 rounded again, as the reference's two torch ops round. Shared with
+    gemv's fused gate_up kernel."""
+    gate32 = gate.to(tl.float32)
+    silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
 def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_row, stride_col, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -367,7 +409,4 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_row, stride_col, BLOCK: t
     gate_ptrs = x_ptr + row * stride_row + cols * stride_col
     gate = tl.load(gate_ptrs, mask=mask, other=0.0)
     up = tl.load(gate_ptrs + inter * stride_col, mask=mask, other=0.0)
-    gate32 = gate.to(tl.float32)
-    silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
-    out = silu.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + row * inter + cols, out.to(gate.dtype), mask=mask)
+    tl.store(out_ptr + row * inter + cols, _silu_mul(gate, up), mask=mask)
