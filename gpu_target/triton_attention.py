@@ -320,7 +320,14 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Counts that change from step to step are not specialised on: Triton compiles a variant
+# per (value == 1, value % 16 == 0) combination of its integer arguments, and the mixed
+# prefill/decode steps of a server hit new combinations for minutes, each a compile of a
+# second or more in the middle of a step.
+STEP_COUNTS = ("num_seqs", "num_tokens", "num_splits", "q_blocks_per_seq")
+
+
+@triton.jit(do_not_specialize=STEP_COUNTS)
 def _paged_attention_kernel(
     query, k_cache, v_cache, out, out_partial, lse_partial,
     query_start_loc, seq_lens, block_tables, tree_mask,
@@ -416,7 +423,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens", "num_splits"))
 def _merge_splits_kernel(
     out_partial, lse_partial, out,
     num_tokens, num_heads, num_splits,
