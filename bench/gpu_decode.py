@@ -7,7 +7,7 @@ Sections (all in one run, side by side):
   verify   step time of verifying a token tree of n nodes per sequence vs a plain decode step;
   spec     wall speedup and tokens per step of speculative decoding vs plain decoding, with an
            oracle proposer whose drafts are right with probability p (the acceptance knob);
-           ``spec_run_steps`` splits the speculative runs' time by step kind (`StepKinds`):
+           ``spec_run_steps`` / ``plain_run_steps`` split each mode's time by step kind (`StepKinds`):
            share of the time @ tokens/s within those steps / mean ms per step.
 
 ``--waves W`` runs each batch point as a server would: batch x W requests through `batch`
@@ -349,7 +349,7 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
     vocab = LLAMA3_8B["vocab_size"]
     oracle = ChainOracle([], k=k, p=0.0, vocab=vocab, target_parallelism=target_parallelism)
     engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=k)
-    kinds = StepKinds(engine)
+    kinds, plain_kinds = StepKinds(engine), StepKinds(engine)
     oracle.successors = greedy_successors(engine.model)
     rows.append(dict(section="startup", what="oracle_successor_agreement", value=round(successor_agreement(oracle.successors, truth), 4)))
     print(rows[-1], flush=True)
@@ -365,9 +365,10 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
             engine.spec_control = type(engine.spec_control)(k, target_parallelism)  # learns across the repeats
             plain_runs, spec_runs, steps, accepted, matching, outputs = [], [], 0, 0, 0, 0
             kinds.reset()
+            plain_kinds.reset()
             for _ in range(repeats):  # alternate, so drift hits both alike; medians below
                 engine.proposer = None  # the same engine, graphs and KV pool, decoding plainly
-                elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
+                elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens, plain_kinds)
                 plain_runs.append(tokens / elapsed)
                 engine.proposer = oracle
                 before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens)
@@ -383,7 +384,7 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
                              same_tokens_as_plain=f"{matching}/{outputs}",
                              tokens_per_s=round(spec, 1), plain_tokens_per_s=round(plain, 1),
                              speedup=round(spec / plain, 2), speedup_range=f"{min(spec_runs) / max(plain_runs):.2f}-{max(spec_runs) / min(plain_runs):.2f}",
-                             spec_run_steps=kinds.summary()))
+                             spec_run_steps=kinds.summary(), plain_run_steps=plain_kinds.summary()))
             print(rows[-1], flush=True)
     del engine
 

@@ -45,7 +45,7 @@ _DEFAULT_TREE_NODES = 16
 _DEFAULT_TARGET_PARALLELISM = 64
 # While speculating, admit waiting requests once 1/ADMISSION_GROUP_SHARE of the slots are free,
 # or after MAX_ADMISSION_HOLD_STEPS steps of holding them (see `_hold_admissions`).
-ADMISSION_GROUP_SHARE = 8
+ADMISSION_GROUP_SHARE = 4
 MAX_ADMISSION_HOLD_STEPS = 8
 
 
