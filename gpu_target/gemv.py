@@ -27,6 +27,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from gpu_target import fused_ops
+from gpu_target.fused_ops import device_function
+
 try:
     import triton
     import triton.language as tl
@@ -46,6 +49,7 @@ def _interpreting() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _jit(kernel: Callable, do_not_specialize: tuple[str, ...] = ()) -> Callable:
+    fused_ops.jit_device_functions()  # _gemv_rows
     return triton.jit(kernel, do_not_specialize=do_not_specialize)
 
 
@@ -85,15 +89,21 @@ def skinny_wins(m: int, n: int) -> bool:
     return n >= MIN_SKINNY_COLUMNS and (m <= 32 or n >= 16384)
 
 
+# The GEMV's tile (see `gemv`).
+GEMV_BLOCK_K = 2048
+GEMV_NUM_WARPS = 8
+GEMV_NUM_STAGES = 1
+
+
 def gemv(
     x: torch.Tensor,  # [1, K]
     weight: torch.Tensor,  # [N, K], rows contiguous
     bias: Optional[torch.Tensor] = None,  # [N]
     *,
     block_n: int = 2,
-    block_k: int = 2048,
-    num_warps: int = 8,
-    num_stages: int = 1,
+    block_k: int = GEMV_BLOCK_K,
+    num_warps: int = GEMV_NUM_WARPS,
+    num_stages: int = GEMV_NUM_STAGES,
 ) -> torch.Tensor:
     """[1, N] = x W^T (+ bias), in x's dtype.
 
@@ -124,6 +134,17 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
+    y = _gemv_rows(x_ptr, w_ptr, bias_ptr, rows, row_mask, K, stride_wn, HAS_BIAS, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + rows, y, mask=row_mask)
+
+
+@device_function
+def _gemv_rows(x_ptr, w_ptr, bias_ptr, rows, row_mask, K, stride_wn, HAS_BIAS: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(x W^T + b)[rows] in x's dtype, for the BLOCK_N `rows` of W (any rows). The products
+    accumulate in a [BLOCK_N, BLOCK_K] fp32 tile reduced once at the end, so the inner loop
+    is loads and FMAs only; each row's sum order depends only on the tile's shape and
+    warps, not on which rows share it."""
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -136,7 +157,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+    return y.to(x_ptr.dtype.element_ty)
 
 
 def skinny_tile(n: int, block_m: int) -> dict:
