@@ -13,10 +13,21 @@ need no reduction and keep more loads in flight.
   BLOCK_K], small and read from L2), accumulating in fp32.
 - larger M, CPU tensors, other dtypes: F.linear.
 
-`linear` is the one entry point and dispatches on M. Results are rounded to the input
-dtype, as cuBLAS rounds its fp32 accumulator. Nothing in the dispatch syncs with the
-device, so the calls capture into CUDA graphs (each M compiles its own BLOCK_M once, on
-the warm-up run before capture).
+At M = 1 the two projections that an elementwise op follows take that op into their
+epilogue, so a layer's batch-1 decode step runs 8 kernels instead of 10 (norm, qkv +
+rotary + KV write, attention and its split merge, o_proj, norm, gate_up + SiLU-and-mul,
+down): `gemv_rotary_and_store_kv` and `gemv_silu_and_mul`. The two ops' own kernels took
+~0.16 ms of a ~5.9 ms Llama-3-8B step on an H100, plus a gap each in the CUDA graph. Each
+fused program streams the two W rows whose outputs the op combines (the GEMV's two rows
+per program), summed by the GEMV's own code on the same tile, rounds them as the GEMV
+stores them and applies the op through the device functions its fused_ops kernel uses:
+the results are meant to be bit-identical to the unfused kernels', and the tests check
+that they are. gpu_target/model.py picks them for one row where `streaming_applies`.
+
+`linear` is the entry point for a plain projection and dispatches on M. Results are
+rounded to the input dtype, as cuBLAS rounds its fp32 accumulator. Nothing in the
+dispatch syncs with the device, so the calls capture into CUDA graphs (each M compiles
+its own BLOCK_M once, on the warm-up run before capture).
 """
 from __future__ import annotations
 
@@ -49,7 +60,7 @@ def _interpreting() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _jit(kernel: Callable, do_not_specialize: tuple[str, ...] = ()) -> Callable:
-    fused_ops.jit_device_functions()  # _gemv_rows
+    fused_ops.jit_device_functions()  # _gemv_rows and the fused kernels' epilogues
     return triton.jit(kernel, do_not_specialize=do_not_specialize)
 
 
@@ -89,7 +100,8 @@ def skinny_wins(m: int, n: int) -> bool:
     return n >= MIN_SKINNY_COLUMNS and (m <= 32 or n >= 16384)
 
 
-# The GEMV's tile (see `gemv`).
+# The GEMV's tile (see `gemv`); the fused GEMVs stream two rows per program with the same
+# K tile and warps, so each row's dot product is summed in the same order as here.
 GEMV_BLOCK_K = 2048
 GEMV_NUM_WARPS = 8
 GEMV_NUM_STAGES = 1
@@ -141,10 +153,10 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.
 @device_function
 def _gemv_rows(x_ptr, w_ptr, bias_ptr, rows, row_mask, K, stride_wn, HAS_BIAS: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(x W^T + b)[rows] in x's dtype, for the BLOCK_N `rows` of W (any rows). The products
-    accumulate in a [BLOCK_N, BLOCK_K] fp32 tile reduced once at the end, so the inner loop
-    is loads and FMAs only; each row's sum order depends only on the tile's shape and
-    warps, not on which rows share it."""
+    """(x W^T + b)[rows] in x's dtype, for the BLOCK_N `rows` of W (any rows: the fused
+    kernels pair rows far apart). The products accumulate in a [BLOCK_N, BLOCK_K] fp32 tile
+    reduced once at the end, so the inner loop is loads and FMAs only; each row's sum order
+    depends only on the tile's shape and warps, not on which rows share it."""
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -158,6 +170,136 @@ def _gemv_rows(x_ptr, w_ptr, bias_ptr, rows, row_mask, K, stride_wn, HAS_BIAS: t
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     return y.to(x_ptr.dtype.element_ty)
+
+
+# --------------------------------------------------------------------------- GEMVs with an epilogue
+# (see the module docstring): N/2 programs of two W rows each, as the GEMV's, the rows
+# being the two whose outputs the elementwise op combines.
+
+
+def gemv_silu_and_mul(
+    x: torch.Tensor,  # [1, K]
+    weight: torch.Tensor,  # [2I, K]: the gate rows, then the up rows; rows contiguous
+    *,
+    block_k: int = GEMV_BLOCK_K,
+    num_warps: int = GEMV_NUM_WARPS,
+    num_stages: int = GEMV_NUM_STAGES,
+) -> torch.Tensor:
+    """[1, I] = `fused_ops.silu_and_mul(gemv(x, weight))`, bit for bit, in one kernel.
+
+    Program j streams gate row j and up row I + j.
+    """
+    N, K = weight.shape
+    if x.shape != (1, K) or N % 2:
+        raise ValueError(f"gemv_silu_and_mul needs x [1, K] and weight [2I, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    inter = N // 2
+    out = torch.empty((1, inter), dtype=x.dtype, device=x.device)
+    _jit(_gemv_silu_and_mul_kernel)[(inter,)](
+        x, weight, out, N, K, weight.stride(0), BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages
+    )
+    return out
+
+
+def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_K: tl.constexpr):
+    j = tl.program_id(0)
+    rows = j + tl.arange(0, 2) * (N // 2)  # gate row j, up row I + j
+    gate, up = tl.split(_gemv_rows(x_ptr, w_ptr, x_ptr, rows, rows < N, K, stride_wn, False, 2, BLOCK_K))
+    tl.store(out_ptr + j, fused_ops._silu_mul(gate, up))
+
+
+def gemv_rotary_and_store_kv(
+    x: torch.Tensor,  # [1, K]
+    weight: torch.Tensor,  # [(H + 2 KVH) D, K]: the q heads' rows, then k's, then v's; rows contiguous
+    bias: Optional[torch.Tensor],  # [(H + 2 KVH) D] (Qwen2) or None
+    cos: torch.Tensor,  # fp32 [max_positions, D/2], rows contiguous
+    sin: torch.Tensor,
+    positions: torch.Tensor,  # int [1]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], contiguous
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # int64 [1]
+    num_heads: int,
+    *,
+    block_k: int = GEMV_BLOCK_K,
+    num_warps: int = GEMV_NUM_WARPS,
+    num_stages: int = GEMV_NUM_STAGES,
+) -> torch.Tensor:
+    """The qkv projection of one token, rotated and stored: `gemv(x, weight, bias)` split
+    into q, k and v heads, then `fused_ops.rotary_and_store_kv`, bit for bit, in one kernel.
+
+    Returns the rotated q [1, H, D]; k (rotated) and v go into the caches at
+    ``slot_mapping[0]``. Each program streams the rotary pair of rows d and d + D/2 of one
+    head. The position and slot are read on the device: no host sync, graph-capturable.
+    """
+    N, K = weight.shape
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    if x.shape != (1, K) or head_dim % 2 or N != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(
+            f"gemv_rotary_and_store_kv: x {tuple(x.shape)}, weight {tuple(weight.shape)} do not fit "
+            f"{num_heads} q heads and a cache of {num_kv_heads} heads of {head_dim}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("gemv_rotary_and_store_kv needs contiguous KV caches")
+    half = head_dim // 2
+    q_out = torch.empty((1, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    _jit(_gemv_rotary_kv_kernel)[(N // 2,)](
+        x,
+        weight,
+        bias if bias is not None else x,
+        q_out,
+        k_cache,
+        v_cache,
+        cos,
+        sin,
+        positions,
+        slot_mapping,
+        N,
+        K,
+        weight.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        num_heads,
+        num_kv_heads,
+        half,
+        HAS_BIAS=bias is not None,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return q_out
+
+
+def _gemv_rotary_kv_kernel(x_ptr, w_ptr, bias_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr,
+                           positions_ptr, slots_ptr, N, K, stride_wn, stride_cos, stride_sin, num_heads,
+                           num_kv_heads, half, HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program p owns dimension d = p % (D/2) of head p // (D/2), counting the q heads,
+    then the k heads, then the v heads, as the fused weight's rows are ordered."""
+    pair = tl.program_id(0)
+    head = pair // half
+    d = pair % half
+    head_dim = 2 * half
+    rows = head * head_dim + d + tl.arange(0, 2) * half
+    x1, x2 = tl.split(_gemv_rows(x_ptr, w_ptr, bias_ptr, rows, rows < N, K, stride_wn, HAS_BIAS, 2, BLOCK_K))
+    position = tl.load(positions_ptr).to(tl.int64)
+    cos = tl.load(cos_ptr + position * stride_cos + d).to(tl.float32)
+    sin = tl.load(sin_ptr + position * stride_sin + d).to(tl.float32)
+    if head < num_heads:
+        first, second = fused_ops._rotate_half(x1, x2, cos, sin)
+        dst = q_out_ptr + head * head_dim + d
+        tl.store(dst, first)
+        tl.store(dst + half, second)
+    else:
+        slot = tl.load(slots_ptr).to(tl.int64)
+        if head < num_heads + num_kv_heads:
+            first, second = fused_ops._rotate_half(x1, x2, cos, sin)
+            dst = k_cache_ptr + (slot * num_kv_heads + head - num_heads) * head_dim + d
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            tl.store(dst, first.to(cache_dtype))
+            tl.store(dst + half, second.to(cache_dtype))
+        else:
+            dst = v_cache_ptr + (slot * num_kv_heads + head - num_heads - num_kv_heads) * head_dim + d
+            value_dtype = v_cache_ptr.dtype.element_ty
+            tl.store(dst, x1.to(value_dtype))
+            tl.store(dst + half, x2.to(value_dtype))
 
 
 def skinny_tile(n: int, block_m: int) -> dict:

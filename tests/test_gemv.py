@@ -103,3 +103,97 @@ def test_linear_streams_only_half_precision_rows_on_the_gpu():
         x = torch.randn(17, 16, dtype=torch.bfloat16, device="cuda")
         torch.testing.assert_close(gemv.linear(x, weight).float(), F.linear(x.float(), weight.float()),
                                    atol=1e-3, rtol=2.0**-7)
+
+
+# --------------------------------------------------------------------------- GEMVs with a fused epilogue
+# Each fused kernel must equal, bit for bit, the kernels it replaces run one after the other
+# (on the GPU as under the interpreter): the same tile sums each row in the same order.
+
+from gpu_target import fused_ops  # noqa: E402
+
+SMALL_TILE = dict(block_k=16, num_warps=1)  # several K steps and a ragged last one at K = 70
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inter,k,tile", [(37, 300, {}), (64, 2049, {}), (5, 4096, {}), (9, 70, SMALL_TILE)])
+def test_gemv_silu_and_mul_equals_gemv_then_silu_and_mul(dtype, inter, k, tile):
+    x, weight, _ = _inputs(2 * inter, k, dtype, False)
+    x = x * 4  # gates well into SiLU's curved part
+    expected = fused_ops.silu_and_mul(gemv.gemv(x, weight, **tile), use_triton=True)
+    got = gemv.gemv_silu_and_mul(x, weight, **tile)
+    assert got.shape == (1, inter) and got.dtype == dtype
+    assert torch.equal(got, expected)
+
+
+def _rotary_tables(max_positions: int, head_dim: int):
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    return angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,k,tile", [
+    (4, 2, 64, 300, {}),  # GQA
+    (3, 3, 32, 2049, {}),  # MHA, one full K tile and a ragged one
+    (6, 1, 16, 70, SMALL_TILE),  # MQA, small tiles
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_rotary_and_store_kv_equals_gemv_then_rotary(dtype, heads, kv_heads, head_dim, k, tile, bias):
+    """q, the K/V caches (the written slot and every other one) and the inputs, against `gemv`
+    then `rotary_and_store_kv`'s kernel, at a random position and slot."""
+    n = (heads + 2 * kv_heads) * head_dim
+    x, weight, b = _inputs(n, k, dtype, bias)
+    cos, sin = _rotary_tables(300, head_dim)
+    generator = torch.Generator().manual_seed(n + k + bias)
+    positions = torch.randint(1, 300, (1,), generator=generator).to(DEVICE)
+    num_blocks, block_size = 5, 16
+    slot_mapping = torch.randint(0, num_blocks * block_size, (1,), generator=generator).to(DEVICE)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(DEVICE, dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(DEVICE, dtype)
+    inputs_before = [t.clone() for t in (x, weight, positions, slot_mapping)]
+
+    expected_caches = k_cache.clone(), v_cache.clone()
+    q, key, value = gemv.gemv(x, weight, b, **tile).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    expected_q = fused_ops.rotary_and_store_kv(q.view(1, heads, head_dim), key.view(1, kv_heads, head_dim),
+                                               value.view(1, kv_heads, head_dim), cos, sin, positions,
+                                               *expected_caches, slot_mapping, use_triton=True)
+    caches = k_cache.clone(), v_cache.clone()
+    got_q = gemv.gemv_rotary_and_store_kv(x, weight, b, cos, sin, positions, *caches, slot_mapping, heads, **tile)
+
+    assert got_q.shape == (1, heads, head_dim) and got_q.dtype == dtype and got_q.is_contiguous()
+    assert torch.equal(got_q, expected_q)
+    slot = slot_mapping.item()
+    for got, expected, before in zip(caches, expected_caches, (k_cache, v_cache)):
+        got, expected, before = (c.view(-1, kv_heads, head_dim) for c in (got, expected, before))
+        assert torch.equal(got[slot], expected[slot])
+        assert not torch.equal(got[slot], before[slot])
+        others = torch.arange(got.shape[0], device=DEVICE) != slot
+        assert torch.equal(got[others], before[others])  # nothing written anywhere else
+    assert all(torch.equal(now, then) for now, then in zip((x, weight, positions, slot_mapping), inputs_before))
+
+
+def test_gemv_rotary_and_store_kv_converts_to_the_cache_dtype():
+    """A cache of another dtype gets the model-dtype results converted, as the rotary kernel does."""
+    heads, kv_heads, head_dim = 2, 1, 32
+    x, weight, _ = _inputs((heads + 2 * kv_heads) * head_dim, 96, torch.bfloat16, False)
+    cos, sin = _rotary_tables(64, head_dim)
+    positions, slot_mapping = torch.tensor([37], device=DEVICE), torch.tensor([5], device=DEVICE)
+    caches = [torch.zeros(1, 16, kv_heads, head_dim, device=DEVICE) for _ in range(4)]
+    got_q = gemv.gemv_rotary_and_store_kv(x, weight, None, cos, sin, positions, *caches[:2], slot_mapping, heads)
+    q, key, value = gemv.gemv(x, weight).view(1, -1, head_dim).split([heads, kv_heads, kv_heads], 1)
+    expected_q = fused_ops.rotary_and_store_kv(q, key, value, cos, sin, positions, *caches[2:], slot_mapping, use_triton=True)
+    assert torch.equal(got_q, expected_q)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].dtype == torch.float32 and caches[0].abs().sum() > 0
+
+
+def test_fused_gemvs_reject_shapes_they_cannot_split():
+    x, weight, _ = _inputs(6, 32, torch.bfloat16, False)
+    with pytest.raises(ValueError):
+        gemv.gemv_silu_and_mul(x, weight[:5])
+    cache = torch.zeros(1, 16, 1, 2, dtype=torch.bfloat16, device=DEVICE)  # 1 kv head of 2: 6 rows are 1 q head
+    cos, sin = _rotary_tables(4, 2)
+    slot = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError):
+        gemv.gemv_rotary_and_store_kv(x, weight, None, cos, sin, slot, cache, cache.clone(), slot, num_heads=2)
+
