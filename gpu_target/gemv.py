@@ -64,11 +64,16 @@ def _jit(kernel: Callable, do_not_specialize: tuple[str, ...] = ()) -> Callable:
     return triton.jit(kernel, do_not_specialize=do_not_specialize)
 
 
+# Tests set this (monkeypatch) to stream CPU tensors through the kernels under Triton's
+# interpreter, so the model's GPU dispatch runs without a GPU; it has no effect otherwise.
+_stream_cpu_tensors_when_interpreting = False
+
+
 def streaming_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """1..MAX_STREAMING_ROWS rows on a CUDA device, half-precision weights, contiguous K."""
     return (
         triton is not None
-        and x.is_cuda
+        and (x.is_cuda or (_stream_cpu_tensors_when_interpreting and _interpreting()))
         and x.dim() == 2
         and 1 <= x.shape[0] <= MAX_STREAMING_ROWS
         and x.dtype in STREAMING_DTYPES

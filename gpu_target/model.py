@@ -84,6 +84,14 @@ class Linear(nn.Linear):
         return gemv.linear(x, self.weight, self.bias)
 
 
+def _fuses_epilogue(x: torch.Tensor, projection: nn.Module) -> bool:
+    """Batch-1 decode on the GPU: the projection's GEMV applies the op after it (rotary and
+    the KV write after qkv, SiLU-and-mul after gate_up) in its epilogue, bit for bit as the
+    separate kernels would; see gpu_target/gemv.py. Swapped projections (the draft's
+    Int8Linear) keep their own forward."""
+    return isinstance(projection, Linear) and gemv.streaming_applies(x, projection.weight) and x.shape[0] == 1
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -94,11 +102,15 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rotary, kv_cache, meta, attention_fn: AttentionFn):
         c = self.config
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(-1, c.num_heads, c.head_dim)
-        k = k.view(-1, c.num_kv_heads, c.head_dim)
-        v = v.view(-1, c.num_kv_heads, c.head_dim)
-        q = rotary.rotate_and_store_kv(positions, q, k, v, kv_cache, meta.slot_mapping)
+        if _fuses_epilogue(x, self.qkv_proj):
+            q = gemv.gemv_rotary_and_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, rotary.cos, rotary.sin,
+                                              positions, *kv_cache, meta.slot_mapping, c.num_heads)
+        else:
+            q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = q.view(-1, c.num_heads, c.head_dim)
+            k = k.view(-1, c.num_kv_heads, c.head_dim)
+            v = v.view(-1, c.num_kv_heads, c.head_dim)
+            q = rotary.rotate_and_store_kv(positions, q, k, v, kv_cache, meta.slot_mapping)
         out = attention_fn(q, *kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, c.q_size))
 
@@ -110,6 +122,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fuses_epilogue(x, self.gate_up_proj):
+            return self.down_proj(gemv.gemv_silu_and_mul(x, self.gate_up_proj.weight))
         return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
 
 

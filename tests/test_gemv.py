@@ -197,3 +197,56 @@ def test_fused_gemvs_reject_shapes_they_cannot_split():
     with pytest.raises(ValueError):
         gemv.gemv_rotary_and_store_kv(x, weight, None, cos, sin, slot, cache, cache.clone(), slot, num_heads=2)
 
+
+def test_the_model_fuses_only_one_streamed_row(monkeypatch):
+    from gpu_target import model as model_module
+    from cpu_draft.quantize import Int8Linear
+
+    projection = model_module.Linear(16, 8, bias=False).to(torch.bfloat16)
+    one, two = torch.randn(1, 16, dtype=torch.bfloat16), torch.randn(2, 16, dtype=torch.bfloat16)
+    assert not model_module._fuses_epilogue(one, projection)  # CPU tensors: the plain-torch path
+    monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+    assert model_module._fuses_epilogue(one, projection) == gemv._interpreting()
+    assert not model_module._fuses_epilogue(two, projection)
+    assert not model_module._fuses_epilogue(one.float(), model_module.Linear(16, 8, bias=False))  # fp32: F.linear
+    assert not model_module._fuses_epilogue(one, Int8Linear(projection, torch.bfloat16))
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2: the qkv bias
+def test_one_token_forward_through_the_fused_gemvs_equals_the_unfused_kernels(architecture, request, monkeypatch):
+    """A decode step of a tiny model in bf16 with every op on its kernel, fused and unfused:
+    the same logits and the same KV cache, bit for bit."""
+    from gpu_target import model as model_module
+    from gpu_target.kv_cache import KVCachePool
+    from gpu_target.loader import load_config, load_state_dict
+    from gpu_target.model import build_model
+    from gpu_target.runner import ModelRunner, SequenceChunk
+
+    model_dir = request.getfixturevalue(f"tiny_{architecture}_dir")
+    config = load_config(model_dir)
+    dtype = torch.bfloat16
+    model = build_model(config, load_state_dict(model_dir, config, dtype, DEVICE), dtype, DEVICE)
+    runner = ModelRunner(model, KVCachePool(config, 6, 16, dtype, DEVICE), DEVICE)
+    if not CUDA:  # stream the CPU tensors through the kernels, as a GPU's would be
+        monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+    monkeypatch.setattr(fused_ops, "_wants_triton", lambda x, use_triton: True)
+    prompt = [5, 17, 42, 8, 99, 3, 61, 7, 12, 13, 40, 41, 2, 9, 77, 30, 31, 33, 28]
+    runner.forward([SequenceChunk(prompt, range(len(prompt)), [4, 1], 0, [len(prompt) - 1])])
+    decode = SequenceChunk([23], [len(prompt)], [4, 1], len(prompt), [0])  # slot 1 * 16 + 3
+    kv_before = runner.kv_pool.storage.clone()
+
+    calls = []
+    for name in ("gemv_silu_and_mul", "gemv_rotary_and_store_kv"):
+        original = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda *args, _f=original, _n=name, **kw: calls.append(_n) or _f(*args, **kw))
+    fused = runner.forward([decode])
+    fused_kv = runner.kv_pool.storage.clone()
+    assert sorted(calls) == sorted(["gemv_rotary_and_store_kv", "gemv_silu_and_mul"] * config.num_layers)
+
+    runner.kv_pool.storage.copy_(kv_before)
+    monkeypatch.setattr(model_module, "_fuses_epilogue", lambda x, projection: False)
+    unfused = runner.forward([decode])
+    assert len(calls) == 2 * config.num_layers
+    assert torch.equal(fused, unfused)
+    assert torch.equal(fused_kv, runner.kv_pool.storage)
+    assert not torch.equal(fused_kv, kv_before)
