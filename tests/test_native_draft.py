@@ -14,8 +14,10 @@ over accept / reject steps, and the fallback when the compiler is missing.
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import shutil
+import threading
 
 import pytest
 import torch
@@ -228,6 +230,28 @@ def test_a_tokens_results_do_not_depend_on_the_rest_of_its_batch(build):
         assert torch.equal(alone[0], batched[i])
         start += n
     assert torch.equal(caches[0].storage, caches[1].storage)
+
+
+def test_more_threads_than_cores_finish_and_match_one_thread(build):
+    """The phases' spinning barrier yields when threads outnumber the usable cores, so an oversubscribed
+    forward finishes; every result sums in an order fixed by the shapes alone, so it is bit-equal to one thread's."""
+    model = _model("gqa-d64-bias", torch.bfloat16)
+    native_model = NativeDraftModel.build(model, torch.bfloat16, True, extra_flags=build)
+    results = {}
+
+    def run(threads):  # in a thread of its own, so a deadlocked barrier fails the test instead of hanging it
+        torch.set_num_threads(threads)
+        results[threads] = _run_steps(native_model, model.config, STEPS)
+
+    for threads in (1, len(os.sched_getaffinity(0)) + 2):
+        worker = threading.Thread(target=run, args=(threads,), daemon=True)
+        worker.start()
+        worker.join(timeout=120)
+        assert not worker.is_alive(), f"the forward with {threads} threads did not finish"
+    (one, one_kv), (many, many_kv) = results.values()
+    for a, b in zip(one, many):
+        assert torch.equal(a, b)
+    assert torch.equal(one_kv, many_kv)
 
 
 def test_bad_inputs_raise_instead_of_reading_out_of_bounds(build):

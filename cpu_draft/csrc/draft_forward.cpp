@@ -6,7 +6,8 @@
 // `cpu_draft/slot_kv.py`. The maths is `cpu_draft/lean_model.py`'s (norm weights folded
 // into the projections, Q pre-scaled, rotary pairs adjacent); the reason for this file is
 // cost: torch runs ~28 ops per layer, each paying fork/join and dispatch, while here one
-// OpenMP parallel region covers the whole forward, with five barriers per layer:
+// OpenMP parallel region covers the whole forward, with five barriers per layer (our own spinning
+// ones, `SpinBarrier`, not OpenMP's):
 //
 //   QKV matmul (rms scale, bias, rotary, K/V store fused in its epilogue) | attention |
 //   O matmul (+= residual, partial sums of squares for the next rms) | gate_up matmul
@@ -31,11 +32,12 @@
 // per phase, computing and waiting at the closing barrier: draft_profile / draft_profile_reset,
 // read by `cpu_draft.native.read_profile` and `python -m bench.cpu_draft --profile-native`.
 //
-// Only GOMP_parallel / GOMP_barrier / omp_get_* are used (no worksharing constructs), so
+// Only GOMP_parallel / omp_get_* are used (no worksharing constructs, no OpenMP barriers), so
 // the library binds to whichever libgomp the process already has (torch's, soname
 // libgomp.so.1): one thread pool, not two fighting for the draft's cores.
 #include <omp.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
+#include <sched.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
@@ -47,6 +49,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <type_traits>
 
 namespace {
@@ -148,6 +151,53 @@ struct PhaseClock {
             const double t = now_s();
             tp->wait[phase] += t - mark;
             mark = t;
+        }
+    }
+};
+
+// The forward's threads meet here between phases: a spinning sense-reversing barrier. Each thread
+// counts itself in; the last one resets the count and bumps the generation the others spin on
+// (with `pause`). libgomp's barrier costs ~12 µs at 14 threads (it may sleep on a futex); this one
+// is a few cache-line transfers. After `spin` pauses a waiter yields its core each round, and with
+// more threads than usable cores (CI, tests) it yields at once: the thread it waits for may be
+// waiting for that core.
+constexpr int SPIN_PAUSES = 4096;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#endif
+}
+
+int usable_cpus() {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+    return int(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+class SpinBarrier {
+    alignas(64) std::atomic<int> arrived_{0};
+    alignas(64) std::atomic<int> generation_{0};  // a line of its own: arrivals do not disturb the spinners
+    const int spin_;
+
+  public:
+    explicit SpinBarrier(int spin) : spin_(spin) {}
+
+    void wait(int nt) {  // nt: the team's size, the same in every thread
+        if (nt == 1) return;
+        const int generation = generation_.load(std::memory_order_relaxed);
+        if (arrived_.fetch_add(1, std::memory_order_acq_rel) == nt - 1) {
+            arrived_.store(0, std::memory_order_relaxed);
+            generation_.store(generation + 1, std::memory_order_release);
+            return;
+        }
+        for (int spins = 0; generation_.load(std::memory_order_acquire) == generation;) {
+            if (spins < spin_) {
+                cpu_relax();
+                ++spins;
+            } else {
+                std::this_thread::yield();
+            }
         }
     }
 };
@@ -434,12 +484,20 @@ void matmul(const Matrix& W, const float* const* xr, const float* row_scale, int
     }
 }
 
-// 1 / rms of each row from the per-thread partial sums of squares [nt][T].
-inline void inverse_rms(const float* partial, int nt, int64_t T, int64_t hidden, float eps, const int64_t* rows, int64_t count, float* inv) {
+// Sum of squares of one panel's columns of a residual row, in column order.
+inline float panel_ssq(const float* r, int64_t width) {
+    float s = 0.0f;
+    for (int64_t j = 0; j < width; ++j) s += r[j] * r[j];
+    return s;
+}
+
+// 1 / rms of each row from its per-panel sums of squares [T][panels], summed in panel order: the
+// result depends neither on the thread count nor on the batch.
+inline void inverse_rms(const float* partial, int64_t panels, int64_t hidden, float eps, const int64_t* rows, int64_t count, float* inv) {
     for (int64_t i = 0; i < count; ++i) {
         const int64_t t = rows ? rows[i] : i;
         float sum = 0.0f;
-        for (int j = 0; j < nt; ++j) sum += partial[j * T + t];
+        for (int64_t j = 0; j < panels; ++j) sum += partial[t * panels + j];
         inv[i] = 1.0f / std::sqrt(sum / float(hidden) + eps);
     }
 }
@@ -574,7 +632,8 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
     auto q = buffer<float>(T * q_size);
     auto attn = buffer<float>(T * q_size);
     auto act = buffer<float>(T * I);
-    auto partial = buffer<float>(int64_t(max_threads) * T);
+    const int64_t HP = (H + VW - 1) / VW;  // panels of a residual row
+    auto partial = buffer<float>(T * HP);  // sums of squares of the residual, [T][HP]
     auto residual_rows = buffer<const float*>(T), attn_rows = buffer<const float*>(T), act_rows = buffer<const float*>(T);
     auto head_rows = buffer<const float*>(n_out);
     for (int64_t t = 0; t < T; ++t) {
@@ -585,6 +644,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
     for (int64_t i = 0; i < n_out; ++i) head_rows[i] = residual.get() + out_rows[i] * H;
     auto counters = std::unique_ptr<std::atomic<int64_t>[]>(new std::atomic<int64_t>[md.num_layers]);
     for (int64_t l = 0; l < md.num_layers; ++l) counters[l].store(0, std::memory_order_relaxed);
+    SpinBarrier barrier(max_threads <= usable_cpus() ? SPIN_PAUSES : 0);
 
 #pragma omp parallel num_threads(max_threads)
     {
@@ -592,16 +652,16 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
         PhaseClock clock(profile, tid);
         if (profile && tid == 0) g_profile_threads = std::max<int64_t>(g_profile_threads, nt);
         auto inv = buffer<float>(std::max(T, n_out));
-        auto ssq = buffer<float>(T);
         auto out = buffer<float>(NP_MAX * MT_MAX * VW);
         auto scores = buffer<float>(int64_t(group) * max_len);
         auto acc = buffer<float>(int64_t(group) * D);
-        auto publish_ssq = [&]() {
-            for (int64_t t = 0; t < T; ++t) partial[tid * T + t] = ssq[t];
+        auto end_phase = [&](int phase) {  // this thread's work of `phase` is done: wait for the others'
+            clock.computed(phase);
+            barrier.wait(nt);
+            clock.waited(phase);
         };
 
         // Embedding, and the first norm's sums of squares.
-        std::fill(ssq.get(), ssq.get() + T, 0.0f);
         for (int64_t t = T * tid / nt; t < T * (tid + 1) / nt; ++t) {
             float* r = residual.get() + t * H;
             if (md.embed_format == BF16) {
@@ -610,12 +670,9 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
             } else {
                 std::memcpy(r, static_cast<const float*>(md.embed) + ids[t] * H, sizeof(float) * H);
             }
-            ssq[t] = dot(r, r, H);
+            for (int64_t c0 = 0; c0 < H; c0 += VW) partial[t * HP + c0 / VW] = panel_ssq(r + c0, std::min<int64_t>(VW, H - c0));
         }
-        publish_ssq();
-        clock.computed(P_EMBED);
-#pragma omp barrier
-        clock.waited(P_EMBED);
+        end_phase(P_EMBED);
 
         auto add_to_residual = [&](const Matrix& W) {
             return [&, n = W.n](int64_t m0, int mt, int64_t p, int np, const float* o) {
@@ -625,24 +682,16 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                         const int64_t t = m0 + mi;
                         float* r = residual.get() + t * H + c0;
                         const float* a = o + (pi * mt + mi) * VW;
-                        float s = 0.0f;
-                        for (int64_t j = 0; j < width; ++j) {
-                            r[j] += a[j];
-                            s += r[j] * r[j];
-                        }
-                        ssq[t] += s;
+                        for (int64_t j = 0; j < width; ++j) r[j] += a[j];
+                        partial[t * HP + p + pi] = panel_ssq(r, width);
                     }
                 }
             };
         };
         // A projection added into the residual stream (with the next norm's sums of squares), then the phase's barrier.
         auto project_into_residual = [&](const Matrix& W, const float* const* rows, int phase) {
-            std::fill(ssq.get(), ssq.get() + T, 0.0f);
             matmul(W, rows, nullptr, T, tid, nt, 1, out.get(), add_to_residual(W));
-            publish_ssq();
-            clock.computed(phase);
-#pragma omp barrier
-            clock.waited(phase);
+            end_phase(phase);
         };
 
         for (int64_t l = 0; l < md.num_layers; ++l) {
@@ -651,7 +700,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
             float* vc = v_cache[l];
 
             // QKV: rms scale, bias, rotary of Q and K (adjacent pairs), Q to `q`, K/V into the cache.
-            inverse_rms(partial.get(), nt, T, H, md.eps[2 * l], nullptr, T, inv.get());
+            inverse_rms(partial.get(), HP, H, md.eps[2 * l], nullptr, T, inv.get());
             matmul(L.qkv, residual_rows.get(), inv.get(), T, tid, nt, 1, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
                 for (int pi = 0; pi < np; ++pi) {
                     const int64_t c0 = (p + pi) * VW, width = std::min<int64_t>(VW, L.qkv.n - c0);
@@ -684,9 +733,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                     }
                 }
             });
-            clock.computed(P_QKV);
-#pragma omp barrier
-            clock.waited(P_QKV);
+            end_phase(P_QKV);
 
             // Attention: items (token, KV head), handed out dynamically (lengths differ in a prefill).
             for (int64_t item; (item = counters[l].fetch_add(1, std::memory_order_relaxed)) < T * KVH;) {
@@ -701,14 +748,12 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                 else
                     attend<0>(qh, kc + kv_offset, vc + kv_offset, len, group, D, scores.get(), acc.get(), o);
             }
-            clock.computed(P_ATTN);
-#pragma omp barrier
-            clock.waited(P_ATTN);
+            end_phase(P_ATTN);
 
             project_into_residual(L.o, attn_rows.get(), P_O);
 
             // gate_up with silu(gate) * up: each unit is a (gate, up) pair of panels over the same channels.
-            inverse_rms(partial.get(), nt, T, H, md.eps[2 * l + 1], nullptr, T, inv.get());
+            inverse_rms(partial.get(), HP, H, md.eps[2 * l + 1], nullptr, T, inv.get());
             matmul(L.gate_up, residual_rows.get(), inv.get(), T, tid, nt, 2, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
                 for (int pi = 0; pi < np; pi += 2) {
                     const int64_t c0 = (p + pi) / 2 * VW, width = std::min<int64_t>(VW, I - c0);
@@ -723,15 +768,13 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                     }
                 }
             });
-            clock.computed(P_GATE_UP);
-#pragma omp barrier
-            clock.waited(P_GATE_UP);
+            end_phase(P_GATE_UP);
 
             project_into_residual(L.down, act_rows.get(), P_DOWN);
         }
 
         // Final norm of the requested rows, then the logits head.
-        inverse_rms(partial.get(), nt, T, H, md.eps[2 * md.num_layers], out_rows, n_out, inv.get());
+        inverse_rms(partial.get(), HP, H, md.eps[2 * md.num_layers], out_rows, n_out, inv.get());
         matmul(md.head, head_rows.get(), inv.get(), n_out, tid, nt, 1, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
             for (int pi = 0; pi < np; ++pi) {
                 const int64_t c0 = (p + pi) * VW, width = std::min<int64_t>(VW, md.vocab - c0);
