@@ -141,6 +141,7 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         self.num_trees_withheld = 0  # sequence-steps whose tree DraftBackoff withheld (drafts that kept missing)
         self.admission_group = max(1, config.max_num_seqs // ADMISSION_GROUP_SHARE)
+        self._last_step_speculated = False
         self._admission_held_steps = 0
         self._clock = time.perf_counter  # step timing for the controller (tests replace it)
         self._last_step_end: Optional[float] = None  # None: idle since, or nothing ran yet
@@ -299,7 +300,7 @@ class LLMEngine:
         decoding = [item for item in scheduled if item.samples and item.num_new_tokens == 1]
         decode_only = len(decoding) == len(scheduled)
         nodes_per_seq = self._attach_trees(decoding, measured=decode_only) if decoding else 0
-        speculated = nodes_per_seq > 0
+        speculated = self._last_step_speculated = nodes_per_seq > 0
         tokens_before = self.num_generation_tokens_total
         rooms = [self._length_room(item.seq) for item in scheduled] if decode_only and self.proposer is not None else []
         num_steps = self._reserve_run_ahead(scheduled) if decode_only and not speculated else 1
@@ -328,18 +329,17 @@ class LLMEngine:
         Under speculation requests finish at different steps (each accepts its own number of
         drafts), and admitting each waiting request as soon as a slot frees makes one prefill
         step per admission: an eager step (no CUDA graph) that costs several speculative
-        steps whatever its prompt. On the GPU host at batch 64 (four waves of requests,
-        drafts right 60 % of the time) those steps took 37 % of the time and delivered a
-        sixth of a speculative step's tokens/s. So an engine with a proposer holds waiting
-        requests until `admission_group` slots are free, or for at most
-        MAX_ADMISSION_HOLD_STEPS steps, also between speculative steps (where the controller
-        chose plain decoding for a while, the requests still finish unevenly). Nothing is
-        held while nothing runs, nor below ADMISSION_GROUP_SHARE slots (groups of one).
+        steps whatever its prompt. On the GPU host at batch 64 (four waves of requests, drafts
+        right 60 % of the time) those steps took 37 % of the time and delivered a sixth of a
+        speculative step's tokens/s. Held until `admission_group` slots are free, or for at
+        most MAX_ADMISSION_HOLD_STEPS steps; never after a plain step (plain decoding keeps
+        requests of equal length in step) nor while nothing runs. Below
+        ADMISSION_GROUP_SHARE slots the group is one request: nothing is held.
         """
         scheduler = self.scheduler
         free = scheduler.max_num_seqs - len(scheduler.running)
         hold = (
-            self.proposer is not None
+            self._last_step_speculated
             and bool(scheduler.waiting)
             and bool(scheduler.running)
             and 0 < free < self.admission_group
