@@ -35,7 +35,7 @@ from bench._cuda_timing import median_replay_ms
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from hetero.config import EngineConfig
-from hetero.engine import LLMEngine
+from hetero.engine import ADMISSION_GROUP_SHARE, LLMEngine
 from hetero.protocols import TokenTree
 from hetero.sampling_params import SamplingParams
 
@@ -345,7 +345,8 @@ def bench_verify(model_dir, tree_sizes, batches, prompt_len, rows):
     del engine
 
 
-def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, prompt_len, new_tokens, repeats, rows, waves=1):
+def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, prompt_len, new_tokens, repeats, rows, waves=1,
+               admission_groups=(None,)):
     vocab = LLAMA3_8B["vocab_size"]
     oracle = ChainOracle([], k=k, p=0.0, vocab=vocab, target_parallelism=target_parallelism)
     engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=k)
@@ -360,7 +361,8 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
         oracle.p, engine.proposer = 0.5, oracle
         engine.spec_control = type(engine.spec_control)(k, target_parallelism, always_speculate=True)
         timed_decode(engine, prompts, 16)
-        for p in probabilities:
+        for group, p in [(g, p) for g in admission_groups for p in probabilities]:
+            engine.admission_group = group or max(1, batch // ADMISSION_GROUP_SHARE)
             oracle.p = p
             engine.spec_control = type(engine.spec_control)(k, target_parallelism)  # learns across the repeats
             plain_runs, spec_runs, steps, accepted, matching, outputs = [], [], 0, 0, 0, 0
@@ -379,7 +381,7 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
                 steps += engine.spec_stats.num_steps - before[0]
                 accepted += engine.spec_stats.num_accepted_tokens - before[1]
             plain, spec = float(np.median(plain_runs)), float(np.median(spec_runs))
-            rows.append(dict(section="spec", batch=batch, waves=waves, draft_p=p, k=k, repeats=repeats,
+            rows.append(dict(section="spec", batch=batch, waves=waves, admission_group=engine.admission_group, draft_p=p, k=k, repeats=repeats,
                              spec_seq_steps=steps, mean_accepted_length=round((accepted + steps) / max(steps, 1), 2),
                              same_tokens_as_plain=f"{matching}/{outputs}",
                              tokens_per_s=round(spec, 1), plain_tokens_per_s=round(plain, 1),
@@ -435,6 +437,9 @@ def main(argv=None) -> None:
     parser.add_argument("--spec-k", type=int, default=8)
     parser.add_argument("--target-parallelism", type=int, default=64, help="tree nodes per step over the batch")
     parser.add_argument("--repeats", type=int, default=3, help="alternating plain/speculative runs per spec point")
+    parser.add_argument("--admission-groups", default="auto",
+                        help="free slots a speculating engine waits for before admitting (see LLMEngine._hold_admissions), "
+                             "comma-separated values side by side; auto: the engine's share of the batch")
     parser.add_argument("--waves", type=int, default=1, help="requests per slot in the decode and spec sections (1: a closed batch)")
     args = parser.parse_args(argv)
     sections = set(args.sections.split(","))
@@ -460,7 +465,8 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
     if "spec" in sections:
         bench_spec(model_dir, truth, batches, [float(p) for p in args.draft_p.split(",")], args.spec_k, args.target_parallelism,
-                   args.prompt_len, args.new_tokens, args.repeats, rows, args.waves)
+                   args.prompt_len, args.new_tokens, args.repeats, rows, args.waves,
+                   [None if g == "auto" else int(g) for g in args.admission_groups.split(",")])
         gc.collect()
         torch.cuda.empty_cache()
     if "hf" in sections:
