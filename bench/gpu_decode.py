@@ -35,7 +35,7 @@ from bench._cuda_timing import median_replay_ms
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from hetero.config import EngineConfig
-from hetero.engine import ADMISSION_GROUP_SHARE, LLMEngine
+from hetero.engine import LLMEngine
 from hetero.protocols import TokenTree
 from hetero.sampling_params import SamplingParams
 
@@ -87,6 +87,25 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
 
+TRITON_COMPILES = [0]  # kernel variants built in this process (see `count_triton_compiles`)
+
+
+def count_triton_compiles() -> None:
+    """Count every Triton kernel variant built from now on (a first use of a specialisation
+    compiles it, which inside a timed run is a stall of a second or more)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    previous = knobs.runtime.jit_cache_hook
+
+    def on_cache_miss(*args, **kwargs):
+        TRITON_COMPILES[0] += 1
+        return previous(*args, **kwargs) if previous else False
+
+    knobs.runtime.jit_cache_hook = on_cache_miss
+
+
 class StepKinds:
     """Labels each engine step by what the device ran, and sums time and tokens per label.
 
@@ -100,6 +119,7 @@ class StepKinds:
         self.seconds: dict[str, float] = {}
         self.tokens: dict[str, int] = {}
         self.steps: dict[str, int] = {}
+        self.compiles: dict[str, int] = {}
         runner = engine.runner
         forward, decode_steps = runner.forward, runner.decode_steps
 
@@ -116,18 +136,22 @@ class StepKinds:
         runner.forward, runner.decode_steps = labelled_forward, labelled_decode_steps
 
     def reset(self) -> None:
-        self.seconds, self.tokens, self.steps = {}, {}, {}
+        self.seconds, self.tokens, self.steps, self.compiles = {}, {}, {}, {}
 
-    def record(self, seconds: float, tokens: int) -> None:
+    def record(self, seconds: float, tokens: int, compiles: int = 0) -> None:
+        if compiles:
+            self.compiles[self.kind] = self.compiles.get(self.kind, 0) + compiles
         self.seconds[self.kind] = self.seconds.get(self.kind, 0.0) + seconds
         self.tokens[self.kind] = self.tokens.get(self.kind, 0) + tokens
         self.steps[self.kind] = self.steps.get(self.kind, 0) + 1
 
     def summary(self) -> str:
-        """Per label: share of the time @ tokens per second within those steps / mean ms per step."""
+        """Per label: share of the time @ tokens per second within those steps / mean ms per step
+        (+N compiled: Triton kernel variants built during those steps)."""
         total = sum(self.seconds.values()) or 1.0
         return " ".join(f"{kind} {self.seconds[kind] / total:.2f}@{self.tokens[kind] / max(self.seconds[kind], 1e-9):.0f}"
-                        f"/{1e3 * self.seconds[kind] / self.steps[kind]:.1f}ms" for kind in sorted(self.seconds))
+                        f"/{1e3 * self.seconds[kind] / self.steps[kind]:.1f}ms"
+                        + (f"+{self.compiles[kind]}compiled" if kind in self.compiles else "") for kind in sorted(self.seconds))
 
 
 def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int, kinds: StepKinds | None = None) -> tuple[float, int, dict]:
@@ -147,12 +171,13 @@ def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int, kinds:
     torch.cuda.synchronize()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        step_start, tokens_before = time.perf_counter(), engine.num_generation_tokens_total
+        step_start, tokens_before, compiles_before = time.perf_counter(), engine.num_generation_tokens_total, TRITON_COMPILES[0]
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
         if kinds is not None:
-            kinds.record(time.perf_counter() - step_start, engine.num_generation_tokens_total - tokens_before)
+            kinds.record(time.perf_counter() - step_start, engine.num_generation_tokens_total - tokens_before,
+                         TRITON_COMPILES[0] - compiles_before)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     tokens = sum(len(v) for v in outputs.values()) - done_before
@@ -345,8 +370,7 @@ def bench_verify(model_dir, tree_sizes, batches, prompt_len, rows):
     del engine
 
 
-def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, prompt_len, new_tokens, repeats, rows, waves=1,
-               admission_groups=(None,)):
+def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, prompt_len, new_tokens, repeats, rows, waves=1):
     vocab = LLAMA3_8B["vocab_size"]
     oracle = ChainOracle([], k=k, p=0.0, vocab=vocab, target_parallelism=target_parallelism)
     engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=k)
@@ -361,8 +385,7 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
         oracle.p, engine.proposer = 0.5, oracle
         engine.spec_control = type(engine.spec_control)(k, target_parallelism, always_speculate=True)
         timed_decode(engine, prompts, 16)
-        for group, p in [(g, p) for g in admission_groups for p in probabilities]:
-            engine.admission_group = group or max(1, batch // ADMISSION_GROUP_SHARE)
+        for p in probabilities:
             oracle.p = p
             engine.spec_control = type(engine.spec_control)(k, target_parallelism)  # learns across the repeats
             plain_runs, spec_runs, steps, accepted, matching, outputs = [], [], 0, 0, 0, 0
@@ -381,7 +404,7 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
                 steps += engine.spec_stats.num_steps - before[0]
                 accepted += engine.spec_stats.num_accepted_tokens - before[1]
             plain, spec = float(np.median(plain_runs)), float(np.median(spec_runs))
-            rows.append(dict(section="spec", batch=batch, waves=waves, admission_group=engine.admission_group, draft_p=p, k=k, repeats=repeats,
+            rows.append(dict(section="spec", batch=batch, waves=waves, draft_p=p, k=k, repeats=repeats,
                              spec_seq_steps=steps, mean_accepted_length=round((accepted + steps) / max(steps, 1), 2),
                              same_tokens_as_plain=f"{matching}/{outputs}",
                              tokens_per_s=round(spec, 1), plain_tokens_per_s=round(plain, 1),
@@ -437,9 +460,6 @@ def main(argv=None) -> None:
     parser.add_argument("--spec-k", type=int, default=8)
     parser.add_argument("--target-parallelism", type=int, default=64, help="tree nodes per step over the batch")
     parser.add_argument("--repeats", type=int, default=3, help="alternating plain/speculative runs per spec point")
-    parser.add_argument("--admission-groups", default="auto",
-                        help="free slots a speculating engine waits for before admitting (see LLMEngine._hold_admissions), "
-                             "comma-separated values side by side; auto: the engine's share of the batch")
     parser.add_argument("--waves", type=int, default=1, help="requests per slot in the decode and spec sections (1: a closed batch)")
     args = parser.parse_args(argv)
     sections = set(args.sections.split(","))
@@ -449,6 +469,7 @@ def main(argv=None) -> None:
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(LLAMA3_8B, f)
     device = torch.device("cuda")
+    count_triton_compiles()
     bandwidth = copy_bandwidth(device)
     rows: list[dict] = [dict(section="machine", what="copy_bandwidth_TBps", value=round(bandwidth / 1e12, 3))]
     print(rows[-1], flush=True)
@@ -465,8 +486,7 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
     if "spec" in sections:
         bench_spec(model_dir, truth, batches, [float(p) for p in args.draft_p.split(",")], args.spec_k, args.target_parallelism,
-                   args.prompt_len, args.new_tokens, args.repeats, rows, args.waves,
-                   [None if g == "auto" else int(g) for g in args.admission_groups.split(",")])
+                   args.prompt_len, args.new_tokens, args.repeats, rows, args.waves)
         gc.collect()
         torch.cuda.empty_cache()
     if "hf" in sections:

@@ -43,10 +43,6 @@ _CPU_DEFAULT_KV_GIB = 4.0
 _GPU_ACTIVATION_RESERVE_GIB = 4.0  # activations and CUDA-graph pools
 _DEFAULT_TREE_NODES = 16
 _DEFAULT_TARGET_PARALLELISM = 64
-# While speculating, admit waiting requests once 1/ADMISSION_GROUP_SHARE of the slots are free,
-# or after MAX_ADMISSION_HOLD_STEPS steps of holding them (see `_hold_admissions`).
-ADMISSION_GROUP_SHARE = 4
-MAX_ADMISSION_HOLD_STEPS = 8
 
 
 @dataclass
@@ -140,9 +136,6 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_pool, self.device, self._attention_fn(), graph_runner)
         self.spec_stats = SpecStats()
         self.num_trees_withheld = 0  # sequence-steps whose tree DraftBackoff withheld (drafts that kept missing)
-        self.admission_group = max(1, config.max_num_seqs // ADMISSION_GROUP_SHARE)
-        self._last_step_speculated = False
-        self._admission_held_steps = 0
         self._clock = time.perf_counter  # step timing for the controller (tests replace it)
         self._last_step_end: Optional[float] = None  # None: idle since, or nothing ran yet
         self.groups: dict[str, SequenceGroup] = {}
@@ -287,7 +280,7 @@ class LLMEngine:
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         started = self._clock()
-        scheduled = self.scheduler.schedule(admit=not self._hold_admissions())
+        scheduled = self.scheduler.schedule()
         if not scheduled:
             self._last_step_end = None  # idle: the wait before the next step is not work
             return []
@@ -300,7 +293,7 @@ class LLMEngine:
         decoding = [item for item in scheduled if item.samples and item.num_new_tokens == 1]
         decode_only = len(decoding) == len(scheduled)
         nodes_per_seq = self._attach_trees(decoding, measured=decode_only) if decoding else 0
-        speculated = self._last_step_speculated = nodes_per_seq > 0
+        speculated = nodes_per_seq > 0
         tokens_before = self.num_generation_tokens_total
         rooms = [self._length_room(item.seq) for item in scheduled] if decode_only and self.proposer is not None else []
         num_steps = self._reserve_run_ahead(scheduled) if decode_only and not speculated else 1
@@ -322,31 +315,6 @@ class LLMEngine:
             self.spec_control.record_step(len(scheduled), speculated, emitted, self._step_seconds(started, finished))
         self._last_step_end = finished
         return outputs
-
-    def _hold_admissions(self) -> bool:
-        """Whether waiting requests wait one more step, so that they are admitted in a group.
-
-        Under speculation requests finish at different steps (each accepts its own number of
-        drafts), and admitting each waiting request as soon as a slot frees makes one prefill
-        step per admission: an eager step (no CUDA graph) that costs several speculative
-        steps whatever its prompt. On the GPU host at batch 64 (four waves of requests, drafts
-        right 60 % of the time) those steps took 37 % of the time and delivered a sixth of a
-        speculative step's tokens/s. Held until `admission_group` slots are free, or for at
-        most MAX_ADMISSION_HOLD_STEPS steps; never after a plain step (plain decoding keeps
-        requests of equal length in step) nor while nothing runs. Below
-        ADMISSION_GROUP_SHARE slots the group is one request: nothing is held.
-        """
-        scheduler = self.scheduler
-        free = scheduler.max_num_seqs - len(scheduler.running)
-        hold = (
-            self._last_step_speculated
-            and bool(scheduler.waiting)
-            and bool(scheduler.running)
-            and 0 < free < self.admission_group
-            and self._admission_held_steps < MAX_ADMISSION_HOLD_STEPS
-        )
-        self._admission_held_steps = self._admission_held_steps + 1 if hold else 0
-        return hold
 
     def _step_seconds(self, started: float, finished: float) -> float:
         """A step's cost: from the previous step's end while the engine is busy, else its own time.

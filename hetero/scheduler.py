@@ -133,8 +133,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self, admit: bool = True) -> list[ScheduledSeq]:
-        """This step's work: the running sequences', then (if `admit`) waiting ones' while room lasts."""
+    def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
         scheduled: list[ScheduledSeq] = []
@@ -148,7 +147,7 @@ class Scheduler:
             budget -= num_new
         # A step that had to preempt admits nobody: the freed blocks went to the running
         # sequences, and re-admitting the victim at once would only thrash the cache.
-        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.num_preemptions == preemptions_before:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.num_preemptions == preemptions_before:
             seq = self.waiting[0]
             # Cached blocks have no logits to score a prompt with, so prompt_logprobs skips them.
             if self.allocator.enable_prefix_caching and seq.params.prompt_logprobs is None:

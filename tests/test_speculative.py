@@ -200,35 +200,6 @@ def test_steps_that_admit_a_request_verify_the_running_trees(tiny_llama_dir, tru
     assert engine.scheduler.allocator.num_free == engine.kv_pool.num_blocks
 
 
-def test_admissions_wait_for_a_group_of_free_slots_while_speculating(tiny_llama_dir, truth):
-    """Under speculation requests finish at different steps, and each admission would be a
-    prefill step of its own: with groups of 3 (of 4 slots) there are far fewer, and the
-    outputs stay plain decoding's."""
-
-    def prefill_steps(group: int) -> int:
-        proposer = OracleProposer(truth, "chain", 4, 0.7, vocab=320, seed=5)
-        llm = speculative_llm(tiny_llama_dir, proposer, max_num_seqs=4)
-        engine = llm.llm_engine
-        engine.spec_control.always_speculate = True
-        engine.admission_group = group
-        count = 0
-        forward = engine.runner.forward
-
-        def spy(chunks):
-            nonlocal count
-            count += any(len(c.token_ids) > 1 and c.tree_mask is None for c in chunks)
-            return forward(chunks)
-
-        engine.runner.forward = spy
-        for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False):
-            assert out.outputs[0].token_ids == truth[tuple(out.prompt_token_ids)]
-        return count
-
-    one_by_one, grouped = prefill_steps(1), prefill_steps(3)
-    assert one_by_one >= 1 + (len(PROMPTS) - 4) // 2  # the first batch, then mostly one or two at a time
-    assert grouped <= one_by_one - 3
-
-
 def test_kv_cache_after_speculation_matches_plain(tiny_llama_dir, truth):
     """Rejected nodes leave no trace; accepted ones sit where plain decoding puts them, bit for bit.
 
