@@ -121,7 +121,7 @@ def _rounded_reference(model, weight_format: str, head_format: str, bf16_pairs: 
     return lean
 
 
-def _run_steps(forward, config, steps):
+def _run_steps(forward, config, steps, reserve: int = 64):
     """Runs ``forward`` over ``steps`` of (slots, cached lengths, new tokens) on a fresh slot cache.
 
     Returns each step's logits and the final K/V storage.
@@ -129,7 +129,7 @@ def _run_steps(forward, config, steps):
     cache = SlotKVCache(config, torch.float32, 1 << 26, config.max_position_embeddings)
     handles = [SlotHandle() for _ in range(6)]
     for h in handles:
-        assert cache.reserve(h, 64)
+        assert cache.reserve(h, reserve)
     generator = torch.Generator().manual_seed(1)
     outputs = []
     for slot_ids, cached, query_lens in steps:
@@ -188,6 +188,40 @@ def test_logits_and_kv_match_the_lean_forward(build, shape, precision):
     for g, w in zip(got, want):
         assert ((g - w).norm() / w.norm()).item() < tolerance
     assert ((got_kv - want_kv).norm() / want_kv.norm()).item() < tolerance
+
+
+ATTN_CHUNK = 64  # csrc/draft_forward.cpp's positions per attention chunk
+# Prefills that end one short of a chunk, on it, one past it and a few chunks in (their tokens see
+# every length up to 200), then decode steps at lengths around the boundaries.
+CHUNK_STEPS = [
+    ([0, 1, 2, 3], [0, 0, 0, 0], [ATTN_CHUNK - 1, ATTN_CHUNK, ATTN_CHUNK + 1, 200]),
+    ([0, 1, 2, 3], [ATTN_CHUNK - 1, ATTN_CHUNK, ATTN_CHUNK + 1, 200], [1, 1, 1, 1]),
+    ([3, 1, 0], [201, ATTN_CHUNK + 1, ATTN_CHUNK], [1, ATTN_CHUNK - 1, 1]),  # slot 1 ends on two whole chunks
+]
+
+
+@pytest.mark.parametrize("shape", ["gqa", "gqa-d64-bias"])  # head dims 16 (generic chunk code) and 64 (blocked)
+def test_attention_in_chunks_matches_the_lean_forward_around_chunk_boundaries(build, shape):
+    model = _model(shape, torch.float32)
+    native_model = NativeDraftModel.build(model, torch.float32, extra_flags=build)
+    got, got_kv = _run_steps(native_model, model.config, CHUNK_STEPS, reserve=208)
+    want, want_kv = _run_steps(LeanDraftModel(model, torch.float32), model.config, CHUNK_STEPS, reserve=208)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_kv, want_kv, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_is_the_same_whether_its_chunks_are_split_over_threads_or_not():
+    """Past a memory budget each (token, KV head) is one item; its chunks are merged the same way, bit for bit."""
+    model = _model("gqa-d64-bias", torch.float32)
+    split = NativeDraftModel.build(model, torch.float32, extra_flags=BUILDS["native"])
+    whole = NativeDraftModel.build(model, torch.float32, extra_flags=(*BUILDS["native"], "-DDRAFT_SPLIT_BUDGET=0"))
+    assert split.library is not whole.library
+    got, got_kv = _run_steps(split, model.config, CHUNK_STEPS, reserve=208)
+    want, want_kv = _run_steps(whole, model.config, CHUNK_STEPS, reserve=208)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.equal(got_kv, want_kv)
 
 
 def test_int8_logits_head_adds_little_to_the_projections_error(build):

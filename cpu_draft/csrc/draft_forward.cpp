@@ -28,6 +28,14 @@
 // each output element is summed in the same order whatever the batch: a token's result
 // does not depend on the other tokens of its forward.
 //
+// Attention runs in chunks of ATTN_CHUNK (64) positions. A decode batch has few (token, KV head)
+// pairs for many threads (24 at batch 8 for 14), so each chunk of a pair is an item handed out
+// dynamically; it leaves a partial (its maximum score, sum of exponentials and exp-weighted values)
+// and the pair's last chunk to finish merges the partials in chunk order. Past a memory budget (long
+// prefills) a pair's chunks run in turn on one thread, merged the same way. Chunk bounds are fixed
+// positions, and the rms sums of squares are summed per panel in panel order, so a token's results
+// depend neither on its batch nor on the thread count.
+//
 // HETERO_NATIVE_PROFILE=1 (read once at load; draft_profile_enable switches it) sums each thread's time
 // per phase, computing and waiting at the closing barrier: draft_profile / draft_profile_reset,
 // read by `cpu_draft.native.read_profile` and `python -m bench.cpu_draft --profile-native`.
@@ -532,17 +540,35 @@ inline void reduce_step(vf* a) {
     }
 }
 
-// Attention of token t's `group` query heads (sharing KV head g) over storage indices 0..len-1.
+// Attention is computed in chunks of ATTN_CHUNK positions: each chunk of a (token, KV head) yields a
+// partial, [group][D] sums of exp(score - chunk max) * value, then [group] chunk maxima, then [group]
+// sums of exp(score - chunk max); `merge_chunks` combines a (token, KV head)'s partials in chunk order.
+// The chunk size is fixed, so whether chunks run on one thread or many, a token's attention is the same.
+constexpr int64_t ATTN_CHUNK = 64;
+// Floats of chunk partials a forward may keep to hand chunks out one by one (decode batches, short
+// prefills); past it each (token, KV head) is one item whose chunks one thread computes in turn.
+// (-DDRAFT_SPLIT_BUDGET=0 builds the library that never splits, for tests.)
+#ifndef DRAFT_SPLIT_BUDGET
+#define DRAFT_SPLIT_BUDGET (int64_t(1) << 20)
+#endif
+constexpr int64_t SPLIT_BUDGET = DRAFT_SPLIT_BUDGET;
+
+// The partial of `group` query heads q (sharing one KV head) over n <= ATTN_CHUNK keys and values.
+// scores: [group][ATTN_CHUNK] scratch.
 template <int DC>
-void attend(const float* q, const float* keys, const float* values, int64_t len, int group, int64_t d_runtime, float* scores, float* acc, float* out) {
+void attend_chunk(const float* q, const float* keys, const float* values, int64_t n, int group, int64_t d_runtime, float* scores,
+                  float* partial) {
     const int64_t D = DC ? DC : d_runtime;
+    float* acc = partial;
+    float* maxima = partial + group * D;
+    float* sums = maxima + group;
     int64_t start = 0;
     if constexpr (DC > 0 && DC % VW == 0) {  // blocks of VW keys: VW dot products summed by one tree
         constexpr int C = DC / VW;
         for (int h = 0; h < group; ++h) {
             vf qv[C];
             std::memcpy(qv, q + h * DC, sizeof qv);
-            for (int64_t j0 = 0; j0 + VW <= len; j0 += VW) {
+            for (int64_t j0 = 0; j0 + VW <= n; j0 += VW) {
                 vf parts[VW];
                 for (int i = 0; i < VW; ++i) {
                     const float* k = keys + (j0 + BITREV[i]) * DC;
@@ -551,39 +577,78 @@ void attend(const float* q, const float* keys, const float* values, int64_t len,
                     parts[i] = a;
                 }
                 reduce_step(parts);
-                std::memcpy(scores + h * len + j0, &parts[0], sizeof(vf));
+                std::memcpy(scores + h * ATTN_CHUNK + j0, &parts[0], sizeof(vf));
             }
         }
-        start = len / VW * VW;
+        start = n / VW * VW;
     }
-    for (int64_t j = start; j < len; ++j) {
+    for (int64_t j = start; j < n; ++j) {
         const float* k = keys + j * D;
-        for (int h = 0; h < group; ++h) {
-            const float* qh = q + h * D;
-            scores[h * len + j] = dot(qh, k, D);
-        }
+        for (int h = 0; h < group; ++h) scores[h * ATTN_CHUNK + j] = dot(q + h * D, k, D);
     }
     for (int h = 0; h < group; ++h) {
-        float* sc = scores + h * len;
+        float* sc = scores + h * ATTN_CHUNK;
         float mx = sc[0];
-        for (int64_t j = 1; j < len; ++j) mx = std::max(mx, sc[j]);
+        for (int64_t j = 1; j < n; ++j) mx = std::max(mx, sc[j]);
 #pragma omp simd
-        for (int64_t j = 0; j < len; ++j) sc[j] = exp_approx(sc[j] - mx);
-        const float inv = 1.0f / sum(sc, len);
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) sc[j] *= inv;
-        std::memset(acc + h * D, 0, sizeof(float) * D);
+        for (int64_t j = 0; j < n; ++j) sc[j] = exp_approx(sc[j] - mx);
+        maxima[h] = mx;
+        sums[h] = sum(sc, n);
     }
-    for (int64_t j = 0; j < len; ++j) {
-        const float* v = values + j * D;
+    if constexpr (DC > 0 && DC % VW == 0) {  // each head's sums in registers over the chunk's values
+        constexpr int C = DC / VW;
         for (int h = 0; h < group; ++h) {
-            const float p = scores[h * len + j];
-            float* a = acc + h * D;
+            const float* sc = scores + h * ATTN_CHUNK;
+            vf a[C] = {};
+            for (int64_t j = 0; j < n; ++j)
+                for (int c = 0; c < C; ++c) a[c] += sc[j] * load_w(values + j * DC + c * VW);
+            std::memcpy(acc + h * DC, a, sizeof a);
+        }
+    } else {
+        std::memset(acc, 0, sizeof(float) * group * D);
+        for (int64_t j = 0; j < n; ++j) {
+            const float* v = values + j * D;
+            for (int h = 0; h < group; ++h) {
+                const float p = scores[h * ATTN_CHUNK + j];
+                float* a = acc + h * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+                for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+            }
         }
     }
-    std::memcpy(out, acc, sizeof(float) * group * D);
+}
+
+// out [group][D]: the softmax-weighted values from a (token, KV head)'s chunk partials, in chunk order.
+inline void merge_chunks(const float* partials, int64_t chunks, int group, int64_t D, float* out) {
+    const int64_t size = group * (D + 2);
+    for (int h = 0; h < group; ++h) {
+        float mx = partials[group * D + h];
+        for (int64_t c = 1; c < chunks; ++c) mx = std::max(mx, partials[c * size + group * D + h]);
+        float* o = out + h * D;
+        std::memset(o, 0, sizeof(float) * D);
+        float total = 0.0f;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const float* part = partials + c * size;
+            const float w = exp_approx(part[group * D + h] - mx);
+            total += w * part[group * D + group + h];
+            const float* a = part + h * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+}
+
+inline void attend_chunk_any(const float* q, const float* keys, const float* values, int64_t n, int group, int64_t D, float* scores,
+                             float* partial) {
+    if (D == 64)
+        attend_chunk<64>(q, keys, values, n, group, D, scores, partial);
+    else if (D == 128)
+        attend_chunk<128>(q, keys, values, n, group, D, scores, partial);
+    else
+        attend_chunk<0>(q, keys, values, n, group, D, scores, partial);
 }
 
 template <typename T>
@@ -644,6 +709,22 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
     for (int64_t i = 0; i < n_out; ++i) head_rows[i] = residual.get() + out_rows[i] * H;
     auto counters = std::unique_ptr<std::atomic<int64_t>[]>(new std::atomic<int64_t>[md.num_layers]);
     for (int64_t l = 0; l < md.num_layers; ++l) counters[l].store(0, std::memory_order_relaxed);
+
+    // Attention work: (token, KV head) tg = t * KVH + g has chunks first_chunk[tg] .. first_chunk[tg + 1] - 1.
+    const int64_t pairs = T * KVH, partial_size = group * (D + 2);
+    auto first_chunk = buffer<int64_t>(pairs + 1);
+    first_chunk[0] = 0;
+    for (int64_t tg = 0; tg < pairs; ++tg) first_chunk[tg + 1] = first_chunk[tg] + (kv_pos[tg / KVH] + ATTN_CHUNK) / ATTN_CHUNK;
+    const int64_t total_chunks = first_chunk[pairs];
+    const bool split = total_chunks * partial_size <= SPLIT_BUDGET;
+    const int64_t items = split ? total_chunks : pairs;
+    auto item_pair = buffer<int32_t>(split ? total_chunks : 0);
+    auto chunk_partials = buffer<float>(split ? total_chunks * partial_size : 0);
+    auto chunks_done = std::unique_ptr<std::atomic<int32_t>[]>(new std::atomic<int32_t>[pairs]);
+    for (int64_t tg = 0; tg < pairs; ++tg) {
+        chunks_done[tg].store(0, std::memory_order_relaxed);
+        if (split) std::fill(item_pair.get() + first_chunk[tg], item_pair.get() + first_chunk[tg + 1], int32_t(tg));
+    }
     SpinBarrier barrier(max_threads <= usable_cpus() ? SPIN_PAUSES : 0);
 
 #pragma omp parallel num_threads(max_threads)
@@ -653,8 +734,8 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
         if (profile && tid == 0) g_profile_threads = std::max<int64_t>(g_profile_threads, nt);
         auto inv = buffer<float>(std::max(T, n_out));
         auto out = buffer<float>(NP_MAX * MT_MAX * VW);
-        auto scores = buffer<float>(int64_t(group) * max_len);
-        auto acc = buffer<float>(int64_t(group) * D);
+        auto scores = buffer<float>(group * ATTN_CHUNK);
+        auto own_partials = buffer<float>(split ? 0 : (max_len + ATTN_CHUNK - 1) / ATTN_CHUNK * partial_size);
         auto end_phase = [&](int phase) {  // this thread's work of `phase` is done: wait for the others'
             clock.computed(phase);
             barrier.wait(nt);
@@ -735,18 +816,25 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
             });
             end_phase(P_QKV);
 
-            // Attention: items (token, KV head), handed out dynamically (lengths differ in a prefill).
-            for (int64_t item; (item = counters[l].fetch_add(1, std::memory_order_relaxed)) < T * KVH;) {
-                const int64_t t = item / KVH, g = item % KVH, len = kv_pos[t] + 1;
-                const int64_t kv_offset = (slots[t] * KVH + g) * capacity * D;
+            // Attention: items handed out dynamically, a chunk of a (token, KV head) each, or a whole
+            // (token, KV head) past SPLIT_BUDGET; the last chunk of a (token, KV head) to finish merges them.
+            for (int64_t item; (item = counters[l].fetch_add(1, std::memory_order_relaxed)) < items;) {
+                const int64_t tg = split ? item_pair[item] : item, t = tg / KVH, g = tg % KVH;
+                const int64_t kv_offset = (slots[t] * KVH + g) * capacity * D, len = kv_pos[t] + 1;
                 const float* qh = q.get() + t * q_size + g * group * D;
                 float* o = attn.get() + t * q_size + g * group * D;
-                if (D == 64)
-                    attend<64>(qh, kc + kv_offset, vc + kv_offset, len, group, D, scores.get(), acc.get(), o);
-                else if (D == 128)
-                    attend<128>(qh, kc + kv_offset, vc + kv_offset, len, group, D, scores.get(), acc.get(), o);
-                else
-                    attend<0>(qh, kc + kv_offset, vc + kv_offset, len, group, D, scores.get(), acc.get(), o);
+                const int64_t chunks = first_chunk[tg + 1] - first_chunk[tg];
+                const int64_t c0 = split ? item - first_chunk[tg] : 0, c1 = split ? c0 + 1 : chunks;
+                float* parts = split ? chunk_partials.get() + first_chunk[tg] * partial_size : own_partials.get();
+                for (int64_t c = c0; c < c1; ++c) {
+                    const int64_t j0 = c * ATTN_CHUNK, n = std::min(ATTN_CHUNK, len - j0);
+                    attend_chunk_any(qh, kc + kv_offset + j0 * D, vc + kv_offset + j0 * D, n, group, D, scores.get(), parts + c * partial_size);
+                }
+                if (split && chunks > 1) {
+                    if (chunks_done[tg].fetch_add(1, std::memory_order_acq_rel) != chunks - 1) continue;
+                    chunks_done[tg].store(0, std::memory_order_relaxed);  // for the next layer, which reads it after barriers
+                }
+                merge_chunks(parts, chunks, group, D, o);
             }
             end_phase(P_ATTN);
 
