@@ -112,9 +112,11 @@ def _build_and_load(compiler: str, flags: tuple[str, ...], directory: Path) -> O
         library = ctypes.CDLL(str(path))
         library.draft_vector_width.restype = ctypes.c_int64
         library.draft_bf16_pairs.restype = ctypes.c_int64
+        library.draft_int8_quads.restype = ctypes.c_int64
         library.draft_forward.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         library.draft_forward.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr]
+        library.draft_matmul.argtypes = [ptr, i64, ptr, ptr, i64, ptr]
         library.draft_profile_enable.argtypes = [i64]
         library.draft_profile_enabled.restype = i64
         library.draft_profile_names.restype = ctypes.c_char_p

