@@ -287,24 +287,26 @@ def _gemv_rotary_kv_kernel(x_ptr, w_ptr, bias_ptr, q_out_ptr, k_cache_ptr, v_cac
     position = tl.load(positions_ptr).to(tl.int64)
     cos = tl.load(cos_ptr + position * stride_cos + d).to(tl.float32)
     sin = tl.load(sin_ptr + position * stride_sin + d).to(tl.float32)
+    # Each branch names its own pointers: Triton requires a name assigned in both branches of
+    # an `if` to have one type, and a cache of another dtype than q's makes them differ.
     if head < num_heads:
-        first, second = fused_ops._rotate_half(x1, x2, cos, sin)
-        dst = q_out_ptr + head * head_dim + d
-        tl.store(dst, first)
-        tl.store(dst + half, second)
+        q_first, q_second = fused_ops._rotate_half(x1, x2, cos, sin)
+        q_dst = q_out_ptr + head * head_dim + d
+        tl.store(q_dst, q_first)
+        tl.store(q_dst + half, q_second)
     else:
         slot = tl.load(slots_ptr).to(tl.int64)
         if head < num_heads + num_kv_heads:
-            first, second = fused_ops._rotate_half(x1, x2, cos, sin)
-            dst = k_cache_ptr + (slot * num_kv_heads + head - num_heads) * head_dim + d
+            k_first, k_second = fused_ops._rotate_half(x1, x2, cos, sin)
+            k_dst = k_cache_ptr + (slot * num_kv_heads + head - num_heads) * head_dim + d
             cache_dtype = k_cache_ptr.dtype.element_ty
-            tl.store(dst, first.to(cache_dtype))
-            tl.store(dst + half, second.to(cache_dtype))
+            tl.store(k_dst, k_first.to(cache_dtype))
+            tl.store(k_dst + half, k_second.to(cache_dtype))
         else:
-            dst = v_cache_ptr + (slot * num_kv_heads + head - num_heads - num_kv_heads) * head_dim + d
+            v_dst = v_cache_ptr + (slot * num_kv_heads + head - num_heads - num_kv_heads) * head_dim + d
             value_dtype = v_cache_ptr.dtype.element_ty
-            tl.store(dst, x1.to(value_dtype))
-            tl.store(dst + half, x2.to(value_dtype))
+            tl.store(v_dst, x1.to(value_dtype))
+            tl.store(v_dst + half, x2.to(value_dtype))
 
 
 def skinny_tile(n: int, block_m: int) -> dict:
