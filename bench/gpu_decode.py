@@ -350,7 +350,7 @@ def profile_decode_step(engine: LLMEngine, batch: int = 1, replays: int = 5) -> 
     return f"kernel time per step: {total_us / 1e3:.3f} ms over {replays} replays of the ({batch}, 1) graph\n{table}"
 
 
-def bench_verify(model_dir, tree_sizes, batches, prompt_len, rows):
+def bench_verify(model_dir, tree_sizes, batches, prompt_len, rows, repeats=1):
     vocab = LLAMA3_8B["vocab_size"]
     oracle = ChainOracle([], k=max(tree_sizes), p=0.0, vocab=vocab, target_parallelism=63 * max(batches))
     engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=max(tree_sizes))
@@ -358,14 +358,17 @@ def bench_verify(model_dir, tree_sizes, batches, prompt_len, rows):
     rows.append(dict(section="startup", what="cuda_graph_capture_s_spec", value=round(engine.cuda_graph_capture_seconds, 2)))
     for batch in batches:
         prompts = random_prompts(batch, prompt_len, vocab, seed=100 + batch)
-        step_ms = {}
-        for nodes in [0] + list(tree_sizes):
-            oracle.k = nodes
-            engine.spec_control.max_nodes_per_seq = max(nodes, 1)
-            step_ms[nodes] = 1e3 * timed_steps(engine, prompts, steps=32, headroom=64 + max(tree_sizes))
+        runs: dict[int, list[float]] = {}
+        for _ in range(repeats):  # every size once per round, so drift hits them alike; medians below
+            for nodes in [0] + list(tree_sizes):
+                oracle.k = nodes
+                engine.spec_control.max_nodes_per_seq = max(nodes, 1)
+                runs.setdefault(nodes, []).append(1e3 * timed_steps(engine, prompts, steps=32, headroom=64 + max(tree_sizes)))
+        step_ms = {nodes: float(np.median(times)) for nodes, times in runs.items()}
         for nodes in tree_sizes:
             rows.append(dict(section="verify", batch=batch, tree_nodes=nodes, step_ms=round(step_ms[nodes], 3),
-                             plain_step_ms=round(step_ms[0], 3), ratio_to_plain=round(step_ms[nodes] / step_ms[0], 3)))
+                             plain_step_ms=round(step_ms[0], 3), ratio_to_plain=round(step_ms[nodes] / step_ms[0], 3),
+                             ratio_per_round=" ".join(f"{a / b:.3f}" for a, b in zip(runs[nodes], runs[0]))))
             print(rows[-1], flush=True)
     del engine
 
@@ -459,7 +462,8 @@ def main(argv=None) -> None:
     parser.add_argument("--draft-p", default="0.0,0.5,0.8,0.95")
     parser.add_argument("--spec-k", type=int, default=8)
     parser.add_argument("--target-parallelism", type=int, default=64, help="tree nodes per step over the batch")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating plain/speculative runs per spec point")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="alternating plain/speculative runs per spec point; rounds of 32 timed steps per verify point")
     parser.add_argument("--waves", type=int, default=1, help="requests per slot in the decode and spec sections (1: a closed batch)")
     args = parser.parse_args(argv)
     sections = set(args.sections.split(","))
@@ -481,7 +485,7 @@ def main(argv=None) -> None:
     torch.cuda.empty_cache()
     if "verify" in sections:
         bench_verify(model_dir, [int(n) for n in args.tree_sizes.split(",")],
-                     [int(b) for b in args.verify_batches.split(",")], args.prompt_len, rows)
+                     [int(b) for b in args.verify_batches.split(",")], args.prompt_len, rows, args.repeats)
         gc.collect()
         torch.cuda.empty_cache()
     if "spec" in sections:
