@@ -87,7 +87,7 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
 
-TRITON_COMPILES = [0]  # kernel variants built in this process (see `count_triton_compiles`)
+TRITON_COMPILES: list[str] = []  # kernels whose variants were built in this process, in order (see `count_triton_compiles`)
 
 
 def count_triton_compiles() -> None:
@@ -100,7 +100,7 @@ def count_triton_compiles() -> None:
     previous = knobs.runtime.jit_cache_hook
 
     def on_cache_miss(*args, **kwargs):
-        TRITON_COMPILES[0] += 1
+        TRITON_COMPILES.append(str(kwargs.get("repr", "?")).split("[")[0])
         return previous(*args, **kwargs) if previous else False
 
     knobs.runtime.jit_cache_hook = on_cache_miss
@@ -119,7 +119,7 @@ class StepKinds:
         self.seconds: dict[str, float] = {}
         self.tokens: dict[str, int] = {}
         self.steps: dict[str, int] = {}
-        self.compiles: dict[str, int] = {}
+        self.compiles: dict[str, list[str]] = {}
         runner = engine.runner
         forward, decode_steps = runner.forward, runner.decode_steps
 
@@ -138,20 +138,20 @@ class StepKinds:
     def reset(self) -> None:
         self.seconds, self.tokens, self.steps, self.compiles = {}, {}, {}, {}
 
-    def record(self, seconds: float, tokens: int, compiles: int = 0) -> None:
-        if compiles:
-            self.compiles[self.kind] = self.compiles.get(self.kind, 0) + compiles
+    def record(self, seconds: float, tokens: int, compiled: tuple[str, ...] = ()) -> None:
+        if compiled:
+            self.compiles.setdefault(self.kind, []).extend(compiled)
         self.seconds[self.kind] = self.seconds.get(self.kind, 0.0) + seconds
         self.tokens[self.kind] = self.tokens.get(self.kind, 0) + tokens
         self.steps[self.kind] = self.steps.get(self.kind, 0) + 1
 
     def summary(self) -> str:
         """Per label: share of the time @ tokens per second within those steps / mean ms per step
-        (+N compiled: Triton kernel variants built during those steps)."""
+        (+compiled:kernel,...: Triton kernel variants built during those steps)."""
         total = sum(self.seconds.values()) or 1.0
         return " ".join(f"{kind} {self.seconds[kind] / total:.2f}@{self.tokens[kind] / max(self.seconds[kind], 1e-9):.0f}"
                         f"/{1e3 * self.seconds[kind] / self.steps[kind]:.1f}ms"
-                        + (f"+{self.compiles[kind]}compiled" if kind in self.compiles else "") for kind in sorted(self.seconds))
+                        + (f"+compiled:{','.join(self.compiles[kind])}" if kind in self.compiles else "") for kind in sorted(self.seconds))
 
 
 def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int, kinds: StepKinds | None = None) -> tuple[float, int, dict]:
@@ -171,13 +171,13 @@ def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int, kinds:
     torch.cuda.synchronize()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        step_start, tokens_before, compiles_before = time.perf_counter(), engine.num_generation_tokens_total, TRITON_COMPILES[0]
+        step_start, tokens_before, compiles_before = time.perf_counter(), engine.num_generation_tokens_total, len(TRITON_COMPILES)
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
         if kinds is not None:
             kinds.record(time.perf_counter() - step_start, engine.num_generation_tokens_total - tokens_before,
-                         TRITON_COMPILES[0] - compiles_before)
+                         tuple(TRITON_COMPILES[compiles_before:]))
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     tokens = sum(len(v) for v in outputs.values()) - done_before
