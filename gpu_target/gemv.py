@@ -52,9 +52,12 @@ MAX_STREAMING_ROWS = 64  # above this many rows, cuBLAS's tiled GEMMs win: W is 
 
 
 def _interpreting() -> bool:
-    """Triton 3.9's interpreter multiplies bf16 bit patterns as integers in ``tl.dot``, so
-    under it the skinny GEMM widens bf16 tiles to fp32 first (exact: the GPU's bf16 products
-    accumulate in fp32 too)."""
+    """Under Triton's interpreter the skinny GEMMs (``DOT_IN_FP32``) widen their tiles to fp32
+    and sum the exact products per output element instead of calling ``tl.dot``: Triton 3.9's
+    interpreter multiplies bf16 bit patterns as integers there, and numpy's matmul, which it
+    calls, sums an element in an order that depends on its row in the tile (BLAS blocking), so
+    the fused skinny kernels, whose W tiles order the rows differently, would not match the
+    plain one bit for bit as they do on the GPU, where every element of an MMA is summed alike."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -356,7 +359,7 @@ def skinny_gemm(
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        DOT_IN_FP32=_interpreting() and x.dtype == torch.bfloat16,
+        DOT_IN_FP32=_interpreting(),
         EVEN_K=K % block_k == 0,
         W_FIRST=tile["w_first"],
         BLOCK_M=block_m,
@@ -375,6 +378,20 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, str
     row_mask = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     col_mask = cols < N
+    acc = _skinny_rows(x_ptr, w_ptr, cols, row_mask, col_mask, K, stride_xm, stride_wn, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@device_function
+def _skinny_rows(x_ptr, w_ptr, cols, row_mask, col_mask, K, stride_xm, stride_wn, DOT_IN_FP32: tl.constexpr,
+                 EVEN_K: tl.constexpr, W_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 [BLOCK_M, BLOCK_N] product of x's rows with the BLOCK_N rows ``cols`` of W
+    (any rows: the fused kernels gather pairs far apart), streamed over K. Each element's
+    sum depends only on the tile's shape and warps, not on which W rows share it."""
+    rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + rows[:, None] * stride_xm + ks[None, :]
     w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
@@ -388,19 +405,212 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, str
             k_mask = (start + ks) < K
             x = tl.load(x_tile + start, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_tile + start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        if DOT_IN_FP32:
+        if DOT_IN_FP32:  # Triton's interpreter (see `_interpreting`): exact products, summed per element
             x, w = x.to(tl.float32), w.to(tl.float32)
             if W_FIRST:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+                acc += tl.sum(w[:, None, :] * x[None, :, :], axis=2)
             else:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+                acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         elif W_FIRST:
             acc = tl.dot(w, tl.trans(x), acc)
         else:
             acc = tl.dot(x, tl.trans(w), acc)
     if W_FIRST:
         acc = tl.trans(acc)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+# --------------------------------------------------------------------------- skinny GEMMs with an epilogue
+# The skinny GEMM's programs, tile and K loop, each program's BLOCK_N W rows gathered as
+# BLOCK_N/2 pairs whose outputs the op combines, interleaved (pair i in tile rows 2i and
+# 2i + 1) so the rounded [BLOCK_M, BLOCK_N] result splits into the pair's halves in place.
+
+
+def _skinny_launch_tile(x: torch.Tensor, n: int, tile: dict) -> tuple[int, dict]:
+    block_m = max(16, triton.next_power_of_2(x.shape[0]))
+    return block_m, {**skinny_tile(n, block_m), **tile}
+
+
+def skinny_gemm_silu_and_mul(
+    x: torch.Tensor,  # [M, K], 2 <= M <= 64, K contiguous
+    weight: torch.Tensor,  # [2I, K]: the gate rows, then the up rows; rows contiguous
+    **tile,
+) -> torch.Tensor:
+    """[M, I] = `fused_ops.silu_and_mul(skinny_gemm(x, weight))`, bit for bit, in one kernel.
+
+    The programs, their tile (`skinny_tile(2I, BLOCK_M)`) and their bytes are the skinny
+    GEMM's; program p streams gate rows p BLOCK_N/2 .. + BLOCK_N/2 and the matching up rows.
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K or N % 2:
+        raise ValueError(f"skinny_gemm_silu_and_mul needs x [M, K] and weight [2I, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    inter = N // 2
+    block_m, tile = _skinny_launch_tile(x, N, tile)
+    block_n, block_k = tile["block_n"], tile["block_k"]
+    out = torch.empty((M, inter), dtype=x.dtype, device=x.device)
+    _jit(_skinny_silu_and_mul_kernel, ("M",))[(triton.cdiv(inter, block_n // 2),)](
+        x,
+        weight,
+        out,
+        M,
+        inter,
+        K,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        DOT_IN_FP32=_interpreting(),
+        EVEN_K=K % block_k == 0,
+        W_FIRST=tile["w_first"],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"],
+    )
+    return out
+
+
+def _skinny_silu_and_mul_kernel(x_ptr, w_ptr, out_ptr, M, inter, K, stride_xm, stride_wn, stride_om,
+                                DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, W_FIRST: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    lanes = tl.arange(0, BLOCK_N)
+    j = tl.program_id(0) * PAIRS + lanes // 2  # the output column each W row feeds
+    w_rows = j + (lanes % 2) * inter  # gate row j, up row I + j
+    acc = _skinny_rows(x_ptr, w_ptr, w_rows, row_mask, j < inter, K, stride_xm, stride_wn, DOT_IN_FP32, EVEN_K,
+                       W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
+    gate, up = tl.split(tl.reshape(acc.to(out_ptr.dtype.element_ty), [BLOCK_M, PAIRS, 2]))
+    cols = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(out, fused_ops._silu_mul(gate, up), mask=row_mask[:, None] & (cols < inter)[None, :])
+
+
+def skinny_rotary_fits(m: int, n: int, head_dim: int) -> bool:
+    """Whether `skinny_gemm_rotary_and_store_kv` can keep the skinny GEMM's tile for an N-row
+    qkv matrix at m rows: each program's BLOCK_N/2 rotary pairs must lie in one head."""
+    block_n = skinny_tile(n, max(16, triton.next_power_of_2(m)))["block_n"]
+    return head_dim % 2 == 0 and (head_dim // 2) % (block_n // 2) == 0
+
+
+def skinny_gemm_rotary_and_store_kv(
+    x: torch.Tensor,  # [M, K], 2 <= M <= 64, K contiguous
+    weight: torch.Tensor,  # [(H + 2 KVH) D, K]: the q heads' rows, then k's, then v's; rows contiguous
+    bias: Optional[torch.Tensor],  # [(H + 2 KVH) D] (Qwen2) or None
+    cos: torch.Tensor,  # fp32 [max_positions, D/2], rows contiguous
+    sin: torch.Tensor,
+    positions: torch.Tensor,  # int [M], any order (tree nodes share and skip positions)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], contiguous
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # int64 [M]
+    num_heads: int,
+    **tile,
+) -> torch.Tensor:
+    """The qkv projection of M tokens, rotated and stored: `skinny_gemm(x, weight, bias)`
+    split into q, k and v heads, then `fused_ops.rotary_and_store_kv`, bit for bit, in one
+    kernel.
+
+    Returns the rotated q [M, H, D]; k (rotated) and v go into the caches at
+    ``slot_mapping``. Each program streams the skinny GEMM's BLOCK_N W rows as BLOCK_N/2
+    rotary pairs: dimensions d0 .. d0 + BLOCK_N/2 of one head and the same ones + D/2, so
+    BLOCK_N/2 must divide D/2 (`skinny_rotary_fits`). Positions and slots are read on the
+    device: no host sync, graph-capturable.
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    if weight.shape[1] != K or head_dim % 2 or N != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(
+            f"skinny_gemm_rotary_and_store_kv: x {tuple(x.shape)}, weight {tuple(weight.shape)} do not fit "
+            f"{num_heads} q heads and a cache of {num_kv_heads} heads of {head_dim}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("skinny_gemm_rotary_and_store_kv needs contiguous KV caches")
+    block_m, tile = _skinny_launch_tile(x, N, tile)
+    block_n, block_k = tile["block_n"], tile["block_k"]
+    half = head_dim // 2
+    if half % (block_n // 2):
+        raise ValueError(f"skinny_gemm_rotary_and_store_kv: {block_n // 2} rotary pairs per program do not divide {half}")
+    q_out = torch.empty((M, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    _jit(_skinny_rotary_kv_kernel, ("M",))[(N // block_n,)](
+        x,
+        weight,
+        bias if bias is not None else x,
+        q_out,
+        k_cache,
+        v_cache,
+        cos,
+        sin,
+        positions,
+        slot_mapping,
+        M,
+        K,
+        x.stride(0),
+        weight.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        num_heads,
+        num_kv_heads,
+        half,
+        HAS_BIAS=bias is not None,
+        DOT_IN_FP32=_interpreting(),
+        EVEN_K=K % block_k == 0,
+        W_FIRST=tile["w_first"],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"],
+    )
+    return q_out
+
+
+def _skinny_rotary_kv_kernel(x_ptr, w_ptr, bias_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr,
+                             positions_ptr, slots_ptr, M, K, stride_xm, stride_wn, stride_cos, stride_sin, num_heads,
+                             num_kv_heads, half, HAS_BIAS: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+                             EVEN_K: tl.constexpr, W_FIRST: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program p owns dimensions d0 .. d0 + BLOCK_N/2 of one head (and their partners + D/2),
+    counting the q heads, then the k heads, then the v heads, as the fused weight's rows
+    are ordered."""
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    programs_per_head = half // PAIRS
+    head = tl.program_id(0) // programs_per_head
+    d0 = (tl.program_id(0) % programs_per_head) * PAIRS
+    head_dim = 2 * half
+    rows = tl.arange(0, BLOCK_M)  # tokens
+    row_mask = rows < M
+    lanes = tl.arange(0, BLOCK_N)
+    w_rows = head * head_dim + d0 + lanes // 2 + (lanes % 2) * half  # dim d0 + i, then its partner
+    acc = _skinny_rows(x_ptr, w_ptr, w_rows, row_mask, lanes < BLOCK_N, K, stride_xm, stride_wn, DOT_IN_FP32,
+                       EVEN_K, W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
+    x1, x2 = tl.split(tl.reshape(acc.to(x_ptr.dtype.element_ty), [BLOCK_M, PAIRS, 2]))
+    dims = d0 + tl.arange(0, PAIRS)[None, :]
+    mask = row_mask[:, None]
+    # Each branch names its own pointers: Triton requires a name assigned in both branches of
+    # an `if` to have one type, and a cache of another dtype than q's makes them differ.
+    if head < num_heads + num_kv_heads:
+        position = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
+        cos = tl.load(cos_ptr + position * stride_cos + dims, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + position * stride_sin + dims, mask=mask, other=0.0).to(tl.float32)
+        first, second = fused_ops._rotate_half(x1, x2, cos, sin)
+        if head < num_heads:
+            q_dst = q_out_ptr + (rows.to(tl.int64)[:, None] * num_heads + head) * head_dim + dims
+            tl.store(q_dst, first, mask=mask)
+            tl.store(q_dst + half, second, mask=mask)
+        else:
+            slot = tl.load(slots_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
+            k_dst = k_cache_ptr + (slot * num_kv_heads + head - num_heads) * head_dim + dims
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            tl.store(k_dst, first.to(cache_dtype), mask=mask)
+            tl.store(k_dst + half, second.to(cache_dtype), mask=mask)
+    else:
+        value_slot = tl.load(slots_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
+        v_dst = v_cache_ptr + (value_slot * num_kv_heads + head - num_heads - num_kv_heads) * head_dim + dims
+        value_dtype = v_cache_ptr.dtype.element_ty
+        tl.store(v_dst, x1.to(value_dtype), mask=mask)
+        tl.store(v_dst + half, x2.to(value_dtype), mask=mask)

@@ -85,11 +85,14 @@ class Linear(nn.Linear):
 
 
 def _fuses_epilogue(x: torch.Tensor, projection: nn.Module) -> bool:
-    """Batch-1 decode on the GPU: the projection's GEMV applies the op after it (rotary and
-    the KV write after qkv, SiLU-and-mul after gate_up) in its epilogue, bit for bit as the
-    separate kernels would; see gpu_target/gemv.py. Swapped projections (the draft's
-    Int8Linear) keep their own forward."""
-    return isinstance(projection, Linear) and gemv.streaming_applies(x, projection.weight) and x.shape[0] == 1
+    """Where the projection streams W itself (see gpu_target/gemv.py): at one row (batch-1
+    decode) through its GEMV, at 2..32 rows (batch-1 tree verification) where the plain path
+    would take the skinny GEMM, its kernel applies the op after it (rotary and the KV write
+    after qkv, SiLU-and-mul after gate_up) in its epilogue, bit for bit as the separate
+    kernels would. Swapped projections (the draft's Int8Linear) keep their own forward."""
+    if not (isinstance(projection, Linear) and gemv.streaming_applies(x, projection.weight)):
+        return False
+    return x.shape[0] == 1 or gemv.skinny_wins(x.shape[0], projection.weight.shape[0])
 
 
 class Attention(nn.Module):
@@ -102,9 +105,13 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rotary, kv_cache, meta, attention_fn: AttentionFn):
         c = self.config
-        if _fuses_epilogue(x, self.qkv_proj):
+        fused = _fuses_epilogue(x, self.qkv_proj)
+        if fused and x.shape[0] == 1:
             q = gemv.gemv_rotary_and_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, rotary.cos, rotary.sin,
                                               positions, *kv_cache, meta.slot_mapping, c.num_heads)
+        elif fused and gemv.skinny_rotary_fits(x.shape[0], self.qkv_proj.weight.shape[0], c.head_dim):
+            q = gemv.skinny_gemm_rotary_and_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, rotary.cos,
+                                                     rotary.sin, positions, *kv_cache, meta.slot_mapping, c.num_heads)
         else:
             q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = q.view(-1, c.num_heads, c.head_dim)
@@ -123,7 +130,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _fuses_epilogue(x, self.gate_up_proj):
-            return self.down_proj(gemv.gemv_silu_and_mul(x, self.gate_up_proj.weight))
+            fused = gemv.gemv_silu_and_mul if x.shape[0] == 1 else gemv.skinny_gemm_silu_and_mul
+            return self.down_proj(fused(x, self.gate_up_proj.weight))
         return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
 
 

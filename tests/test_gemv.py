@@ -250,3 +250,178 @@ def test_one_token_forward_through_the_fused_gemvs_equals_the_unfused_kernels(ar
     assert torch.equal(fused, unfused)
     assert torch.equal(fused_kv, runner.kv_pool.storage)
     assert not torch.equal(fused_kv, kv_before)
+
+
+# --------------------------------------------------------------------------- skinny GEMMs with a fused epilogue
+# The same bit-for-bit contract at 2..32 rows (tree verification): the fused skinny kernels
+# against `skinny_gemm` then the op's own kernel, on the same tile.
+
+SKINNY_SMALL_TILE = dict(block_n=16, block_k=16, num_warps=1, num_stages=1)  # several programs and K steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [2, 5, 17, 32])
+@pytest.mark.parametrize("inter,k,tile", [
+    (96, 300, {}),  # the model's tile (block_n 64: 32 gate + 32 up rows), ragged K
+    (64, 512, {}),  # EVEN_K
+    (37, 70, SKINNY_SMALL_TILE),  # ragged I: the last program's pairs are partly masked
+    (24, 64, SKINNY_SMALL_TILE),
+])
+def test_skinny_gemm_silu_and_mul_equals_skinny_gemm_then_silu_and_mul(dtype, m, inter, k, tile):
+    x, weight, _ = _inputs(2 * inter, k, dtype, False, m)
+    x = x * 4  # gates well into SiLU's curved part
+    expected = fused_ops.silu_and_mul(gemv.skinny_gemm(x, weight, **tile), use_triton=True)
+    got = gemv.skinny_gemm_silu_and_mul(x, weight, **tile)
+    assert got.shape == (m, inter) and got.dtype == dtype
+    assert torch.equal(got, expected)
+
+
+def _skinny_rotary_case(m, heads, kv_heads, head_dim, k, dtype, bias, cache_dtype=None, seed=0):
+    n = (heads + 2 * kv_heads) * head_dim
+    x, weight, b = _inputs(n, k, dtype, bias, m)
+    cos, sin = _rotary_tables(300, head_dim)
+    generator = torch.Generator().manual_seed(seed + m * 100 + n + k + bias)
+    # tree nodes: positions repeat and skip, in any order
+    positions = torch.randint(1, 300, (m,), generator=generator).to(DEVICE)
+    if m > 2:
+        positions[1] = positions[2]
+    num_blocks, block_size = 5, 16
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=generator)[:m].to(DEVICE)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(DEVICE, cache_dtype or dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(DEVICE, cache_dtype or dtype)
+    return x, weight, b, cos, sin, positions, k_cache, v_cache, slot_mapping
+
+
+def _check_skinny_rotary(m, heads, kv_heads, head_dim, case, tile):
+    x, weight, b, cos, sin, positions, k_cache, v_cache, slot_mapping = case
+    inputs_before = [t.clone() for t in (x, weight, positions, slot_mapping)]
+    expected_caches = k_cache.clone(), v_cache.clone()
+    q, key, value = gemv.skinny_gemm(x, weight, b, **tile).split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    expected_q = fused_ops.rotary_and_store_kv(q.view(m, heads, head_dim), key.view(m, kv_heads, head_dim),
+                                               value.view(m, kv_heads, head_dim), cos, sin, positions,
+                                               *expected_caches, slot_mapping, use_triton=True)
+    caches = k_cache.clone(), v_cache.clone()
+    got_q = gemv.skinny_gemm_rotary_and_store_kv(x, weight, b, cos, sin, positions, *caches, slot_mapping, heads, **tile)
+
+    assert got_q.shape == (m, heads, head_dim) and got_q.dtype == x.dtype and got_q.is_contiguous()
+    assert torch.equal(got_q, expected_q)
+    slots = slot_mapping.cpu()
+    written = torch.zeros(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool)
+    written[slots] = True
+    for got, expected, before in zip(caches, expected_caches, (k_cache, v_cache)):
+        got, expected, before = (c.view(-1, kv_heads, head_dim).cpu() for c in (got, expected, before))
+        assert got.dtype == before.dtype
+        assert torch.equal(got[written], expected[written])
+        assert not torch.equal(got[written], before[written])
+        assert torch.equal(got[~written], before[~written])  # nothing written anywhere else
+    assert all(torch.equal(now, then) for now, then in zip((x, weight, positions, slot_mapping), inputs_before))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [2, 5, 17, 32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,k,tile", [
+    (4, 2, 64, 300, {}),  # GQA, the model's tile: 32 dims of a head + their partners per program
+    (2, 1, 128, 256, {}),  # head_dim 128 as Llama's, EVEN_K
+    (3, 3, 16, 70, SKINNY_SMALL_TILE),  # MHA, 8 pairs per program = a whole head
+    (4, 1, 32, 48, SKINNY_SMALL_TILE),  # MQA, two programs per head
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_gemm_rotary_and_store_kv_equals_skinny_gemm_then_rotary(dtype, m, heads, kv_heads, head_dim, k, tile, bias):
+    """q, the K/V caches (the written slots and every other one) and the inputs, against
+    `skinny_gemm` then `rotary_and_store_kv`'s kernel, at random positions (one repeated)
+    and slots per row."""
+    case = _skinny_rotary_case(m, heads, kv_heads, head_dim, k, dtype, bias)
+    _check_skinny_rotary(m, heads, kv_heads, head_dim, case, tile)
+
+
+@pytest.mark.parametrize("tile", [{}, SKINNY_SMALL_TILE])
+def test_skinny_gemm_rotary_and_store_kv_converts_to_the_cache_dtype(tile):
+    """An fp32 cache gets the bf16 results converted, as the rotary kernel does."""
+    case = _skinny_rotary_case(5, 2, 1, 64, 96, torch.bfloat16, True, cache_dtype=torch.float32)
+    _check_skinny_rotary(5, 2, 1, 64, case, tile)
+
+
+def test_fused_skinny_gemms_reject_shapes_they_cannot_split():
+    x, weight, _ = _inputs(6, 32, torch.bfloat16, False, m=3)
+    with pytest.raises(ValueError):
+        gemv.skinny_gemm_silu_and_mul(x, weight[:5])
+    cos, sin = _rotary_tables(4, 8)
+    slots = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    cache = torch.zeros(1, 16, 1, 8, dtype=torch.bfloat16, device=DEVICE)  # 1 kv head of 8: 48 rows are 4 q heads
+    x, weight, _ = _inputs(48, 32, torch.bfloat16, False, m=3)
+    with pytest.raises(ValueError):
+        gemv.skinny_gemm_rotary_and_store_kv(x, weight, None, cos, sin, slots, cache, cache.clone(), slots, num_heads=3)
+    with pytest.raises(ValueError):  # 16 pairs per program do not divide 4 dims
+        gemv.skinny_gemm_rotary_and_store_kv(x, weight, None, cos, sin, slots, cache, cache.clone(), slots, num_heads=4,
+                                             block_n=32, block_k=16)
+    assert gemv.skinny_rotary_fits(17, 6144, 128) and not gemv.skinny_rotary_fits(17, 6144, 32)
+    assert gemv.skinny_rotary_fits(17, 16384, 128) and not gemv.skinny_rotary_fits(17, 16384, 64)
+
+
+def test_the_model_fuses_the_skinny_gemm_where_the_plain_path_takes_it(monkeypatch):
+    from gpu_target import model as model_module
+
+    wide = model_module.Linear(16, 4096, bias=False).to(torch.bfloat16)
+    rows = {m: torch.randn(m, 16, dtype=torch.bfloat16) for m in (1, 2, 17, 32, 33)}
+    assert not any(model_module._fuses_epilogue(x, wide) for x in rows.values())  # CPU tensors
+    monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+    for m, x in rows.items():
+        assert model_module._fuses_epilogue(x, wide) == (gemv._interpreting() and m <= 32)
+    narrow = model_module.Linear(16, 8, bias=False).to(torch.bfloat16)
+    assert not model_module._fuses_epilogue(rows[2], narrow)  # skinny_wins: cuBLAS, unfused
+
+
+def _tiny_runner(architecture, request):
+    from gpu_target.kv_cache import KVCachePool
+    from gpu_target.loader import load_config, load_state_dict
+    from gpu_target.model import build_model
+    from gpu_target.runner import ModelRunner
+
+    model_dir = request.getfixturevalue(f"tiny_{architecture}_dir")
+    config = load_config(model_dir)
+    dtype = torch.bfloat16
+    model = build_model(config, load_state_dict(model_dir, config, dtype, DEVICE), dtype, DEVICE)
+    return config, ModelRunner(model, KVCachePool(config, 6, 16, dtype, DEVICE), DEVICE)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2: the qkv bias
+def test_tree_verification_through_the_fused_skinny_gemms_equals_the_unfused_kernels(architecture, request, monkeypatch):
+    """A 5-row step of a tiny model in bf16 (tree nodes sharing positions) with every op on
+    its kernel, fused and unfused: the same logits and the same KV cache, bit for bit. The
+    tiny matrices are narrower than `skinny_wins` takes, so the test lets every one stream,
+    on a tile whose 8 rotary pairs fit the 16-dim heads."""
+    from gpu_target import model as model_module
+    from gpu_target.runner import SequenceChunk
+
+    config, runner = _tiny_runner(architecture, request)
+    if not CUDA:
+        monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+    monkeypatch.setattr(fused_ops, "_wants_triton", lambda x, use_triton: True)
+    monkeypatch.setattr(gemv, "skinny_wins", lambda m, n: m <= 32)
+    tile = dict(block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=True)
+    monkeypatch.setattr(gemv, "skinny_tile", lambda n, block_m: tile)
+    prompt = [5, 17, 42, 8, 99, 3, 61, 7, 12, 13, 40, 41, 2, 9, 77, 30, 31, 33, 28]
+    runner.forward([SequenceChunk(prompt, range(len(prompt)), [4, 1], 0, [len(prompt) - 1])])
+    n = len(prompt)
+    ancestors = [0b1, 0b11, 0b101, 0b1011, 0b10101]  # a root, two children, a grandchild under each
+    tree = SequenceChunk([23, 50, 51, 60, 61], [n, n + 1, n + 1, n + 2, n + 2], [4, 1], n, list(range(5)), ancestors)
+    kv_before = runner.kv_pool.storage.clone()
+
+    calls = []
+    for name in ("skinny_gemm_silu_and_mul", "skinny_gemm_rotary_and_store_kv", "skinny_gemm"):
+        original = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda *args, _f=original, _n=name, **kw: calls.append(_n) or _f(*args, **kw))
+    fused = runner.forward([tree])
+    fused_kv = runner.kv_pool.storage.clone()
+    expected_calls = ["skinny_gemm_rotary_and_store_kv", "skinny_gemm_silu_and_mul", "skinny_gemm", "skinny_gemm"]
+    assert sorted(calls) == sorted(expected_calls * config.num_layers + ["skinny_gemm"])  # + the LM head
+
+    runner.kv_pool.storage.copy_(kv_before)
+    calls.clear()
+    monkeypatch.setattr(model_module, "_fuses_epilogue", lambda x, projection: False)
+    unfused = runner.forward([tree])
+    assert calls == ["skinny_gemm"] * (4 * config.num_layers + 1)
+    assert torch.equal(fused, unfused)
+    assert torch.equal(fused_kv, runner.kv_pool.storage)
+    assert not torch.equal(fused_kv, kv_before)
