@@ -11,11 +11,12 @@ GPU time even inside a CUDA graph. Each op here has:
 * a Triton kernel, used for CUDA tensors, that rounds at the same points as the
   reference (only fp32 reduction order and FMA contraction may differ).
 
-At batch-1 decode the rotary + KV write and SiLU-and-mul kernels do not run: gemv.py's
-fused GEMVs apply the same math in the qkv and gate_up projections' epilogues, two fewer
-kernels per layer. They share it through device functions (`_rotate_half`, `_silu_mul`),
-so both paths round and contract to FMAs alike and stay bit-identical; the kernels here
-serve every multi-row step (prefill, tree verification, batched decode).
+At batch-1 decode and batch-1 tree verification the rotary + KV write and SiLU-and-mul
+kernels do not run: gemv.py's fused GEMVs and skinny GEMMs apply the same math in the qkv
+and gate_up projections' epilogues, two fewer kernels per layer. They share it through
+device functions (`_rotate_half`, `_silu_mul`), so both paths round and contract to FMAs
+alike and stay bit-identical; the kernels here serve the other multi-row steps (prefill,
+batched decode, and whatever rows the skinny GEMM does not take).
 
 Every op takes ``use_triton``: ``None`` picks Triton for CUDA tensors when Triton is
 installed, ``True`` forces the kernel (on CPU tensors it then needs Triton's interpreter,

@@ -24,6 +24,15 @@ stores them and applies the op through the device functions its fused_ops kernel
 the results are meant to be bit-identical to the unfused kernels', and the tests check
 that they are. gpu_target/model.py picks them for one row where `streaming_applies`.
 
+The skinny GEMM does the same for tree verification: `skinny_gemm_rotary_and_store_kv`
+and `skinny_gemm_silu_and_mul` keep its programs, tile (`skinny_tile` of the whole
+matrix), bytes and K loop (`_skinny_rows`), and gather each program's BLOCK_N W rows as
+BLOCK_N/2 interleaved pairs (gate row j and up row I + j; dimension d and d + D/2 of one
+head, so BLOCK_N/2 must divide D/2: `skinny_rotary_fits`). The rounded [BLOCK_M, BLOCK_N]
+result then splits into the pairs' halves in registers. The model takes them wherever the
+plain path would call `skinny_gemm` for that projection (`skinny_wins`), and the separate
+kernels elsewhere.
+
 `linear` is the entry point for a plain projection and dispatches on M. Results are
 rounded to the input dtype, as cuBLAS rounds its fp32 accumulator. Nothing in the
 dispatch syncs with the device, so the calls capture into CUDA graphs (each M compiles

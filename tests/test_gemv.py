@@ -260,7 +260,7 @@ SKINNY_SMALL_TILE = dict(block_n=16, block_k=16, num_warps=1, num_stages=1)  # s
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [2, 5, 17, 32])
+@pytest.mark.parametrize("m", [2, 5, 17, 32, 40])  # 40: BLOCK_M 64, as a wide gate_up takes up to 64 rows
 @pytest.mark.parametrize("inter,k,tile", [
     (96, 300, {}),  # the model's tile (block_n 64: 32 gate + 32 up rows), ragged K
     (64, 512, {}),  # EVEN_K
