@@ -25,7 +25,7 @@
 // its panels once, front to back, and keeps an MT rows x NPT panels block of accumulators in
 // vector registers: per k, NPT weight vectors and MT broadcasts of x[m][k] feed NPT*MT FMAs,
 // with no horizontal sums (NPT = 2 from 5 rows up, more panels at once below that so enough
-// independent FMAs are in flight). Threads own contiguous ranges of panels (static partition), so
+// independent FMAs are in flight), and prefetches its panels a few KB ahead. Threads own contiguous ranges of panels (static partition), so
 // each output element is summed in the same order whatever the batch: a token's result
 // does not depend on the other tokens of its forward.
 //
@@ -328,6 +328,17 @@ inline float sum(const float* a, int64_t n) {
     return s;
 }
 
+// Weights stream from memory once per forward, and at M = 8 the hardware prefetchers alone left the
+// kernels waiting on them (gate_up 5.1 ms per forward, 3.2 ms with this, on one Zen 5 core). Each
+// kernel step prefetches PREFETCH_BYTES / NPT ahead in each of its NPT panels, so about the same
+// bytes are in flight whatever the block shape (at M = 1, 8 panels: 512 bytes, 8 lines, ahead each).
+constexpr int PREFETCH_BYTES = 4096;
+
+template <int NPT, typename WT>
+inline void prefetch_ahead(const WT* w) {
+    __builtin_prefetch(reinterpret_cast<const char*>(w) + PREFETCH_BYTES / NPT, 0, 3);
+}
+
 // The float kernel: weights widened to float32 in registers (load_w), one FMA per weight and row.
 template <typename WT, int NPT, int MT>
 inline void tile_float(const WT* const* wp, const float* const* xr, int64_t K, float* out) {
@@ -341,7 +352,10 @@ inline void tile_float(const WT* const* wp, const float* const* xr, int64_t K, f
     for (int p = 0; p < NPT; ++p) w[p] = wp[p];
     for (int64_t k = 0; k < K; ++k) {
         vf wv[NPT];
-        for (int p = 0; p < NPT; ++p) wv[p] = load_w(w[p] + k * VW);
+        for (int p = 0; p < NPT; ++p) {
+            wv[p] = load_w(w[p] + k * VW);
+            prefetch_ahead<NPT>(w[p] + k * VW);
+        }
         for (int m = 0; m < MT; ++m) {
             const float xv = x[m][k];
             for (int p = 0; p < NPT; ++p) acc[p][m] += wv[p] * xv;
@@ -378,7 +392,10 @@ inline void tile(const WT* const* wp, const void* const* xr, int64_t K, float* o
             const int64_t k1 = std::min<int64_t>(K, k0 + QB4);
             for (int64_t k = k0; k < k1; ++k) {
                 __m512i wv[NPT];
-                for (int p = 0; p < NPT; ++p) wv[p] = _mm512_loadu_si512(w[p] + k * VW);
+                for (int p = 0; p < NPT; ++p) {
+                    wv[p] = _mm512_loadu_si512(w[p] + k * VW);
+                    prefetch_ahead<NPT>(w[p] + k * VW);
+                }
                 for (int m = 0; m < MT; ++m) {
                     const __m512i xv = _mm512_set1_epi32(int(xq[m][k]));
                     for (int p = 0; p < NPT; ++p) acc[p][m] = _mm512_dpbusd_epi32(acc[p][m], wv[p], xv);
@@ -407,7 +424,10 @@ inline void tile(const WT* const* wp, const void* const* xr, int64_t K, float* o
         for (int p = 0; p < NPT; ++p) w[p] = wp[p];
         for (int64_t k = 0; k < K; ++k) {
             __m512bh wv[NPT];
-            for (int p = 0; p < NPT; ++p) wv[p] = (__m512bh)_mm512_loadu_si512(w[p] + k * VW);
+            for (int p = 0; p < NPT; ++p) {
+                wv[p] = (__m512bh)_mm512_loadu_si512(w[p] + k * VW);
+                prefetch_ahead<NPT>(w[p] + k * VW);
+            }
             for (int m = 0; m < MT; ++m) {
                 const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(x[m][k]));
                 for (int p = 0; p < NPT; ++p) acc[p][m] = _mm512_dpbf16_ps(acc[p][m], wv[p], xv);
@@ -685,6 +705,12 @@ void attend_chunk(const float* q, const float* keys, const float* values, int64_
     float* acc = partial;
     float* maxima = partial + group * D;
     float* sums = maxima + group;
+    // The chunk's keys and values (16 KB each at D = 64) start on their way to L2 at once: a chunk's
+    // storage follows no other in memory, so the hardware prefetchers would meet each cold.
+    for (int64_t j = 0; j < n * D; j += 64 / sizeof(float)) {
+        __builtin_prefetch(keys + j, 0, 2);
+        __builtin_prefetch(values + j, 0, 2);
+    }
     int64_t start = 0;
     if constexpr (DC > 0 && DC % VW == 0) {  // blocks of VW keys: VW dot products summed by one tree
         constexpr int C = DC / VW;
