@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from bench._cuda_timing import median_replay_ms
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
-from gpu_target.gemv import MAX_STREAMING_ROWS, gemv, linear, skinny_gemm
+from gpu_target.gemv import MAX_STREAMING_ROWS, gemv, linear, skinny_block_m, skinny_gemm
 
 try:
     from triton.runtime.errors import OutOfResources
@@ -68,8 +68,7 @@ def tiles(grid) -> list[dict]:
 
 def skinny_tile_fits(m: int, tile: dict) -> bool:
     """False for tiles whose pipelined x and W buffers surely exceed shared memory."""
-    block_m = max(16, 1 << (m - 1).bit_length())
-    per_stage = (block_m + tile["block_n"]) * tile["block_k"] * 2
+    per_stage = (skinny_block_m(m) + tile["block_n"]) * tile["block_k"] * 2
     return per_stage * (tile["num_stages"] - 1) <= SHARED_MEMORY_BYTES
 
 

@@ -224,6 +224,22 @@ def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_K: t
     tl.store(out_ptr + j, fused_ops._silu_mul(gate, up))
 
 
+def _check_qkv_and_caches(name: str, weight: torch.Tensor, num_heads: int, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor) -> tuple[int, int]:
+    """(KV heads, head size) of the caches, after checking that the fused qkv weight's rows are
+    num_heads q heads then as many k and v heads as the caches hold, of an even head size, and
+    that the caches are contiguous (the kernels address slots by their shape)."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    if head_dim % 2 or weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(
+            f"{name}: weight {tuple(weight.shape)} does not fit {num_heads} q heads and a cache of "
+            f"{num_kv_heads} heads of {head_dim}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{name} needs contiguous KV caches")
+    return num_kv_heads, head_dim
+
+
 def gemv_rotary_and_store_kv(
     x: torch.Tensor,  # [1, K]
     weight: torch.Tensor,  # [(H + 2 KVH) D, K]: the q heads' rows, then k's, then v's; rows contiguous
@@ -248,14 +264,9 @@ def gemv_rotary_and_store_kv(
     head. The position and slot are read on the device: no host sync, graph-capturable.
     """
     N, K = weight.shape
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    if x.shape != (1, K) or head_dim % 2 or N != (num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(
-            f"gemv_rotary_and_store_kv: x {tuple(x.shape)}, weight {tuple(weight.shape)} do not fit "
-            f"{num_heads} q heads and a cache of {num_kv_heads} heads of {head_dim}"
-        )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("gemv_rotary_and_store_kv needs contiguous KV caches")
+    if x.shape != (1, K):
+        raise ValueError(f"gemv_rotary_and_store_kv needs x [1, {K}], got {tuple(x.shape)}")
+    num_kv_heads, head_dim = _check_qkv_and_caches("gemv_rotary_and_store_kv", weight, num_heads, k_cache, v_cache)
     half = head_dim // 2
     q_out = torch.empty((1, num_heads, head_dim), dtype=x.dtype, device=x.device)
     _jit(_gemv_rotary_kv_kernel)[(N // 2,)](
@@ -350,13 +361,11 @@ def skinny_gemm(
     """
     M, K = x.shape
     N = weight.shape[0]
-    block_m = max(16, triton.next_power_of_2(M))
-    tile = {**skinny_tile(N, block_m), **tile}
-    block_n, block_k = tile["block_n"], tile["block_k"]
+    options = _skinny_launch_options(M, K, N, tile)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     # M is not specialised (Triton would compile M % 16 == 0 apart from the rest), so each
     # BLOCK_M (16, 32, 64) compiles once, whatever tree sizes a server sees.
-    _jit(_skinny_gemm_kernel, ("M",))[(triton.cdiv(N, block_n),)](
+    _jit(_skinny_gemm_kernel, ("M",))[(triton.cdiv(N, options["BLOCK_N"]),)](
         x,
         weight,
         bias if bias is not None else out,
@@ -368,14 +377,7 @@ def skinny_gemm(
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        DOT_IN_FP32=_interpreting(),
-        EVEN_K=K % block_k == 0,
-        W_FIRST=tile["w_first"],
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=tile["num_warps"],
-        num_stages=tile["num_stages"],
+        **options,
     )
     return out
 
@@ -435,9 +437,26 @@ def _skinny_rows(x_ptr, w_ptr, cols, row_mask, col_mask, K, stride_xm, stride_wn
 # 2i + 1) so the rounded [BLOCK_M, BLOCK_N] result splits into the pair's halves in place.
 
 
-def _skinny_launch_tile(x: torch.Tensor, n: int, tile: dict) -> tuple[int, dict]:
-    block_m = max(16, triton.next_power_of_2(x.shape[0]))
-    return block_m, {**skinny_tile(n, block_m), **tile}
+def skinny_block_m(m: int) -> int:
+    """M padded to a power of two >= 16, the smallest `tl.dot` tile."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def _skinny_launch_options(m: int, k: int, n: int, tile: dict) -> dict:
+    """The skinny kernels' launch options for [m, k] x [n, k]^T: `skinny_tile`'s choice for
+    N columns, overridden by ``tile``, as the kernels' constexprs and launch parameters."""
+    block_m = skinny_block_m(m)
+    tile = {**skinny_tile(n, block_m), **tile}
+    return dict(
+        DOT_IN_FP32=_interpreting(),
+        EVEN_K=k % tile["block_k"] == 0,
+        W_FIRST=tile["w_first"],
+        BLOCK_M=block_m,
+        BLOCK_N=tile["block_n"],
+        BLOCK_K=tile["block_k"],
+        num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"],
+    )
 
 
 def skinny_gemm_silu_and_mul(
@@ -455,10 +474,9 @@ def skinny_gemm_silu_and_mul(
     if weight.shape[1] != K or N % 2:
         raise ValueError(f"skinny_gemm_silu_and_mul needs x [M, K] and weight [2I, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     inter = N // 2
-    block_m, tile = _skinny_launch_tile(x, N, tile)
-    block_n, block_k = tile["block_n"], tile["block_k"]
+    options = _skinny_launch_options(M, K, N, tile)
     out = torch.empty((M, inter), dtype=x.dtype, device=x.device)
-    _jit(_skinny_silu_and_mul_kernel, ("M",))[(triton.cdiv(inter, block_n // 2),)](
+    _jit(_skinny_silu_and_mul_kernel, ("M",))[(triton.cdiv(inter, options["BLOCK_N"] // 2),)](
         x,
         weight,
         out,
@@ -468,14 +486,7 @@ def skinny_gemm_silu_and_mul(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        DOT_IN_FP32=_interpreting(),
-        EVEN_K=K % block_k == 0,
-        W_FIRST=tile["w_first"],
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=tile["num_warps"],
-        num_stages=tile["num_stages"],
+        **options,
     )
     return out
 
@@ -500,7 +511,7 @@ def _skinny_silu_and_mul_kernel(x_ptr, w_ptr, out_ptr, M, inter, K, stride_xm, s
 def skinny_rotary_fits(m: int, n: int, head_dim: int) -> bool:
     """Whether `skinny_gemm_rotary_and_store_kv` can keep the skinny GEMM's tile for an N-row
     qkv matrix at m rows: each program's BLOCK_N/2 rotary pairs must lie in one head."""
-    block_n = skinny_tile(n, max(16, triton.next_power_of_2(m)))["block_n"]
+    block_n = skinny_tile(n, skinny_block_m(m))["block_n"]
     return head_dim % 2 == 0 and (head_dim // 2) % (block_n // 2) == 0
 
 
@@ -529,16 +540,11 @@ def skinny_gemm_rotary_and_store_kv(
     """
     M, K = x.shape
     N = weight.shape[0]
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    if weight.shape[1] != K or head_dim % 2 or N != (num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(
-            f"skinny_gemm_rotary_and_store_kv: x {tuple(x.shape)}, weight {tuple(weight.shape)} do not fit "
-            f"{num_heads} q heads and a cache of {num_kv_heads} heads of {head_dim}"
-        )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("skinny_gemm_rotary_and_store_kv needs contiguous KV caches")
-    block_m, tile = _skinny_launch_tile(x, N, tile)
-    block_n, block_k = tile["block_n"], tile["block_k"]
+    if weight.shape[1] != K:
+        raise ValueError(f"skinny_gemm_rotary_and_store_kv: x {tuple(x.shape)} and weight {tuple(weight.shape)} differ in K")
+    num_kv_heads, head_dim = _check_qkv_and_caches("skinny_gemm_rotary_and_store_kv", weight, num_heads, k_cache, v_cache)
+    options = _skinny_launch_options(M, K, N, tile)
+    block_n = options["BLOCK_N"]
     half = head_dim // 2
     if half % (block_n // 2):
         raise ValueError(f"skinny_gemm_rotary_and_store_kv: {block_n // 2} rotary pairs per program do not divide {half}")
@@ -564,14 +570,7 @@ def skinny_gemm_rotary_and_store_kv(
         num_kv_heads,
         half,
         HAS_BIAS=bias is not None,
-        DOT_IN_FP32=_interpreting(),
-        EVEN_K=K % block_k == 0,
-        W_FIRST=tile["w_first"],
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=tile["num_warps"],
-        num_stages=tile["num_stages"],
+        **options,
     )
     return q_out
 
