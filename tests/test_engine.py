@@ -8,17 +8,7 @@ import transformers
 from gpu_target.kv_cache import KVCachePool
 from gpu_target.loader import load_config
 from hetero import LLM, SamplingParams
-
-PROMPTS = [
-    "Hello, my name is",
-    "The capital of France is",
-    "def add(a, b):",
-    "Once upon a time there was a small model that generated text. Speculative",
-    "x",
-    "The capital of Italy is Rome. The capital of",
-    "Speculative decoding drafts tokens on the CPU",
-    "Hello",
-]
+from tiny_models import PROMPTS
 
 
 def hf_greedy(model_dir, prompts, max_new_tokens):

@@ -8,15 +8,9 @@ import torch
 from gpu_target.kv_cache import KVCachePool
 from gpu_target.loader import load_config
 from hetero import LLM, SamplingParams
+from tiny_models import PROMPTS as ENGINE_PROMPTS
 
-PROMPTS = [
-    "Hello, my name is",
-    "The capital of France is",
-    "def add(a, b):",
-    "Once upon a time there was a small model that generated text. Speculative",
-    "x",
-    "The capital of Italy is Rome. The capital of",
-]
+PROMPTS = ENGINE_PROMPTS[:6]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True)
 
 

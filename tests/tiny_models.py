@@ -7,6 +7,18 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+# Prompts the engine tests decode (mixed lengths, one of a single token).
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "def add(a, b):",
+    "Once upon a time there was a small model that generated text. Speculative",
+    "x",
+    "The capital of Italy is Rome. The capital of",
+    "Speculative decoding drafts tokens on the CPU",
+    "Hello",
+]
+
 _CORPUS = [
     "The capital of France is Paris. The capital of Italy is Rome.",
     "Hello, my name is Ada and I like to write code in Python.",
