@@ -136,24 +136,39 @@ def test_slot_layout_drafts_what_the_paged_layout_drafts(model_fixture, request)
     """
     model_dir = request.getfixturevalue(model_fixture)
     slots, paged = _drafter(model_dir, kv_layout="slots"), _drafter(model_dir, kv_layout="paged")
+
+    def same_kv(seq_id):
+        assert torch.allclose(slots.kv_snapshot(seq_id), paged.kv_snapshot(seq_id), atol=1e-5)
+
+    draft_side_by_side(slots, paged, same_kv)
+
+
+def draft_side_by_side(first: Drafter, second: Drafter, check_kv, roll_back: bool = False) -> None:
+    """Six draft steps of both drafters over the same sequences: each step some take their
+    whole chain, some part, some none, then a diverging bonus; requests come in an order
+    that breaks slot order; after step 2 one sequence finishes and another takes its slot
+    (and with `roll_back`, one rolls back to a shorter context). Both must draft the same
+    chains at every step; `check_kv(seq_id)` compares their K/V after each."""
     contexts = {"a": list(range(10, 30)), "b": list(range(100, 103)), "c": list(range(7, 60)), "d": [5]}
     for step in range(6):
-        for drafter in (slots, paged):
+        for drafter in (first, second):
             for seq_id, tokens in contexts.items():
                 drafter.set_context(seq_id, tokens)
         requests = [(s, 4) for s in reversed(contexts)] if step % 2 else [(s, 4) for s in contexts]
-        drafted = [drafter.draft(requests) for drafter in (slots, paged)]
+        drafted = [drafter.draft(requests) for drafter in (first, second)]
         assert [t.tokens.tolist() for t in drafted[0]] == [t.tokens.tolist() for t in drafted[1]]
         for seq_id, tree in zip([s for s, _ in requests], drafted[0]):
             chain = tree.tokens.tolist()
-            accepted = chain[: (step + len(seq_id)) % 5]  # some sequences take the whole chain, some none
-            contexts[seq_id] = contexts[seq_id] + accepted + [(sum(accepted) + step) % slots.vocab_size]
+            accepted = chain[: (step + len(seq_id)) % 5]
+            contexts[seq_id] = contexts[seq_id] + accepted + [(sum(accepted) + step) % first.vocab_size]
         for seq_id in contexts:
-            assert torch.allclose(slots.kv_snapshot(seq_id), paged.kv_snapshot(seq_id), atol=1e-5)
-        if step == 2:  # one sequence finishes and another arrives: its slot is reused
+            check_kv(seq_id)
+        if step == 2:
             del contexts["b"]
-            slots.release("b"), paged.release("b")
+            first.release("b"), second.release("b")
             contexts["e"] = list(range(200, 230))
+            if roll_back:
+                contexts["c"] = contexts["c"][:40] + [3, 1, 4]
 
 
 def test_slot_storage_grows_and_compacts_without_losing_kv(tiny_llama_dir):

@@ -35,7 +35,7 @@ from gpu_target.loader import (DEFAULT_MODEL_INSTALL_HINT, load_config, load_sta
                                resolve_model_path)
 from gpu_target.model import build_model
 from gpu_target.model_config import ModelConfig
-from test_cpu_draft import int8_logit_error
+from test_cpu_draft import draft_side_by_side, int8_logit_error
 
 pytestmark = pytest.mark.skipif(shutil.which(native.COMPILER) is None, reason=f"no C++ compiler ({native.COMPILER})")
 
@@ -429,26 +429,12 @@ def test_native_drafter_drafts_what_the_lean_one_drafts_through_rollbacks(model_
     fast, lean = _drafter(model_dir), _drafter(model_dir, native_kernels=False)
     assert fast.kv.native and isinstance(fast.kv.model, NativeDraftModel)
     assert not lean.kv.native and isinstance(lean.kv.model, LeanDraftModel)
-    contexts = {"a": list(range(10, 30)), "b": list(range(100, 103)), "c": list(range(7, 60)), "d": [5]}
-    for step in range(6):
-        for drafter in (fast, lean):
-            for seq_id, tokens in contexts.items():
-                drafter.set_context(seq_id, tokens)
-        requests = [(s, 4) for s in reversed(contexts)] if step % 2 else [(s, 4) for s in contexts]
-        drafted = [drafter.draft(requests) for drafter in (fast, lean)]
-        assert [t.tokens.tolist() for t in drafted[0]] == [t.tokens.tolist() for t in drafted[1]]
-        for seq_id, tree in zip([s for s, _ in requests], drafted[0]):
-            chain = tree.tokens.tolist()
-            accepted = chain[: (step + len(seq_id)) % 5]  # the whole chain, part of it, or none, then a diverging bonus
-            contexts[seq_id] = contexts[seq_id] + accepted + [(sum(accepted) + step) % fast.vocab_size]
-        for seq_id in contexts:
-            assert fast.kv_length(seq_id) == lean.kv_length(seq_id)
-            torch.testing.assert_close(fast.kv_snapshot(seq_id), lean.kv_snapshot(seq_id), rtol=1e-4, atol=1e-5)
-        if step == 2:  # one sequence finishes and another arrives in its slot; one rolls back to a shorter context
-            del contexts["b"]
-            fast.release("b"), lean.release("b")
-            contexts["e"] = list(range(200, 230))
-            contexts["c"] = contexts["c"][:40] + [3, 1, 4]
+
+    def same_kv(seq_id):
+        assert fast.kv_length(seq_id) == lean.kv_length(seq_id)
+        torch.testing.assert_close(fast.kv_snapshot(seq_id), lean.kv_snapshot(seq_id), rtol=1e-4, atol=1e-5)
+
+    draft_side_by_side(fast, lean, same_kv, roll_back=True)
 
 
 def test_int8_native_drafter_stays_close_to_float(tiny_llama_dir):
