@@ -25,6 +25,7 @@ the tests check them on machines without a GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -76,7 +77,7 @@ def plan_launch(
     sequence (tight for a long prefill chunk batched with decodes).
     """
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    block_q = min(triton.next_power_of_2(max(max_query_len, 1)), max(1, MAX_BLOCK_M // group_pad))
+    block_q = min(triton.next_power_of_2(max(max_query_len, 1)), _max_block_q(num_heads, num_kv_heads))
     block_m = max(MIN_DOT_DIM, block_q * group_pad)
     block_n = 64 if head_dim <= 128 else 32
     q_blocks_per_seq = triton.cdiv(max(max_query_len, 1), block_q)
@@ -155,8 +156,8 @@ def paged_attention(
     if split:
         out_partial = torch.empty((plan.num_splits, T, H, D), dtype=torch.float32, device=query.device)
         lse_partial = torch.empty((plan.num_splits, T, H), dtype=torch.float32, device=query.device)
-    else:
-        out_partial = lse_partial = out  # unused by the kernel when SPLIT is False
+    else:  # never written with one split; float32 all the same, so both cases share a variant
+        out_partial = lse_partial = torch.empty((1,), dtype=torch.float32, device=query.device)
     has_tree = meta.tree_mask is not None
     group = H // KVH
     _paged_attention_kernel[(plan.num_q_programs, KVH, plan.num_splits)](
@@ -169,13 +170,14 @@ def paged_attention(
         meta.query_start_loc,
         meta.seq_lens,
         meta.block_tables,
-        meta.tree_mask if has_tree else meta.seq_lens,  # never read without a tree
+        meta.tree_mask if has_tree else meta.slot_mapping,  # int64 like a tree mask; never read without a tree
         scale * math.log2(math.e),
         B,
         T,
         H,
         plan.num_splits,
         plan.q_blocks_per_seq,
+        int(has_tree),
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),
@@ -194,9 +196,6 @@ def paged_attention(
         BLOCK_Q=plan.block_q,
         BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n,
-        SEARCH_SEQUENCE=plan.q_blocks_per_seq == 0,
-        SPLIT=split,
-        HAS_TREE=has_tree,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=_interpreting() and query.dtype == torch.bfloat16,
         num_warps=plan.num_warps,
@@ -212,9 +211,49 @@ def paged_attention(
             out.stride(0),
             out.stride(1),
             HEAD_DIM=D,
-            SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
         )
     return out
+
+
+def _max_block_q(num_heads: int, num_kv_heads: int) -> int:
+    return max(1, MAX_BLOCK_M // triton.next_power_of_2(num_heads // num_kv_heads))
+
+
+def tile_shapes(num_heads: int, num_kv_heads: int) -> list[int]:
+    """Every ``block_q`` :func:`plan_launch` can choose for a model: each compiles a variant."""
+    return [1 << i for i in range(_max_block_q(num_heads, num_kv_heads).bit_length())]
+
+
+@torch.inference_mode()
+def compile_variants(query_dtype: torch.dtype, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """Compile every variant of the attention kernels before the first request; returns how many shapes ran.
+
+    Decode and verification steps only meet the tile shapes their CUDA graphs were captured
+    with, but a step that prefills next to decodes runs eagerly with the prompt's shape, and
+    a first compile there stalls the whole batch for a second or more. Each shape runs once
+    on a one-sequence batch that reads the cache's first blocks and writes nothing to it,
+    with two KV splits so the merge kernel is built too.
+    """
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    device = k_cache.device
+    shapes = tile_shapes(num_heads, num_kv_heads)
+    for block_q in shapes:
+        blocks = triton.cdiv(block_q, block_size)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, block_q], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([block_q], dtype=torch.int32, device=device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=device).unsqueeze(0),
+            slot_mapping=torch.arange(block_q, dtype=torch.int64, device=device),
+            tree_mask=None,
+            max_query_len=block_q,
+            max_seq_len=block_q,
+            query_lens_host=[block_q],
+            seq_lens_host=[block_q],
+        )
+        query = torch.zeros((block_q, num_heads, head_dim), dtype=query_dtype, device=device)
+        plan = plan_launch(block_q, 1, num_heads, num_kv_heads, head_dim, block_q, block_q, _num_sms(device))
+        paged_attention(query, k_cache, v_cache, meta, 1.0, plan=dataclasses.replace(plan, num_splits=2))
+    return len(shapes)
 
 
 def _interpreting() -> bool:
@@ -273,10 +312,12 @@ def _attend_tile(
     qk_scale_log2,
     stride_kb, stride_kt, stride_vb, stride_vt,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, HAS_TREE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
-    """One online-softmax step over KV storage indices [start, start + BLOCK_N)."""
+    """One online-softmax step over KV storage indices [start, start + BLOCK_N).
+
+    Rows with ancestor ``bits`` see the new tokens those bits name; rows without (causal
+    rows, and every row of a batch without trees) follow the causal rule."""
     kv_pos = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_range = kv_pos < hi
@@ -300,10 +341,9 @@ def _attend_tile(
     if MASKED:
         new_j = kv_pos - ctx  # index among the new tokens; negative for cached ones
         sees_new = new_j[None, :] <= q_new_index[:, None]  # causal rule
-        if HAS_TREE:
-            shift = tl.minimum(tl.maximum(new_j, 0), 63).to(tl.int64)
-            in_tree = ((bits[:, None] >> shift[None, :]) & 1) != 0
-            sees_new = tl.where(bits[:, None] != 0, in_tree, sees_new)
+        shift = tl.minimum(tl.maximum(new_j, 0), 63).to(tl.int64)
+        in_tree = ((bits[:, None] >> shift[None, :]) & 1) != 0
+        sees_new = tl.where(bits[:, None] != 0, in_tree, sees_new)
         visible = (new_j[None, :] < 0) | sees_new
         visible = visible & in_range[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -320,11 +360,14 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-# Counts that change from step to step are not specialised on: Triton compiles a variant
-# per (value == 1, value % 16 == 0) combination of its integer arguments, and the mixed
-# prefill/decode steps of a server hit new combinations for minutes, each a compile of a
-# second or more in the middle of a step.
-STEP_COUNTS = ("num_seqs", "num_tokens", "num_splits", "q_blocks_per_seq")
+# Only the tile shape (BLOCK_Q, BLOCK_M, BLOCK_N: `plan_launch`) picks a compiled variant,
+# so `compile_variants` can build every variant a model will use before the first request.
+# Whether the step splits KV, searches for its sequences or has trees is a runtime branch,
+# and the integers that change from step to step (the block-table width too) are not
+# specialised on: Triton would compile a variant per (value == 1, value % 16 == 0)
+# combination, and a server's mixed prefill/decode steps hit new combinations for minutes,
+# each a compile of a second or more in the middle of a step.
+STEP_COUNTS = ("num_seqs", "num_tokens", "num_splits", "q_blocks_per_seq", "has_tree", "stride_bt")
 
 
 @triton.jit(do_not_specialize=STEP_COUNTS)
@@ -332,7 +375,7 @@ def _paged_attention_kernel(
     query, k_cache, v_cache, out, out_partial, lse_partial,
     query_start_loc, seq_lens, block_tables, tree_mask,
     qk_scale_log2,
-    num_seqs, num_tokens, num_heads, num_splits, q_blocks_per_seq,
+    num_seqs, num_tokens, num_heads, num_splits, q_blocks_per_seq, has_tree,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -340,13 +383,12 @@ def _paged_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEARCH_SEQUENCE: tl.constexpr, SPLIT: tl.constexpr, HAS_TREE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if SEARCH_SEQUENCE:
+    if q_blocks_per_seq == 0:
         seq = _find_sequence(query_start_loc, pid_q, num_seqs, BLOCK_Q)
         q_block = pid_q - (tl.load(query_start_loc + seq) // BLOCK_Q + seq)
     else:
@@ -374,13 +416,10 @@ def _paged_attention_kernel(
     )
     # Causal rows see at most up to the tile's last new token; tree rows may see any new one.
     causal_end = ctx + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)
-    if HAS_TREE:
-        bits = tl.load(tree_mask + token, mask=row_valid, other=0)
-        any_tree_row = tl.max((bits != 0).to(tl.int32), 0) > 0
-        kv_end = tl.where(any_tree_row, seq_len, causal_end)
-    else:
-        bits = tl.zeros([BLOCK_M], dtype=tl.int64)
-        kv_end = causal_end
+    tree_rows = row_valid & (tl.full([BLOCK_M], has_tree, tl.int32) != 0)
+    bits = tl.load(tree_mask + token, mask=tree_rows, other=0)
+    any_tree_row = tl.max((bits != 0).to(tl.int32), 0) > 0
+    kv_end = tl.where(any_tree_row, seq_len, causal_end)
 
     chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
@@ -398,19 +437,19 @@ def _paged_attention_kernel(
             acc, m_i, l_i, q, k_cache, v_cache, block_table_row, kv_head_offset_k, kv_head_offset_v,
             start, hi, ctx, q_new_index, bits, qk_scale_log2,
             stride_kb, stride_kt, stride_vb, stride_vt,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, HAS_TREE, DOT_PRECISION, DOT_IN_FP32,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, DOT_IN_FP32,
         )
     for start in range(unmasked_end, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_cache, v_cache, block_table_row, kv_head_offset_k, kv_head_offset_v,
             start, hi, ctx, q_new_index, bits, qk_scale_log2,
             stride_kb, stride_kt, stride_vb, stride_vt,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, HAS_TREE, DOT_PRECISION, DOT_IN_FP32,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, DOT_IN_FP32,
         )
 
     seen = l_i > 0
     result = acc / tl.where(seen, l_i, 1.0)[:, None]
-    if SPLIT:
+    if num_splits > 1:
         row = (split * num_tokens + token) * num_heads + head
         tl.store(out_partial + row[:, None] * HEAD_DIM + offs_d[None, :], result, mask=row_valid[:, None])
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
@@ -428,19 +467,25 @@ def _merge_splits_kernel(
     out_partial, lse_partial, out,
     num_tokens, num_heads, num_splits,
     stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
-    """out[t, h] = Σ_s 2^(lse_s − lse) · out_s[t, h], lse = log2 Σ_s 2^lse_s (empty splits: −inf)."""
+    """out[t, h] = Σ_s 2^(lse_s − lse) · out_s[t, h], lse = log2 Σ_s 2^lse_s (empty splits: −inf).
+
+    A loop over the splits, not a tile of them, so one variant serves every split count."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    row = (splits * num_tokens + token) * num_heads + head
-    lse = tl.load(lse_partial + row, mask=splits < num_splits, other=float("-inf"))
-    m = tl.max(lse, 0)
+    split_stride = num_tokens * num_heads
+    row = token * num_heads + head
+    m = tl.full([], float("-inf"), dtype=tl.float32)
+    for s in range(0, num_splits):
+        m = tl.maximum(m, tl.load(lse_partial + s * split_stride + row))
     m = tl.where(m == float("-inf"), 0.0, m)
-    weight = tl.exp2(lse - m)
-    parts = tl.load(out_partial + row[:, None] * HEAD_DIM + offs_d[None, :], mask=(splits < num_splits)[:, None], other=0.0)
-    total = tl.sum(weight, 0)
-    result = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    total = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s in range(0, num_splits):
+        weight = tl.exp2(tl.load(lse_partial + s * split_stride + row) - m)
+        total += weight
+        acc += weight * tl.load(out_partial + (s * split_stride + row) * HEAD_DIM + offs_d)
+    result = acc / tl.where(total > 0, total, 1.0)
     tl.store(out + token * stride_ot + head * stride_oh + offs_d, result.to(out.dtype.element_ty))

@@ -192,8 +192,10 @@ class LLMEngine:
         if self.config.batch_invariant:
             return batch_invariant_attention
         if self.device.type == "cuda":
-            from gpu_target.triton_attention import paged_attention
+            from gpu_target.triton_attention import compile_variants, paged_attention
 
+            k_cache, v_cache = self.kv_pool.layers[0]
+            compile_variants(self.dtype, self.model_config.num_heads, k_cache, v_cache)
             return paged_attention
         from gpu_target.attention import reference_attention
 

@@ -16,7 +16,7 @@ CUDA = torch.cuda.is_available()  # without CUDA, conftest.py runs Triton kernel
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from gpu_target.attention import AttentionMetadata, reference_attention  # noqa: E402
-from gpu_target.triton_attention import paged_attention, plan_launch  # noqa: E402
+from gpu_target.triton_attention import compile_variants, paged_attention, plan_launch, tile_shapes  # noqa: E402
 from hetero.protocols import TokenTree  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -194,6 +194,51 @@ def test_plan_fills_the_gpu_at_batch_one():
     assert plan.num_splits > 1 and plan.num_q_programs * 8 * plan.num_splits >= 132
     assert plan_launch(64, 64, 32, 8, 128, 1, 4096, num_sms=132).num_splits == 1
     assert plan_launch(1, 1, 32, 8, 128, 1, 100, num_sms=132).num_splits == 1  # too short to split
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 8), (4, 2), (12, 12), (16, 1), (24, 8)])
+def test_tile_shapes_cover_every_plan(num_heads, num_kv_heads):
+    """compile_variants builds one variant per tile shape; a plan outside them would compile mid-run."""
+    shapes = tile_shapes(num_heads, num_kv_heads)
+    chosen = {
+        plan_launch(num_seqs * q_len, num_seqs, num_heads, num_kv_heads, 128, q_len, 4096, 132).block_q
+        for q_len in range(1, 300)
+        for num_seqs in (1, 3, 64)
+    }
+    assert chosen == set(shapes)
+
+
+@pytest.mark.skipif(not CUDA, reason="counts compiles of GPU kernel variants")
+def test_no_compile_after_compile_variants():
+    """After start-up's compile_variants, no batch shape (mixed prefill and decode, trees, splits,
+    block-table widths) builds another attention kernel variant."""
+    from triton import knobs
+
+    meta, k_cache, v_cache = make_batch([Seq(3, 1)], num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    compile_variants(torch.bfloat16, 8, k_cache, v_cache)
+    compiled: list[str] = []
+    previous = knobs.runtime.jit_cache_hook
+
+    def on_cache_miss(*args, **kwargs):
+        compiled.append(str(kwargs.get("repr", "?")))
+        return False
+
+    knobs.runtime.jit_cache_hook = on_cache_miss
+    try:
+        batches = [
+            [Seq(0, 300), Seq(64, 1), Seq(10, 12, tree=True), Seq(200, 1)],
+            [Seq(0, 17), Seq(500, 1)],
+            [Seq(900, 1)],
+            [Seq(40, 5, tree=True), Seq(3, 5, tree=True)],
+            [Seq(0, 3)],
+            [Seq(1, 1)] * 33,
+        ]
+        for seed, seqs in enumerate(batches):
+            for num_splits in (None, 4):
+                check(seqs, num_heads=8, num_splits=num_splits, dtype=torch.bfloat16, seed=seed)
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    assert compiled == []
 
 
 def test_benchmark_smoke(tmp_path, capsys):
