@@ -11,15 +11,20 @@ Each option keeps its last `window` steps and is judged by their mean tokens per
 their median seconds per step: acceptance really varies from step to step and its mean is
 what pays, while a slow step (a cold first step, a pause) is noise that the median
 ignores, as long as it is one of at least three. The controller first alternates, starting
-with speculation, until each option has `min_samples` steps. Then it runs the faster
-option and probes the other one, to notice when acceptance changes: once the winner has
-run for `probe_interval` of the loser's step times. Time, not steps: a plain window emits
-8 tokens per sequence and a speculative step a few, and a probe should cost at most about
-1/`probe_interval` of the time either way. The probe spacing doubles, up to
-`max_probe_interval`, only while the evidence is solid: the losing option's window is full
-and it trails by more than `margin`. A close call or a thin window keeps probing at
-`probe_interval`; a probe faster than the winner is followed by another at once, so a
-verdict that has become wrong is overturned within a few steps instead of being locked in.
+with speculation, until each option has `min_samples` steps, or until a plain step has run
+and speculation has accepted no draft token in enough sequence-steps (one step at batch 32):
+a step that accepts nothing emits a plain step's one token per sequence at a
+verification's cost, so no timing is needed to rank it, and drafts that never fit cost two
+steps to rule out at a large batch, not six.
+Then it runs the faster option and probes the other one, to notice when acceptance
+changes: once the winner has run for `probe_interval` of the loser's step times. Time, not
+steps: a plain window emits 8 tokens per sequence and a speculative step a few, and a
+probe should cost at most about 1/`probe_interval` of the time either way. The probe
+spacing doubles, up to `max_probe_interval`, only while the evidence is solid: the losing
+option's window is full and it trails by more than `margin`, or speculation has accepted
+nothing. A close call or a thin window keeps probing at `probe_interval`; a probe
+faster than the winner is followed by another at once, so a verdict that has become wrong
+is overturned within a few steps instead of being locked in.
 
 A bucket with no verdict of its own borrows its neighbours' (`_inherited_verdict`):
 speculation that pays at a batch size is kept at smaller ones, plain decoding that wins at
@@ -42,17 +47,31 @@ from statistics import median
 from typing import Optional
 
 
+# Drafts whose first node is right with probability p accept nothing in this many
+# sequence-steps with probability (1 - p)^32: 0.08 % at p = 0.2, below which speculation
+# does not pay anyway. One step at batch 32 or more, 32 steps (never reached before the
+# timed verdict) at batch 1.
+NOTHING_ACCEPTED_SEQUENCE_STEPS = 32
+
+
 @dataclass
 class _Samples:
-    """Recent steps of one option in one bucket: (tokens emitted, seconds) each."""
+    """Recent steps of one option in one bucket: (tokens emitted, seconds, sequences) each."""
 
     window: int
     recent: deque = field(default_factory=deque)
 
-    def add(self, tokens: int, seconds: float) -> None:
-        self.recent.append((tokens, seconds))
+    def add(self, tokens: int, seconds: float, num_seqs: int) -> None:
+        self.recent.append((tokens, seconds, num_seqs))
         if len(self.recent) > self.window:
             self.recent.popleft()
+
+    def accepted_nothing(self) -> bool:
+        """No draft token accepted (one token per sequence each step) in at least
+        `NOTHING_ACCEPTED_SEQUENCE_STEPS` sequence-steps."""
+        return sum(n for _, _, n in self.recent) >= NOTHING_ACCEPTED_SEQUENCE_STEPS and all(
+            tokens <= num_seqs for tokens, _, num_seqs in self.recent
+        )
 
     def tokens_per_second(self) -> float:
         """Mean tokens per step over median seconds per step.
@@ -60,10 +79,10 @@ class _Samples:
         Tokens vary from step to step for real (acceptance), and their mean is what a step
         delivers; a slow step (a pause, a cold start) is noise, which the median ignores.
         """
-        return sum(t for t, _ in self.recent) / len(self.recent) / self.seconds_per_step()
+        return sum(t for t, _, _ in self.recent) / len(self.recent) / self.seconds_per_step()
 
     def seconds_per_step(self) -> float:
-        return median(s for _, s in self.recent)
+        return median(s for _, s, _ in self.recent)
 
 
 @dataclass
@@ -112,7 +131,16 @@ class SpeculationController:
         return state
 
     def _verdict(self, state: _Bucket) -> Optional[bool]:
-        """True: speculate; False: decode plainly; None: not measured enough yet."""
+        """True: speculate; False: decode plainly; None: not measured enough yet.
+
+        Speculative steps that accepted nothing settle it without timing: such a step emits
+        one token per sequence, as a plain step does, at a verification's cost, while plain
+        decoding runs in multi-step windows besides.
+        """
+        if not state.plain.recent:
+            return None
+        if state.spec.accepted_nothing():
+            return False
         if min(len(state.spec.recent), len(state.plain.recent)) < self.min_samples:
             return None
         return state.spec.tokens_per_second() >= state.plain.tokens_per_second()
@@ -152,7 +180,9 @@ class SpeculationController:
         if state.countdown > 0:
             return per_seq if speculate else 0
         loser, winner = (state.plain, state.spec) if speculate else (state.spec, state.plain)
-        solid = len(loser.recent) == self.window and winner.tokens_per_second() > (1 + self.margin) * loser.tokens_per_second()
+        solid = state.spec.accepted_nothing() or (
+            len(loser.recent) == self.window and winner.tokens_per_second() > (1 + self.margin) * loser.tokens_per_second()
+        )
         state.interval = min(2 * state.interval, self.max_probe_interval) if solid else self.probe_interval
         state.countdown = state.interval
         return 0 if speculate else per_seq
@@ -176,14 +206,14 @@ class SpeculationController:
         if seconds <= 0:
             return
         state = self._state(num_seqs)
-        (state.spec if speculated else state.plain).add(tokens_emitted, seconds)
+        (state.spec if speculated else state.plain).add(tokens_emitted, seconds, num_seqs)
         speculate = self._verdict(state)
         if speculate is None:
             return
         loser, winner = (state.plain, state.spec) if speculate else (state.spec, state.plain)
         if speculated == speculate:
             state.countdown -= seconds / loser.seconds_per_step()
-        elif tokens_emitted / seconds >= winner.tokens_per_second():
+        elif not state.spec.accepted_nothing() and tokens_emitted / seconds >= winner.tokens_per_second():
             # A probe faster than the winner: look again at once. Consecutive such probes
             # overturn the verdict; a fluke is outvoted by the probes after it.
             state.interval, state.countdown = self.probe_interval, 0

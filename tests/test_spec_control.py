@@ -6,13 +6,17 @@ import pytest
 from hetero.spec_control import SpeculationController
 
 
-def drive(controller, num_seqs, spec_tps, plain_tps, steps):
-    """Run `steps` decisions against fixed measured throughputs; return how many speculated."""
+def drive(controller, num_seqs, spec_tps, plain_tps, steps, spec_tokens_per_seq=2, plain_tokens_per_seq=2):
+    """Run `steps` decisions against fixed measured throughputs; return how many speculated.
+
+    Each step emits the given tokens per sequence (speculation: 1 if no draft token was
+    accepted; plain: a multi-step window's)."""
     speculated = 0
     for _ in range(steps):
         nodes = controller.nodes_per_sequence(num_seqs)
+        emitted = num_seqs * (spec_tokens_per_seq if nodes else plain_tokens_per_seq)
         rate = spec_tps if nodes else plain_tps
-        controller.record_step(num_seqs, bool(nodes), tokens_emitted=num_seqs, seconds=num_seqs / rate)
+        controller.record_step(num_seqs, bool(nodes), tokens_emitted=emitted, seconds=emitted / rate)
         speculated += bool(nodes)
     return speculated
 
@@ -35,6 +39,30 @@ def test_losing_speculation_is_turned_off_and_probed_ever_more_rarely():
     assert first <= 3 + 9
     later = drive(controller, 64, spec_tps=800.0, plain_tps=1000.0, steps=1024)
     assert later <= 1024 // 256
+
+
+def test_drafts_that_accept_nothing_are_ruled_out_after_one_step_of_each():
+    """No timing can make a step that accepts nothing pay: even measured faster per token
+    (here 1200 vs 1000 tokens/s, say a slow first plain window), it loses at once, and the
+    probes thin out as for any solid verdict."""
+    nothing = dict(spec_tps=1200.0, plain_tps=1000.0, spec_tokens_per_seq=1, plain_tokens_per_seq=8)
+    controller = SpeculationController(8, 1024, probe_interval=4, max_probe_interval=256, window=16)
+    assert drive(controller, 64, steps=2, **nothing) == 1
+    assert controller.speculation_pays(64) is False
+    # Probes after 4, 8, 16, ..., 256 speculative step times, then every 256: a plain window
+    # takes 9.6 of them, so 1000 windows hold 38 probes once they are spaced out, 7 before.
+    assert drive(controller, 64, steps=1000, **nothing) <= 45
+    # At batch 1 one miss is weak evidence (drafts right 3 times in 4 miss a quarter of the
+    # time): the timed verdict decides there, after three steps of each.
+    controller = SpeculationController(8, 1024, probe_interval=4)
+    drive(controller, 1, steps=2, **nothing)
+    assert controller.speculation_pays(1) is None
+    # Drafts that start to fit: the probe that accepts is followed by exploration, not ignored.
+    for _ in range(300):
+        drive(controller, 64, spec_tps=1500.0, plain_tps=1000.0, steps=1)
+        if controller.speculation_pays(64):
+            break
+    assert controller.speculation_pays(64) is True
 
 
 def test_probes_stay_frequent_while_the_evidence_is_thin():
