@@ -62,6 +62,18 @@ def available() -> bool:
     return load_library() is not None
 
 
+def amx(library: ctypes.CDLL) -> bool:
+    """Whether matmuls of 4 rows or more use AMX tiles: the library was built for AMX (``-march=native`` on a
+    CPU with it), the CPU has it, Linux granted the process its tile data, and it is not turned off."""
+    return bool(library.draft_amx())
+
+
+def set_amx(library: ctypes.CDLL, on: bool) -> bool:
+    """Turns the AMX kernels on (where `amx` could be true) or off (``HETERO_NATIVE_AMX=0`` turns them off at
+    load), between forwards; returns `amx`. INT8 results are the same either way, bit for bit."""
+    return bool(library.draft_set_amx(int(on)))
+
+
 def enable_profile(library: ctypes.CDLL, on: bool = True) -> None:
     """Turns the per-phase timing on or off (``HETERO_NATIVE_PROFILE=1`` turns it on at load); keeps the sums."""
     library.draft_profile_enable(int(on))
@@ -122,6 +134,10 @@ def _build_and_load(compiler: str, flags: tuple[str, ...], directory: Path) -> O
         library.draft_profile_names.restype = ctypes.c_char_p
         library.draft_profile.argtypes = [ptr, i64]
         library.draft_profile.restype = i64
+        library.draft_amx.restype = i64
+        library.draft_amx_kernels.restype = i64
+        library.draft_set_amx.argtypes = [i64]
+        library.draft_set_amx.restype = i64
         return library
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("native draft forward unavailable, using the torch forward instead: %s", _short(exc))

