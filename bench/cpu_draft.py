@@ -10,7 +10,7 @@ single-token forward per further depth level). ``forward_ms`` is one batched for
                               [--precisions bf16 fp32 int8] [--batch-sizes 1 8 32]
                               [--context 256] [--draft-tokens 4] [--steps 20] [--cpus 4-15] [--threads 12]
                               [--kv-layouts slots paged] [--kernels native lean] [--no-pack-linears]
-                              [--profile-native]
+                              [--profile-native] [--amx on off]
 
 ``--kv-layouts slots paged`` times the contiguous-slot layout (the CPU default) next to the
 paged one it replaced on the CPU (gathers per layer, plain F.linear), in one run.
@@ -18,6 +18,11 @@ paged one it replaced on the CPU (gathers per layer, plain F.linear), in one run
 forward, `cpu_draft.native_model`, the default) next to the lean torch forward, in one run;
 the ``kernels`` column says which ran (``torch`` for the paged layout, and ``lean`` where
 the native forward was asked for but did not build).
+
+``--amx on off`` times the native forward with the AMX tile kernels (matmuls of 4 rows or more,
+where the library was built for AMX and Linux grants the tile data) and without them, in one run;
+by default they are on where available (``HETERO_NATIVE_AMX=0`` turns them off). The ``amx_kernels``
+column says whether they ran.
 
 ``--profile-native`` turns on the native forward's phase timing (as ``HETERO_NATIVE_PROFILE=1``
 does) and prints, for each native row, milliseconds per forward in each phase (embed, qkv,
@@ -138,6 +143,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="slots layout: oneDNN-packed projections and logits head")
     parser.add_argument("--profile-native", action="store_true",
                         help="native rows: time each phase of the forward and print ms per forward per phase")
+    parser.add_argument("--amx", nargs="+", default=None, choices=["on", "off"],
+                        help="native rows: with the AMX kernels and/or without (default: as loaded, on where available)")
     parser.add_argument("--out", type=Path, default=None, help="CSV path (default bench/results/cpu_draft-<hostname>.csv)")
     return parser.parse_args(argv)
 
@@ -158,15 +165,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.random_shape is None:
         config = load_config(args.model)
         print(f"shape: {config.num_parameters() / 1e6:.0f} M parameters, {config.num_layers} layers, hidden {config.hidden_size}")
-    print(f"{'layout':>6} {'kernels':>7} {'precision':>9} {'batch':>5} {'step p50 ms':>11} {'step p90 ms':>11} {'forward ms':>10} "
+    print(f"{'layout':>6} {'kernels':>7} {'amx':>3} {'precision':>9} {'batch':>5} {'step p50 ms':>11} {'step p90 ms':>11} {'forward ms':>10} "
           f"{'draft tok/s':>11}")
     rows, profile_rows = [], []
-    runs = [(layout, kernels) for layout in args.kv_layouts for kernels in (args.kernels if layout == "slots" else ["torch"])]
-    for precision, (layout, kernels) in itertools.product(args.precisions, runs):
+    runs = [(layout, kernels, amx) for layout in args.kv_layouts for kernels in (args.kernels if layout == "slots" else ["torch"])
+            for amx in ((args.amx or [None]) if kernels == "native" else [None])]
+    for precision, (layout, kernels, amx_setting) in itertools.product(args.precisions, runs):
         dtype, int8 = PRECISIONS[precision]
         drafter = load_drafter(args, dtype, int8, max(args.batch_sizes), layout, kernels)
         if kernels == "native" and not drafter.kv.native:
             kernels = "lean"  # the native forward did not build (warned): this is the torch forward
+        amx_kernels = False
+        if kernels == "native":
+            if amx_setting is not None:
+                native.set_amx(drafter.kv.model.library, amx_setting == "on")
+            amx_kernels = native.amx(drafter.kv.model.library)
         library = drafter.kv.model.library if kernels == "native" and args.profile_native else None
         if library is not None:
             native.enable_profile(library)
@@ -177,6 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             row = {
                 "kv_layout": layout,
                 "kernels": kernels,
+                "amx_kernels": amx_kernels,
                 "packed_linears": kernels == "lean" and args.pack_linears,
                 "precision": precision,
                 "batch_size": batch_size,
@@ -189,11 +203,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "steps": args.steps,
             }
             rows.append(row)
-            print(f"{layout:>6} {kernels:>7} {precision:>9} {batch_size:>5} {p50:>11.2f} {p90:>11.2f} {row['forward_ms']:>10.2f} {row['draft_tokens_per_s']:>11.0f}")
+            print(f"{layout:>6} {kernels:>7} {'yes' if amx_kernels else 'no':>3} {precision:>9} {batch_size:>5} {p50:>11.2f} {p90:>11.2f} {row['forward_ms']:>10.2f} {row['draft_tokens_per_s']:>11.0f}")
             if library is not None:
                 profile = native.read_profile(library)
                 table = native.profile_table(profile)
-                profile_rows.append({"precision": precision, "batch_size": batch_size, "forwards": profile["calls"],
+                profile_rows.append({"precision": precision, "amx_kernels": amx_kernels, "batch_size": batch_size, "forwards": profile["calls"],
                                      "threads": profile["threads"], **{f"{k}_ms": round(v, 4) for k, v in table.items()}})
                 print("        phases, ms per forward: " + "  ".join(f"{k} {v:.3f}" for k, v in table.items()))
         if library is not None:
@@ -219,9 +233,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if profile_rows:
         names = [k for k in profile_rows[0] if k.endswith("_ms")]
         print("native forward phases, ms per forward (phase = mean compute + mean wait at its closing barrier):")
-        print(f"{'precision':>9} {'batch':>5} " + " ".join(f"{n[:-3]:>9}" for n in names))
+        print(f"{'precision':>9} {'amx':>3} {'batch':>5} " + " ".join(f"{n[:-3]:>9}" for n in names))
         for r in profile_rows:
-            print(f"{r['precision']:>9} {r['batch_size']:>5} " + " ".join(f"{r[n]:>9.3f}" for n in names))
+            print(f"{r['precision']:>9} {'yes' if r['amx_kernels'] else 'no':>3} {r['batch_size']:>5} "
+                  + " ".join(f"{r[n]:>9.3f}" for n in names))
         write_csv_with_context(out.with_name(f"{out.stem}-profile{out.suffix}"), profile_rows, extra)
     return 0
 
