@@ -6,16 +6,26 @@ sequences of Q new tokens each, with B and Q rounded up to a ladder of buckets. 
 costs a few host-to-device copies and one graph launch instead of hundreds of kernel
 launches from Python, which is what keeps batch-1 decode near the memory roofline.
 
+A step that prefills (a prompt chunk, alone or beside decodes and trees: under
+speculation requests finish unevenly and are admitted one or a few at a time) is laid out
+ragged instead: the chunks' tokens back to back, padded to a ladder of token counts
+(`Ragged` buckets), beside up to the largest sequence bucket's sequences, the unused ones
+empty. Eager, such a step of a few hundred tokens cost the GPU host ~27 ms of Python and
+kernel launches for ~9 ms of GPU work; replayed, it costs the GPU work.
+
 Padding never touches real data: padding tokens write their K/V into the reserved null
 block (block 0, which the allocator never hands out) and padding sequences read only that
-block. A real sequence with n < Q tokens is given ``seq_len = cached + Q``, because the
-kernel derives the cached length as ``seq_len - Q``; its padding tokens sit at storage
-indices no real token's tree bits name, so no real token sees them.
+block. In a uniform bucket a real sequence with n < Q tokens is given ``seq_len = cached +
+Q``, because the kernel derives the cached length as ``seq_len - Q``; its padding tokens sit
+at storage indices no real token's tree bits name, so no real token sees them. In a ragged
+bucket the padding tokens follow the last sequence's, where no sequence reads them, and
+the empty sequences have no tokens at all.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union
 
 import numpy as np
 import torch
@@ -26,6 +36,17 @@ from gpu_target.model import CausalLM
 from gpu_target.runner import DecodeInputs, SequenceChunk
 
 NULL_BLOCK = 0
+MIN_RAGGED_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """The bucket of a step that prefills: up to `num_tokens` tokens, packed back to back."""
+
+    num_tokens: int
+
+
+Bucket = Union[tuple[int, int], Ragged]  # uniform (num_seqs, query_len), or ragged
 
 
 def bucket_ladder(max_seqs: int, max_query_len: int, max_tokens: int) -> list[tuple[int, int]]:
@@ -38,6 +59,16 @@ def bucket_ladder(max_seqs: int, max_query_len: int, max_tokens: int) -> list[tu
     queries = sorted({1 << i for i in range(max(max_query_len - 1, 0).bit_length())} | {max_query_len})
     ladder = [(b, q) for q in queries for b in seqs if b * q <= max_tokens]
     return sorted(ladder, key=lambda bq: (bq[0] * bq[1], bq[1]), reverse=True)
+
+
+def ragged_ladder(max_tokens: int) -> list[int]:
+    """Token counts of the ragged buckets, largest first: powers of two from MIN_RAGGED_TOKENS."""
+    counts = []
+    tokens = MIN_RAGGED_TOKENS
+    while tokens <= max_tokens:
+        counts.append(tokens)
+        tokens *= 2
+    return counts[::-1]
 
 
 def _round_up(value: int, buckets: Sequence[int]) -> int:
@@ -60,92 +91,112 @@ class CudaGraphRunner:
         self.block_size = kv_pool.block_size
         self.max_model_len = max_model_len
         self.ladder = bucket_ladder(max_seqs, max_query_len, max_tokens)
+        self.ragged = ragged_ladder(max_tokens)
         self.seq_buckets = sorted({b for b, _ in self.ladder})
         self.query_buckets = sorted({q for _, q in self.ladder})
         max_b = max(self.seq_buckets)
-        max_t = max(b * q for b, q in self.ladder)
+        max_t = max([b * q for b, q in self.ladder] + self.ragged)
         self.max_blocks_per_seq = -(-(max_model_len + max(self.query_buckets)) // self.block_size)
         self.device_buffers = allocate_buffers(max_t, max_b, self.max_blocks_per_seq, self.device)
         self.host_buffers = allocate_buffers(max_t, max_b, self.max_blocks_per_seq, "cpu", pin=True)
         # Each graph ends at the final hidden states: logits are computed outside it for the
         # real rows only, so no bucket holds a [B*Q, vocab] float32 output of its own.
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.capture_seconds = 0.0
 
     def capture_all(self) -> float:
         """Capture every bucket, largest first so smaller graphs reuse its memory pool."""
         started = time.perf_counter()
-        for bucket in self.ladder:
-            self._capture(*bucket)
+        for bucket in [*map(Ragged, self.ragged), *self.ladder]:
+            self._capture(bucket)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - started
         return self.capture_seconds
 
-    def _metadata(self, num_seqs: int, query_len: int) -> AttentionMetadata:
-        buffers = bucket_view(self.device_buffers, num_seqs, query_len)
+    def _shape(self, bucket: Bucket) -> tuple[int, int, int]:
+        """(sequences, tokens, max_query_len) of a bucket's layout."""
+        if isinstance(bucket, Ragged):
+            return self.seq_buckets[-1], bucket.num_tokens, bucket.num_tokens
+        num_seqs, query_len = bucket
+        return num_seqs, num_seqs * query_len, query_len
+
+    def _metadata(self, bucket: Bucket) -> AttentionMetadata:
+        num_seqs, num_tokens, max_query_len = self._shape(bucket)
+        buffers = bucket_view(self.device_buffers, num_seqs, num_tokens)
         return AttentionMetadata(
             query_start_loc=buffers["query_start_loc"],
             seq_lens=buffers["seq_lens"],
             block_tables=buffers["block_tables"],
             slot_mapping=buffers["slot_mapping"],
-            tree_mask=buffers["tree_mask"] if query_len > 1 else None,
-            max_query_len=query_len,
+            tree_mask=buffers["tree_mask"] if max_query_len > 1 else None,
+            max_query_len=max_query_len,
             max_seq_len=self.max_model_len,
-            query_lens_host=[query_len] * num_seqs,
+            query_lens_host=[max_query_len] * num_seqs,
             seq_lens_host=[self.max_model_len] * num_seqs,  # upper bounds; the kernel reads seq_lens
         )
 
     @torch.inference_mode()
-    def _forward(self, num_seqs: int, query_len: int) -> torch.Tensor:
+    def _forward(self, bucket: Bucket) -> torch.Tensor:
         from gpu_target.triton_attention import paged_attention
 
-        buffers = bucket_view(self.device_buffers, num_seqs, query_len)
-        return self.model(
-            buffers["input_ids"], buffers["positions"], self.kv_pool.layers, self._metadata(num_seqs, query_len), paged_attention
-        )
+        num_seqs, num_tokens, _ = self._shape(bucket)
+        buffers = bucket_view(self.device_buffers, num_seqs, num_tokens)
+        return self.model(buffers["input_ids"], buffers["positions"], self.kv_pool.layers, self._metadata(bucket), paged_attention)
 
-    def _capture(self, num_seqs: int, query_len: int) -> None:
-        self._stage([], num_seqs, query_len)
+    def _capture(self, bucket: Bucket) -> None:
+        self._stage([], bucket)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(num_seqs, query_len)  # compiles kernels and settles allocations
+            self._forward(bucket)  # compiles kernels and settles allocations
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self._forward(num_seqs, query_len)
-        self.graphs[(num_seqs, query_len)] = (graph, hidden)
+            hidden = self._forward(bucket)
+        self.graphs[bucket] = (graph, hidden)
 
-    def bucket_for(self, chunks: Sequence[SequenceChunk]) -> tuple[int, int] | None:
-        """The bucket a decode/verification batch fits, or None (prefill, too large, or not captured)."""
-        if not chunks or any(c.num_cached == 0 or len(c.logits_indices) != len(c.token_ids) for c in chunks):
-            return None
-        longest = max(len(c.token_ids) for c in chunks)
-        if len(chunks) > self.seq_buckets[-1] or longest > self.query_buckets[-1]:
+    def bucket_for(self, chunks: Sequence[SequenceChunk]) -> Bucket | None:
+        """The bucket a step fits: uniform for decodes and trees, ragged for a step that
+        prefills; None when it is too large for any (it then runs eagerly)."""
+        if not chunks or len(chunks) > self.seq_buckets[-1]:
             return None
         if any(c.num_cached + len(c.token_ids) > self.max_model_len for c in chunks):
+            return None
+        if any(c.num_cached == 0 or len(c.logits_indices) != len(c.token_ids) for c in chunks):
+            num_tokens = sum(len(c.token_ids) for c in chunks)
+            if not self.ragged or num_tokens > self.ragged[0]:
+                return None
+            if any(len(c.block_table) > self.max_blocks_per_seq for c in chunks):
+                return None
+            return Ragged(_round_up(num_tokens, self.ragged))
+        longest = max(len(c.token_ids) for c in chunks)
+        if longest > self.query_buckets[-1]:
             return None
         bucket = (_round_up(len(chunks), self.seq_buckets), _round_up(longest, self.query_buckets))
         return bucket if bucket in self.graphs else None
 
-    def _stage(self, chunks: Sequence[SequenceChunk], num_seqs: int, query_len: int) -> list[int]:
+    def _stage(self, chunks: Sequence[SequenceChunk], bucket: Bucket) -> list[int]:
         """Lay the chunks out on the host and copy them into the bucket's device buffers.
 
         The pinned host buffers are reused every step while the copies are asynchronous;
         that is safe because each step's caller waits for its logits (the sampler's host
         copy) before the next step stages anything.
         """
-        host = bucket_view(self.host_buffers, num_seqs, query_len)
-        rows = fill_host_inputs(host, chunks, query_len, self.block_size)
-        device = bucket_view(self.device_buffers, num_seqs, query_len)
+        num_seqs, num_tokens, _ = self._shape(bucket)
+        host = bucket_view(self.host_buffers, num_seqs, num_tokens)
+        if isinstance(bucket, Ragged):
+            rows = fill_ragged_host_inputs(host, chunks, self.block_size)
+        else:
+            rows = fill_host_inputs(host, chunks, bucket[1], self.block_size)
+        device = bucket_view(self.device_buffers, num_seqs, num_tokens)
         for name in BUFFER_NAMES:
             device[name].copy_(host[name], non_blocking=True)
         return rows
 
-    def run(self, chunks: Sequence[SequenceChunk], bucket: tuple[int, int]) -> torch.Tensor:
-        """Replay the bucket's graph for `chunks`; logits of every real token, in chunk order."""
-        rows = self._stage(chunks, *bucket)
+    def run(self, chunks: Sequence[SequenceChunk], bucket: Bucket) -> torch.Tensor:
+        """Replay the bucket's graph for `chunks`; logits of the rows they ask for, in chunk order."""
+        rows = self._stage(chunks, bucket)
         graph, hidden = self.graphs[bucket]
         graph.replay()
         if rows == list(range(len(rows))):
@@ -159,9 +210,9 @@ class CudaGraphRunner:
         Returns views of the real rows' graph inputs (advanced between steps on the
         device) and a function that replays the graph and returns those rows' hidden states.
         """
-        self._stage(chunks, *bucket)
+        self._stage(chunks, bucket)
         graph, hidden = self.graphs[bucket]
-        views = bucket_view(self.device_buffers, *bucket)
+        views = bucket_view(self.device_buffers, bucket[0], bucket[0] * bucket[1])
         num_real = len(chunks)
         inputs = DecodeInputs(
             *(views[name][:num_real] for name in ("input_ids", "positions", "seq_lens", "slot_mapping", "block_tables"))
@@ -193,11 +244,10 @@ def allocate_buffers(max_tokens: int, max_seqs: int, max_blocks: int, device, pi
     return {name: t.pin_memory() for name, t in buffers.items()} if pin else buffers
 
 
-def bucket_view(buffers: dict[str, torch.Tensor], num_seqs: int, query_len: int) -> dict[str, torch.Tensor]:
-    """The leading slices of `buffers` that a (num_seqs, query_len) bucket uses."""
-    per_token = num_seqs * query_len
+def bucket_view(buffers: dict[str, torch.Tensor], num_seqs: int, num_tokens: int) -> dict[str, torch.Tensor]:
+    """The leading slices of `buffers` that a bucket of `num_seqs` sequences and `num_tokens` tokens uses."""
     sizes = dict(seq_lens=num_seqs, block_tables=num_seqs, query_start_loc=num_seqs + 1)
-    return {name: buffers[name][: sizes.get(name, per_token)] for name in BUFFER_NAMES}
+    return {name: buffers[name][: sizes.get(name, num_tokens)] for name in BUFFER_NAMES}
 
 
 def fill_host_inputs(host: dict[str, torch.Tensor], chunks: Sequence[SequenceChunk], query_len: int, block_size: int) -> list[int]:
@@ -230,8 +280,7 @@ def fill_host_inputs(host: dict[str, torch.Tensor], chunks: Sequence[SequenceChu
         index.extend(range(start, start + n))
         token_ids.extend(chunk.token_ids)
         positions.extend(chunk.positions)
-        table = chunk.block_table
-        slots.extend(table[i // block_size] * block_size + i % block_size for i in range(chunk.num_cached, chunk.num_cached + n))
+        slots.extend(_slots(chunk, block_size))
         masks.extend(chunk.tree_mask if chunk.tree_mask is not None else causal[:n])
         rows.extend(start + i for i in chunk.logits_indices)
     if index:
@@ -241,8 +290,59 @@ def fill_host_inputs(host: dict[str, torch.Tensor], chunks: Sequence[SequenceChu
         arrays["tree_mask"][index] = masks
     if chunks:
         arrays["seq_lens"][: len(chunks)] = [chunk.num_cached + query_len for chunk in chunks]
-        width = max(len(chunk.block_table) for chunk in chunks)
-        arrays["block_tables"][: len(chunks), :width] = [
-            list(chunk.block_table) + [NULL_BLOCK] * (width - len(chunk.block_table)) for chunk in chunks
-        ]
+        _write_block_tables(arrays["block_tables"], chunks)
     return rows
+
+
+def fill_ragged_host_inputs(host: dict[str, torch.Tensor], chunks: Sequence[SequenceChunk], block_size: int) -> list[int]:
+    """Lay `chunks` out in a ragged bucket's host buffers: their tokens back to back.
+
+    The sequences after the chunks are empty (no tokens, length 0, the null block's table);
+    the tokens after theirs are padding aimed at the null block. Causal tokens carry no
+    tree bits (the kernel's causal rule). Returns the flat rows of the tokens whose logits
+    were asked for, in chunk order.
+    """
+    arrays = {name: tensor.numpy() for name, tensor in host.items()}
+    query_lens = [len(chunk.token_ids) for chunk in chunks]
+    starts = np.concatenate([[0], np.cumsum(query_lens, dtype=np.int64)])
+    num_real = int(starts[-1])
+    arrays["input_ids"][:] = 0
+    arrays["positions"][:] = 0
+    arrays["slot_mapping"][:] = NULL_BLOCK * block_size
+    arrays["tree_mask"][:] = 0
+    arrays["seq_lens"][:] = 0
+    arrays["block_tables"][:] = NULL_BLOCK
+    arrays["query_start_loc"][:] = num_real
+    arrays["query_start_loc"][: len(chunks) + 1] = starts
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    masks: list[int] = []
+    rows: list[int] = []
+    for chunk, start in zip(chunks, starts.tolist()):
+        n = len(chunk.token_ids)
+        token_ids.extend(chunk.token_ids)
+        positions.extend(chunk.positions)
+        slots.extend(_slots(chunk, block_size))
+        masks.extend(chunk.tree_mask if chunk.tree_mask is not None else [0] * n)
+        rows.extend(start + i for i in chunk.logits_indices)
+    arrays["input_ids"][:num_real] = token_ids
+    arrays["positions"][:num_real] = positions
+    arrays["slot_mapping"][:num_real] = slots
+    arrays["tree_mask"][:num_real] = masks
+    if chunks:
+        arrays["seq_lens"][: len(chunks)] = [chunk.num_cached + n for chunk, n in zip(chunks, query_lens)]
+        _write_block_tables(arrays["block_tables"], chunks)
+    return rows
+
+
+def _slots(chunk: SequenceChunk, block_size: int) -> list[int]:
+    """Cache slots of the chunk's new tokens (storage indices num_cached onwards)."""
+    table = chunk.block_table
+    return [table[i // block_size] * block_size + i % block_size for i in range(chunk.num_cached, chunk.num_cached + len(chunk.token_ids))]
+
+
+def _write_block_tables(block_tables: np.ndarray, chunks: Sequence[SequenceChunk]) -> None:
+    """The chunks' block tables into the first rows, padded with the null block."""
+    width = max(len(chunk.block_table) for chunk in chunks)
+    block_tables[: len(chunks), :width] = [list(chunk.block_table) + [NULL_BLOCK] * (width - len(chunk.block_table)) for chunk in chunks]

@@ -63,7 +63,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.attention_fn = attention_fn
         self.block_size = kv_pool.block_size
-        self.graph_runner = graph_runner  # CudaGraphRunner for decode/verification steps, or None
+        self.graph_runner = graph_runner  # CudaGraphRunner, or None (CPU, enforce_eager)
 
     def build_inputs(self, chunks: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the chunks into (input_ids, positions, metadata, logits row indices)."""
@@ -135,7 +135,7 @@ class ModelRunner:
         entries from `num_cached` on. Returns the picked tokens, [B][num_steps].
         """
         bucket = self.graph_runner.bucket_for(chunks) if self.graph_runner is not None else None
-        if bucket is not None and bucket[1] == 1:
+        if isinstance(bucket, tuple) and bucket[1] == 1:
             inputs, forward = self.graph_runner.decode_inputs(chunks, bucket)
         else:
             inputs, forward = self._eager_decode_inputs(chunks)

@@ -5,7 +5,16 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_target.cuda_graphs import NULL_BLOCK, allocate_buffers, bucket_ladder, bucket_view, fill_host_inputs
+from gpu_target.cuda_graphs import (
+    NULL_BLOCK,
+    Ragged,
+    allocate_buffers,
+    bucket_ladder,
+    bucket_view,
+    fill_host_inputs,
+    fill_ragged_host_inputs,
+    ragged_ladder,
+)
 from gpu_target.runner import SequenceChunk
 from hetero import LLM, SamplingParams
 from hetero.protocols import TokenTree
@@ -28,7 +37,7 @@ def test_padding_layout_keeps_real_tokens_apart_from_padding():
         SequenceChunk([11, 5, 6, 7], [20, 21, 22, 21], [3, 4], 20, [0, 1, 2, 3], masks),
         SequenceChunk([12], [9], [7], 9, [0]),
     ]
-    host = bucket_view(allocate_buffers(max_tokens=32, max_seqs=8, max_blocks=3, device="cpu"), num_seqs=4, query_len=4)
+    host = bucket_view(allocate_buffers(max_tokens=32, max_seqs=8, max_blocks=3, device="cpu"), num_seqs=4, num_tokens=16)
     host["tree_mask"].fill_(-7)  # stale values from an earlier step must all be overwritten
     rows = fill_host_inputs(host, chunks, query_len=4, block_size=16)
     assert host["input_ids"][:5].tolist() == [11, 5, 6, 7, 12]
@@ -44,6 +53,35 @@ def test_padding_layout_keeps_real_tokens_apart_from_padding():
     assert host["tree_mask"][8:].tolist() == [1, 2, 4, 8] * 2
     assert rows == [0, 1, 2, 3, 4]
     assert host["query_start_loc"].tolist() == [0, 4, 8, 12, 16]
+
+
+def test_ragged_ladder_is_powers_of_two_from_64():
+    assert ragged_ladder(2048) == [2048, 1024, 512, 256, 128, 64]
+    assert ragged_ladder(1000) == [512, 256, 128, 64]
+    assert ragged_ladder(32) == []
+
+
+def test_ragged_layout_packs_the_chunks_and_leaves_the_rest_empty():
+    tree = TokenTree(np.array([5, 6, 7]), np.array([-1, 0, -1]))
+    masks = [1] + [(int(m) << 1) | 1 for m in tree.ancestor_masks()]
+    chunks = [
+        SequenceChunk([1, 2, 3, 4, 5], [0, 1, 2, 3, 4], [2], 0, [4]),  # a prompt: logits of its last token only
+        SequenceChunk([11, 5, 6, 7], [20, 21, 22, 21], [3, 4], 20, [0, 1, 2, 3], masks),
+        SequenceChunk([12], [9], [7], 9, [0]),
+    ]
+    host = bucket_view(allocate_buffers(max_tokens=64, max_seqs=8, max_blocks=3, device="cpu"), num_seqs=6, num_tokens=16)
+    for stale in host.values():  # an earlier step's values must all be overwritten
+        stale.fill_(7)
+    rows = fill_ragged_host_inputs(host, chunks, block_size=16)
+    assert host["input_ids"].tolist() == [1, 2, 3, 4, 5, 11, 5, 6, 7, 12] + [0] * 6
+    assert host["query_start_loc"].tolist() == [0, 5, 9, 10, 10, 10, 10]
+    assert host["seq_lens"].tolist() == [5, 24, 10, 0, 0, 0]
+    assert host["slot_mapping"][:10].tolist() == [2 * 16 + i for i in range(5)] + [4 * 16 + 4 + i for i in range(4)] + [7 * 16 + 9]
+    assert set(host["slot_mapping"][10:].tolist()) == {NULL_BLOCK * 16}
+    assert host["tree_mask"].tolist() == [0] * 5 + masks + [0] * 7  # causal tokens carry no bits
+    assert host["positions"][:10].tolist() == [0, 1, 2, 3, 4, 20, 21, 22, 21, 9]
+    assert host["block_tables"].tolist() == [[2, 0, 0], [3, 4, 0], [7, 0, 0]] + [[NULL_BLOCK] * 3] * 3
+    assert rows == [4, 5, 6, 7, 8, 9]
 
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def add(a, b):", "x", "Once upon a time there was"]
@@ -64,17 +102,32 @@ def test_graphs_match_eager_and_cpu(tiny_llama_dir):
 
 
 @needs_cuda
-@pytest.mark.parametrize("eager", [True, False])
-def test_gpu_verifies_trees_losslessly(tiny_llama_dir, eager):
+@pytest.mark.parametrize("eager,max_num_seqs", [(True, 8), (False, 8), (False, 2)])
+def test_gpu_verifies_trees_losslessly(tiny_llama_dir, eager, max_num_seqs):
+    """With 2 slots for 5 prompts, requests are admitted beside other sequences' trees: those
+    steps replay ragged graphs."""
     from test_speculative import OracleProposer, speculative_llm
 
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     cpu = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=256)
     truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in cpu.generate(PROMPTS, greedy, use_tqdm=False)}
     proposer = OracleProposer(truth, "random", 12, 0.8, vocab=320, seed=5)
-    llm = speculative_llm(tiny_llama_dir, proposer, device="cuda", max_num_seqs=8, gpu_memory_utilization=0.3, enforce_eager=eager)
+    llm = speculative_llm(tiny_llama_dir, proposer, device="cuda", max_num_seqs=max_num_seqs, gpu_memory_utilization=0.3,
+                          enforce_eager=eager)
     llm.llm_engine.spec_control.always_speculate = True
-    assert (llm.llm_engine.runner.graph_runner is None) == eager
+    graphs = llm.llm_engine.runner.graph_runner
+    assert (graphs is None) == eager
+    replayed = []  # (bucket, whether the step verified trees) of each replay
+    if graphs is not None:
+        replay = graphs.run
+
+        def recorded_replay(chunks, bucket):
+            replayed.append((bucket, any(c.tree_mask is not None for c in chunks)))
+            return replay(chunks, bucket)
+
+        graphs.run = recorded_replay
     outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     assert {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in outs} == truth
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+    if max_num_seqs == 2:
+        assert any(isinstance(bucket, Ragged) and trees for bucket, trees in replayed)
