@@ -36,7 +36,7 @@ from gpu_target.model import CausalLM
 from gpu_target.runner import DecodeInputs, SequenceChunk
 
 NULL_BLOCK = 0
-MIN_RAGGED_TOKENS = 64
+RAGGED_STEP = 128  # token granularity of the ragged buckets: a prefill's cost grows with its padded tokens
 
 
 @dataclass(frozen=True)
@@ -62,13 +62,14 @@ def bucket_ladder(max_seqs: int, max_query_len: int, max_tokens: int) -> list[tu
 
 
 def ragged_ladder(max_tokens: int) -> list[int]:
-    """Token counts of the ragged buckets, largest first: powers of two from MIN_RAGGED_TOKENS."""
-    counts = []
-    tokens = MIN_RAGGED_TOKENS
-    while tokens <= max_tokens:
-        counts.append(tokens)
-        tokens *= 2
-    return counts[::-1]
+    """Token counts of the ragged buckets, largest first: 64, then every multiple of
+    RAGGED_STEP up to the first at or above `max_tokens`.
+
+    Steps of a fixed size, not powers of two: a step that prefills a few prompts is
+    compute-bound, so padding 630 tokens to 1024 cost 60 % more than it ran eagerly.
+    """
+    top = -(-max_tokens // RAGGED_STEP) * RAGGED_STEP
+    return [*range(top, 0, -RAGGED_STEP), RAGGED_STEP // 2]
 
 
 def _round_up(value: int, buckets: Sequence[int]) -> int:
@@ -84,6 +85,7 @@ class CudaGraphRunner:
         max_query_len: int,
         max_model_len: int,
         max_tokens: int = 2048,
+        max_step_tokens: int = 2048,
     ):
         self.model = model
         self.kv_pool = kv_pool
@@ -91,7 +93,7 @@ class CudaGraphRunner:
         self.block_size = kv_pool.block_size
         self.max_model_len = max_model_len
         self.ladder = bucket_ladder(max_seqs, max_query_len, max_tokens)
-        self.ragged = ragged_ladder(max_tokens)
+        self.ragged = ragged_ladder(max_step_tokens)
         self.seq_buckets = sorted({b for b, _ in self.ladder})
         self.query_buckets = sorted({q for _, q in self.ladder})
         max_b = max(self.seq_buckets)
@@ -165,7 +167,7 @@ class CudaGraphRunner:
             return None
         if any(c.num_cached == 0 or len(c.logits_indices) != len(c.token_ids) for c in chunks):
             num_tokens = sum(len(c.token_ids) for c in chunks)
-            if not self.ragged or num_tokens > self.ragged[0]:
+            if num_tokens > self.ragged[0]:
                 return None
             if any(len(c.block_table) > self.max_blocks_per_seq for c in chunks):
                 return None

@@ -183,7 +183,10 @@ class LLMEngine:
             return None
         from gpu_target.cuda_graphs import CudaGraphRunner
 
-        runner = CudaGraphRunner(self.model, self.kv_pool, self.config.max_num_seqs, max_query_len, self.max_model_len)
+        # A step's tokens: the scheduler's budget, plus the tree nodes verified beside it.
+        step_tokens = self.scheduler.max_num_batched_tokens + (self.spec_control.target_parallelism if self.proposer is not None else 0)
+        runner = CudaGraphRunner(self.model, self.kv_pool, self.config.max_num_seqs, max_query_len, self.max_model_len,
+                                 max_step_tokens=step_tokens)
         self.cuda_graph_capture_seconds = runner.capture_all()
         logger.info("CUDA graph capture took %.1f s for %d buckets", self.cuda_graph_capture_seconds, len(runner.graphs))
         return runner

@@ -55,10 +55,10 @@ def test_padding_layout_keeps_real_tokens_apart_from_padding():
     assert host["query_start_loc"].tolist() == [0, 4, 8, 12, 16]
 
 
-def test_ragged_ladder_is_powers_of_two_from_64():
-    assert ragged_ladder(2048) == [2048, 1024, 512, 256, 128, 64]
-    assert ragged_ladder(1000) == [512, 256, 128, 64]
-    assert ragged_ladder(32) == []
+def test_ragged_ladder_steps_by_128_up_to_the_largest_step():
+    assert ragged_ladder(2048) == [128 * i for i in range(16, 0, -1)] + [64]
+    assert ragged_ladder(2112)[:2] == [2176, 2048]
+    assert ragged_ladder(100) == [128, 64]
 
 
 def test_ragged_layout_packs_the_chunks_and_leaves_the_rest_empty():
