@@ -7,6 +7,11 @@
 * `PagedDraftKV`: the target's paged pool and `ModelRunner`, with the Triton paged kernel
   on CUDA (the in-process GPU draft) or `PerForwardAttention` on the CPU.
 
+The slots layout stores K/V in float32 or bfloat16 (`slot_kv_dtype`: by default bf16 where
+the native forward runs a bf16 draft, halving the bytes attention streams and the memory a
+token holds). The paged layout keeps the model's dtype: its pool is the target's, written by
+`CausalLM` (and read by the Triton kernel on CUDA) in the compute dtype.
+
 Both take, per forward, each sequence's handle, its cached length and the tokens to append
 (their K/V land right after the cached ones; positions are storage indices), and return
 the float32 logits of every feed's last token. Rollback is `truncate`, a length change.
@@ -18,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from cpu_draft.attention import PerForwardAttention
-from cpu_draft.lean_model import KV_DTYPE, LeanDraftModel
+from cpu_draft.lean_model import LeanDraftModel
 from cpu_draft.native_model import NativeDraftModel, NativeSlotMetadata
 from cpu_draft.slot_kv import SlotHandle, SlotKVCache
 from gpu_target.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks
@@ -26,13 +31,33 @@ from gpu_target.model import CausalLM
 from gpu_target.runner import ModelRunner, SequenceChunk
 
 
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def slot_kv_dtype(requested: Optional[str], native: bool, dtype: torch.dtype) -> torch.dtype:
+    """The slots layout's K/V dtype: ``requested`` ("float32" | "bfloat16"), or for None bfloat16 where the
+    native forward runs a ``dtype`` bfloat16 draft (INT8 ones included), else float32.
+
+    At batch 8 a 135M draft's float32 K/V at context 256 (94 MB) and INT8 weights (134 MB) no longer
+    fit the GPU host's L3 together, and both streamed from DRAM; bf16 K/V halve theirs. A float32
+    draft keeps float32 K/V (the precise configuration, compared bit for bit in tests), and so does
+    the lean torch forward, for which a bf16 cache is one more widening copy per layer.
+    """
+    if requested is not None:
+        if requested not in KV_DTYPES:
+            raise ValueError(f"draft K/V dtype must be one of {', '.join(KV_DTYPES)}, got {requested!r}")
+        return KV_DTYPES[requested]
+    return torch.bfloat16 if native and dtype == torch.bfloat16 else torch.float32
+
+
 class SlotDraftKV:
     def __init__(self, model: CausalLM, dtype: torch.dtype, budget_bytes: int, max_positions: int,
-                 pack_linears: bool = True, int8_weights: bool = False, native_kernels: bool = True):
+                 pack_linears: bool = True, int8_weights: bool = False, native_kernels: bool = True,
+                 kv_dtype: Optional[str] = None):
         native = NativeDraftModel.build(model, dtype, int8_weights) if native_kernels else None
         self.native = native is not None
         self.model = native if native is not None else LeanDraftModel(model, dtype, int8_weights, pack_linears)
-        self.cache = SlotKVCache(model.config, KV_DTYPE, budget_bytes, max_positions)
+        self.cache = SlotKVCache(model.config, slot_kv_dtype(kv_dtype, self.native, dtype), budget_bytes, max_positions)
 
     new_handle = SlotHandle
 
@@ -77,7 +102,11 @@ class SlotDraftKV:
 
 
 class PagedDraftKV:
-    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, budget_bytes: int, max_num_seqs: int, block_size: int, max_positions: int):
+    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, budget_bytes: int, max_num_seqs: int, block_size: int,
+                 max_positions: int, kv_dtype: Optional[str] = None):
+        if kv_dtype is not None and KV_DTYPES.get(kv_dtype) != dtype:
+            raise ValueError(f"the paged draft KV layout stores K/V in the model's dtype ({dtype}), not {kv_dtype!r}: "
+                             "its pool is the target's, written by CausalLM in the compute dtype")
         config = model.config
         per_block = KVCachePool.bytes_per_block(config, block_size, dtype)
         blocks_per_seq = -(-max_positions // block_size)

@@ -49,6 +49,7 @@ class DraftModelOptions:
     kv_layout: Optional[str] = None  # "slots" | "paged"; None: slots on the CPU, paged elsewhere
     pack_linears: bool = True  # slots layout, torch forward: oneDNN-packed projections and logits head
     native_kernels: bool = True  # slots layout: the native forward (cpu_draft.native_model) where it builds, else the torch one
+    kv_dtype: Optional[str] = None  # "float32" | "bfloat16"; None: draft_kv.slot_kv_dtype's choice (paged: the model's dtype)
 
 
 def tree_levels(max_nodes: int, width: int) -> list[int]:
@@ -124,10 +125,10 @@ class Drafter:
         self.kv_layout = default_layout(self.device, options.kv_layout)
         if self.kv_layout == "slots":
             self.kv = SlotDraftKV(model, options.dtype, options.kv_cache_bytes, self.max_positions, options.pack_linears, options.int8_weights,
-                                  options.native_kernels)
+                                  options.native_kernels, options.kv_dtype)
         else:
             self.kv = PagedDraftKV(_paged_layout_model(model, options), options.dtype, self.device, options.kv_cache_bytes, options.max_num_seqs,
-                                   options.block_size, self.max_positions)
+                                   options.block_size, self.max_positions, options.kv_dtype)
         self._seqs: dict[SeqId, _SeqState] = {}
 
     @classmethod

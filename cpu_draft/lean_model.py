@@ -18,8 +18,9 @@ function. Built once from a loaded `CausalLM`, this forward:
   (``addmm``) where the weights are plain float32;
 * reads K/V head-major (`cpu_draft.slot_kv`), so attention is two batched matmuls over
   views of the cache, with the mask built once per forward (none when nothing is hidden).
-  Q, K, V and attention stay float32 (`KV_DTYPE`) whatever the weights: on the GPU host
-  BF16 batched matmuls and softmax ran several times slower than float32 ones.
+  Q, K, V and attention compute in float32 whatever the weights: on the GPU host BF16
+  batched matmuls and softmax ran several times slower than float32 ones. The cache stores
+  K/V in float32 or bfloat16 (its dtype; a bf16 cache is widened to float32 as it is read).
 
 Projections are plain float32 (MKL), oneDNN-packed BF16 (`PackedLinear`) or INT8
 (`Int8Linear`), quantised after folding. `tests/test_cpu_draft.py` checks logits and K/V
@@ -37,8 +38,6 @@ from cpu_draft.packed_linear import PackedLinear, can_pack
 from cpu_draft.quantize import Int8Linear
 from cpu_draft.slot_kv import SlotMetadata, slot_attention
 from gpu_target.model import CausalLM
-
-KV_DTYPE = torch.float32
 
 
 def rotary_pair_order(head_dim: int) -> torch.Tensor:

@@ -31,8 +31,10 @@ adjacent: one implementation of the folding), then converted once to the kernel'
   per-row scales keep each logit's relative error at the projections' level
   (`tests/test_native_draft.py` checks the drafted tokens and logits against float).
 
-The residual stream, K/V and attention stay float32. The K/V cache is
-`cpu_draft.slot_kv`'s: token t writes its K/V at ``(write_slots[t], write_positions[t])``
+The residual stream and attention stay float32; the K/V cache is float32 or bfloat16 (the
+`SlotKVCache`'s dtype: bf16 K/V are stored rounded to nearest even, as torch's
+``.to(torch.bfloat16)`` rounds them, and widened to float32 in registers when attention reads
+them). The cache is `cpu_draft.slot_kv`'s: token t writes its K/V at ``(write_slots[t], write_positions[t])``
 and attends to indices ``0..write_positions[t]`` of its slot, which is what the lean
 forward's causal mask encodes, so rollback, snapshots and regrowth are unchanged.
 `forward` keeps `LeanDraftModel.forward`'s signature; `meta` needs only ``write_slots`` and
@@ -57,7 +59,8 @@ logger = logging.getLogger("hetero.cpu_draft.native")
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2}
 _ERRORS = {1: "a token id is outside the vocabulary", 2: "a position is outside the rotary table or the KV capacity",
            3: "a slot is outside the KV storage", 4: "a logits row is outside the batch",
-           5: "the weights were packed for another vector width"}
+           5: "the weights were packed for another vector width", 6: "the K/V are neither float32 nor bfloat16"}
+KV_FORMATS = {torch.float32: FORMATS["fp32"], torch.bfloat16: FORMATS["bf16"]}
 
 
 class _Matrix(ctypes.Structure):
@@ -201,50 +204,53 @@ class NativeDraftModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, last_rows: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the rows ``last_rows`` [N, vocab]; K/V of every token lands in the cache.
 
-        ``kv_caches``: per layer (K, V), each [slots, kv_heads, capacity, head_dim] float32 and
-        contiguous, or the whole `SlotKVCache.storage` [layers, 2, slots, kv_heads, capacity, head_dim].
+        ``kv_caches``: per layer (K, V), each [slots, kv_heads, capacity, head_dim] float32 or bfloat16
+        and contiguous, or the whole `SlotKVCache.storage` [layers, 2, slots, kv_heads, capacity, head_dim].
         """
         ids, positions = _int64(input_ids), _int64(positions)
         slots, kv_positions, rows = _int64(meta.write_slots), _int64(meta.write_positions), _int64(last_rows)
         T = ids.shape[0]
         if not (positions.shape[0] == slots.shape[0] == kv_positions.shape[0] == T):
             raise ValueError(f"input_ids, positions, write_slots and write_positions must have one entry per token ({T})")
-        k_ptrs, v_ptrs, num_slots, capacity = self._cache_pointers(kv_caches)
+        k_ptrs, v_ptrs, kv_format, num_slots, capacity = self._cache_pointers(kv_caches)
         logits = torch.empty(rows.shape[0], self.config.vocab_size, dtype=torch.float32)
         code = self.library.draft_forward(
             ctypes.byref(self._model), T, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), kv_positions.data_ptr(),
-            rows.shape[0], rows.data_ptr(), k_ptrs, v_ptrs, num_slots, capacity, torch.get_num_threads(), logits.data_ptr())
+            rows.shape[0], rows.data_ptr(), k_ptrs, v_ptrs, kv_format, num_slots, capacity, torch.get_num_threads(), logits.data_ptr())
         if code:
             raise IndexError(f"native draft forward: {_ERRORS.get(code, f'error {code}')}")
         return logits
 
     def _cache_pointers(self, kv_caches):
-        """Per-layer K and V base pointers (ctypes arrays), slots and capacity; reused while the storage is."""
+        """Per-layer K and V base pointers (ctypes arrays), K/V format, slots and capacity; reused while the storage is."""
         c = self.config
         if isinstance(kv_caches, torch.Tensor):
             storage = kv_caches
             expected = (c.num_layers, 2, storage.shape[2], c.num_kv_heads, storage.shape[4], c.head_dim)
-            if tuple(storage.shape) != expected or storage.dtype != torch.float32 or not storage.is_contiguous():
-                raise ValueError(f"KV storage must be float32 contiguous {expected}, got {storage.dtype} {tuple(storage.shape)}")
-            key = (storage.data_ptr(), tuple(storage.shape))
+            if tuple(storage.shape) != expected or storage.dtype not in KV_FORMATS or not storage.is_contiguous():
+                raise ValueError(f"KV storage must be float32 or bfloat16, contiguous {expected}, got {storage.dtype} {tuple(storage.shape)}")
+            key = (storage.data_ptr(), tuple(storage.shape), storage.dtype)
             if key != self._cache_key:
-                base, layer, half = storage.data_ptr(), storage[0].numel() * 4, storage[0, 0].numel() * 4
+                size = storage.element_size()
+                base, layer, half = storage.data_ptr(), storage[0].numel() * size, storage[0, 0].numel() * size
                 self._k_ptrs = (ctypes.c_void_p * c.num_layers)(*[base + i * layer for i in range(c.num_layers)])
                 self._v_ptrs = (ctypes.c_void_p * c.num_layers)(*[base + i * layer + half for i in range(c.num_layers)])
                 self._cache_key = key
-            return self._k_ptrs, self._v_ptrs, storage.shape[2], storage.shape[4]
+            return self._k_ptrs, self._v_ptrs, KV_FORMATS[storage.dtype], storage.shape[2], storage.shape[4]
         if len(kv_caches) != c.num_layers:
             raise ValueError(f"expected K/V of {c.num_layers} layers, got {len(kv_caches)}")
-        shape = tuple(kv_caches[0][0].shape)
+        shape, dtype = tuple(kv_caches[0][0].shape), kv_caches[0][0].dtype
         if len(shape) != 4 or shape[1] != c.num_kv_heads or shape[3] != c.head_dim:
             raise ValueError(f"K/V caches must be [slots, {c.num_kv_heads}, capacity, {c.head_dim}], got {shape}")
+        if dtype not in KV_FORMATS:
+            raise ValueError(f"K/V caches must be float32 or bfloat16, got {dtype}")
         for k, v in kv_caches:
             for t in (k, v):
-                if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
-                    raise ValueError(f"every K/V cache must be float32, contiguous and {shape}")
+                if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+                    raise ValueError(f"every K/V cache must be {dtype}, contiguous and {shape}")
         k_ptrs = (ctypes.c_void_p * c.num_layers)(*[k.data_ptr() for k, _ in kv_caches])
         v_ptrs = (ctypes.c_void_p * c.num_layers)(*[v.data_ptr() for _, v in kv_caches])
-        return k_ptrs, v_ptrs, shape[0], shape[2]
+        return k_ptrs, v_ptrs, KV_FORMATS[dtype], shape[0], shape[2]
 
 
 def _plain_weight(linear) -> torch.Tensor:

@@ -9,6 +9,11 @@ which is the shape a batched matmul wants; any other batch takes its slots with 
 layer, the token-by-token gather of every cached K/V and the rebuild of gather indices,
 which dominated a small draft model's step on the CPU.
 
+K/V are stored in float32 or bfloat16 (the cache's ``dtype``; `cpu_draft.draft_kv` picks it):
+bf16 halves the bytes a forward's attention streams and lets one byte budget hold twice the
+tokens. Attention computes in float32 either way: `slot_attention` stores the new K/V rounded
+(``.to(dtype)``: nearest even, as the native forward rounds them) and widens what it reads.
+
 Rollback stays O(1): the drafter truncates a length and stale K/V past it is never read
 (the mask hides it) and is overwritten by the next write. Slots are handed out lowest
 first, and when the storage grows (more slots, or a longer capacity) the live sequences
@@ -41,10 +46,14 @@ class SlotMetadata:
 
 
 def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, meta: SlotMetadata) -> torch.Tensor:
-    """Write the new tokens' K/V [T, KVH, D], then causal attention of their queries [T, H, D] (pre-scaled): [T, H * D]."""
+    """Write the new tokens' K/V [T, KVH, D], then causal attention of their queries [T, H, D] (pre-scaled): [T, H * D].
+
+    q, k, v and the result are float32; K/V are stored in the cache's dtype and read back widened to
+    float32 (BF16 batched matmuls ran several times slower than float32 ones on the GPU host's Xeon).
+    """
     k_store, v_store = kv_cache
-    k_store[meta.write_slots, :, meta.write_positions] = k
-    v_store[meta.write_slots, :, meta.write_positions] = v
+    k_store[meta.write_slots, :, meta.write_positions] = k.to(k_store.dtype)
+    v_store[meta.write_slots, :, meta.write_positions] = v.to(v_store.dtype)
     _, H, D = q.shape
     KVH = k_store.shape[1]
     group = H // KVH
@@ -54,6 +63,7 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, 
         keys, values = keys[meta.slots], values[meta.slots]
     else:
         keys, values = keys.index_select(0, meta.slots), values.index_select(0, meta.slots)
+    keys, values = keys.float(), values.float()
     B = keys.shape[0]
     if meta.rows is not None:
         padded = q.new_zeros(B * Q, H, D)
@@ -96,7 +106,7 @@ class SlotHandle:
 
 
 class SlotKVCache:
-    """Slots of contiguous K/V, grown on demand within a byte budget."""
+    """Slots of contiguous K/V in ``dtype`` (float32 or bfloat16), grown on demand within a byte budget."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, budget_bytes: int, max_positions: int):
         self.config = config
@@ -162,7 +172,7 @@ class SlotKVCache:
             max_seq_len=max(seq_lens),
             max_query_len=Q,
             rows=rows,
-            mask=causal_slot_mask(query_lens, seq_lens, kv_heads, self.config.num_heads // kv_heads, self.dtype),
+            mask=causal_slot_mask(query_lens, seq_lens, kv_heads, self.config.num_heads // kv_heads, torch.float32),
         )
 
     def _regrow(self, live: list[SlotHandle], slots: int, capacity: int) -> None:

@@ -10,8 +10,10 @@ import time
 import pytest
 import torch
 
+from cpu_draft.draft_kv import slot_kv_dtype
 from cpu_draft.drafter import DraftModelOptions, Drafter, tree_levels
 from cpu_draft.messages import ContextUpdate, read_updates, split_updates, update_arrays
+from cpu_draft.slot_kv import SlotHandle, SlotKVCache
 from hetero import LLM, SamplingParams
 from ipc.segment import SHM_DIR, owner_pid_of
 from tiny_models import save_tiny_model
@@ -71,18 +73,23 @@ def _drafter(model_dir, **options) -> Drafter:
     return Drafter.load(str(model_dir), DraftModelOptions(dtype=torch.float32, **options))
 
 
-@pytest.mark.parametrize("layout", ["slots", "paged"])
-def test_rollback_leaves_kv_as_if_rejected_tokens_never_happened(tiny_llama_dir, layout):
+@pytest.mark.parametrize("layout, kv_dtype", [("slots", None), ("slots", "bfloat16"), ("paged", None)])
+def test_rollback_leaves_kv_as_if_rejected_tokens_never_happened(tiny_llama_dir, layout, kv_dtype):
     prompt = list(range(40, 71))
-    speculated = _drafter(tiny_llama_dir, kv_layout=layout)
+    speculated = _drafter(tiny_llama_dir, kv_layout=layout, kv_dtype=kv_dtype)
     speculated.set_context("s", prompt)
     chain = speculated.draft([("s", 6)])[0].tokens.tolist()
     assert speculated.kv_length("s") == len(prompt) + 5  # the chain's K/V, all but its last token
     bonus = (chain[2] + 1) % speculated.vocab_size  # the target rejected chain[2] and chose another token
     accepted = prompt + chain[:2] + [bonus]
+    if layout == "slots":  # rollback is a length change: the storage is neither copied nor written
+        storage, before = speculated.kv.cache.storage, speculated.kv.cache.storage.clone()
     speculated.set_context("s", accepted)
+    if layout == "slots":
+        assert speculated.kv.cache.storage is storage and torch.equal(storage, before)
+        assert storage.dtype == (torch.bfloat16 if kv_dtype else torch.float32)
 
-    fresh = _drafter(tiny_llama_dir, kv_layout=layout)  # sees the accepted tokens only, fed the same way (one per forward)
+    fresh = _drafter(tiny_llama_dir, kv_layout=layout, kv_dtype=kv_dtype)  # sees the accepted tokens only, fed the same way (one per forward)
     fresh.set_context("s", prompt)
     assert fresh.draft([("s", 3)])[0].tokens.tolist() == chain[:3]
     fresh.set_context("s", accepted)
@@ -96,7 +103,7 @@ def test_rollback_leaves_kv_as_if_rejected_tokens_never_happened(tiny_llama_dir,
     assert next_speculated.tokens.tolist() == next_fresh.tokens.tolist()
     assert torch.equal(speculated.kv_snapshot("s"), fresh.kv_snapshot("s"))
 
-    cold = _drafter(tiny_llama_dir, kv_layout=layout)  # a drafter that prefills the accepted context in one go agrees too
+    cold = _drafter(tiny_llama_dir, kv_layout=layout, kv_dtype=kv_dtype)  # a drafter that prefills the accepted context in one go agrees too
     cold.set_context("s", accepted)
     assert cold.draft([("s", 5)])[0].tokens.tolist() == next_fresh.tokens.tolist()
 
@@ -197,6 +204,30 @@ def test_slot_cache_over_budget_evicts_sequences_outside_the_batch(tiny_llama_di
     assert sum(drafter.kv_length(s) > 0 for s in "abc") == 2
     tokens = [t.tokens.tolist() for t in drafter.draft([(s, 3) for s in "abc"])]
     assert sum(len(t) == 3 for t in tokens) == 2  # no room for all three in one batch: one goes without
+
+
+def test_bf16_kv_hold_twice_the_tokens_in_one_budget(tiny_llama_dir):
+    float_kv, bf16_kv = (_drafter(tiny_llama_dir, kv_layout="slots", kv_dtype=d) for d in ("float32", "bfloat16"))
+    assert bf16_kv.kv.cache.bytes_per_token * 2 == float_kv.kv.cache.bytes_per_token
+    budget = 4 * float_kv.kv.cache.bytes_per_token * 256  # four slots of 256 float32 tokens
+    caches = [SlotKVCache(float_kv.config, dtype, budget, 4096) for dtype in (torch.float32, torch.bfloat16)]
+    for cache in caches:
+        handles = [SlotHandle() for _ in range(8)]
+        held = sum(cache.reserve(h, 256) for h in handles)
+        assert cache.storage.numel() * cache.storage.element_size() <= budget
+        assert held == (4 if cache.dtype == torch.float32 else 8)
+
+
+def test_kv_dtype_defaults_and_choices(tiny_llama_dir):
+    """bf16 K/V by default where the native forward runs a bf16 draft; float32 for a float32 draft or the lean
+    forward; an explicit choice wins; the paged layout keeps the model's dtype and refuses another."""
+    assert slot_kv_dtype(None, True, torch.bfloat16) == torch.bfloat16
+    assert slot_kv_dtype(None, True, torch.float32) == slot_kv_dtype(None, False, torch.bfloat16) == torch.float32
+    assert slot_kv_dtype("float32", True, torch.bfloat16) == torch.float32
+    with pytest.raises(ValueError, match="K/V dtype"):
+        slot_kv_dtype("int8", True, torch.bfloat16)
+    with pytest.raises(ValueError, match="paged"):
+        _drafter(tiny_llama_dir, kv_layout="paged", kv_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

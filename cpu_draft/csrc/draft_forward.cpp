@@ -14,10 +14,12 @@
 //   (silu(gate) * up in its epilogue) | down matmul (+= residual, sums of squares)
 //
 // then the final rms of the requested rows and the logits head. Activations, the residual
-// stream, K/V and attention are float32; weights are float32, bfloat16 (widened in
-// registers: bits << 16; with AVX512_BF16, packed in k pairs for vpdpbf16ps over inputs rounded
-// to bf16 once per matmul) or int8 per output channel with float32 scales (the logits head too,
-// under int8 weights; widened to float32 in registers, or with AVX512_VNNI stored + 128 in k quads
+// stream and attention are float32; K/V are stored in float32 or bfloat16 (the caller's cache:
+// rounded to nearest even by the QKV epilogue, as torch's `.to(torch.bfloat16)` rounds, and widened
+// in registers as attention reads them: half the bytes a decode batch's attention streams); weights
+// are float32, bfloat16 (widened in registers: bits << 16; with AVX512_BF16, packed in k pairs
+// for vpdpbf16ps over inputs rounded to bf16 once per matmul) or int8 per output channel with
+// float32 scales (the logits head too, under int8 weights; widened to float32 in registers, or with AVX512_VNNI stored + 128 in k quads
 // for vpdpbusd over inputs quantised to int8 once per matmul, in blocks of 64 with a scale each).
 //
 // Matmuls are "skinny": M (tokens) is 1..64 in decode, the weights are what costs. Weights
@@ -359,6 +361,22 @@ inline float bf16_to_float(uint16_t b) {
     return f;
 }
 
+// float32 to bf16 rounded to nearest, ties to even, as torch's `.to(torch.bfloat16)` rounds, so the
+// native and torch forwards store the same K/V bits; NaN stays a NaN (0x7fc0: rounding its bits could
+// carry into the exponent).
+inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    if (std::isnan(f)) return 0x7fc0;
+    return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// K/V elements: float32, or bf16 widened on load.
+inline float kv_value(float x) { return x; }
+inline float kv_value(uint16_t x) { return bf16_to_float(x); }
+inline void kv_store(float* p, float x) { *p = x; }
+inline void kv_store(uint16_t* p, float x) { *p = float_to_bf16(x); }
+
 // exp(x) for x in about [-87, 88] (clamped), within a few ulp; branch-free so `omp simd` loops vectorise it.
 inline float exp_approx(float x) {
     x = std::min(std::max(x, -87.0f), 88.0f);
@@ -388,12 +406,13 @@ inline float lane_sum(vf v) {
     return s;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename KT>
+inline float dot(const float* a, const KT* b, int64_t n) {
     vf acc = {};
     int64_t i = 0;
     for (; i + VW <= n; i += VW) acc += load_w(a + i) * load_w(b + i);
     float s = lane_sum(acc);
-    for (; i < n; ++i) s += a[i] * b[i];
+    for (; i < n; ++i) s += a[i] * kv_value(b[i]);
     return s;
 }
 
@@ -964,18 +983,18 @@ constexpr int64_t ATTN_CHUNK = 64;
 #endif
 constexpr int64_t SPLIT_BUDGET = DRAFT_SPLIT_BUDGET;
 
-// The partial of `group` query heads q (sharing one KV head) over n <= ATTN_CHUNK keys and values.
-// scores: [group][ATTN_CHUNK] scratch.
-template <int DC>
-void attend_chunk(const float* q, const float* keys, const float* values, int64_t n, int group, int64_t d_runtime, float* scores,
+// The partial of `group` query heads q (sharing one KV head) over n <= ATTN_CHUNK keys and values
+// (KT: float32, or bf16 widened in registers). scores: [group][ATTN_CHUNK] scratch.
+template <int DC, typename KT>
+void attend_chunk(const float* q, const KT* keys, const KT* values, int64_t n, int group, int64_t d_runtime, float* scores,
                   float* partial) {
     const int64_t D = DC ? DC : d_runtime;
     float* acc = partial;
     float* maxima = partial + group * D;
     float* sums = maxima + group;
-    // The chunk's keys and values (16 KB each at D = 64) start on their way to L2 at once: a chunk's
-    // storage follows no other in memory, so the hardware prefetchers would meet each cold.
-    for (int64_t j = 0; j < n * D; j += 64 / sizeof(float)) {
+    // The chunk's keys and values (16 KB each at D = 64 in float32, 8 KB in bf16) start on their way to
+    // L2 at once: a chunk's storage follows no other in memory, so the hardware prefetchers would meet each cold.
+    for (int64_t j = 0; j < n * D; j += 64 / sizeof(KT)) {
         __builtin_prefetch(keys + j, 0, 2);
         __builtin_prefetch(values + j, 0, 2);
     }
@@ -988,7 +1007,7 @@ void attend_chunk(const float* q, const float* keys, const float* values, int64_
             for (int64_t j0 = 0; j0 + VW <= n; j0 += VW) {
                 vf parts[VW];
                 for (int i = 0; i < VW; ++i) {
-                    const float* k = keys + (j0 + BITREV[i]) * DC;
+                    const KT* k = keys + (j0 + BITREV[i]) * DC;
                     vf a = qv[0] * load_w(k);
                     for (int c = 1; c < C; ++c) a += qv[c] * load_w(k + c * VW);
                     parts[i] = a;
@@ -1000,7 +1019,7 @@ void attend_chunk(const float* q, const float* keys, const float* values, int64_
         start = n / VW * VW;
     }
     for (int64_t j = start; j < n; ++j) {
-        const float* k = keys + j * D;
+        const KT* k = keys + j * D;
         for (int h = 0; h < group; ++h) scores[h * ATTN_CHUNK + j] = dot(q + h * D, k, D);
     }
     for (int h = 0; h < group; ++h) {
@@ -1024,12 +1043,12 @@ void attend_chunk(const float* q, const float* keys, const float* values, int64_
     } else {
         std::memset(acc, 0, sizeof(float) * group * D);
         for (int64_t j = 0; j < n; ++j) {
-            const float* v = values + j * D;
+            const KT* v = values + j * D;
             for (int h = 0; h < group; ++h) {
                 const float p = scores[h * ATTN_CHUNK + j];
                 float* a = acc + h * D;
 #pragma omp simd
-                for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+                for (int64_t d = 0; d < D; ++d) a[d] += p * kv_value(v[d]);
             }
         }
     }
@@ -1058,7 +1077,8 @@ inline void merge_chunks(const float* partials, int64_t chunks, int group, int64
     }
 }
 
-inline void attend_chunk_any(const float* q, const float* keys, const float* values, int64_t n, int group, int64_t D, float* scores,
+template <typename KT>
+inline void attend_chunk_any(const float* q, const KT* keys, const KT* values, int64_t n, int group, int64_t D, float* scores,
                              float* partial) {
     if (D == 64)
         attend_chunk<64>(q, keys, values, n, group, D, scores, partial);
@@ -1099,14 +1119,17 @@ int64_t draft_set_amx(int64_t on) {
 
 // Runs the whole forward. Token t (0..T-1) embeds ids[t], rotates at rot_pos[t], writes its K/V at
 // storage index kv_pos[t] of slot slots[t] and attends to indices 0..kv_pos[t] of that slot.
-// K/V of layer l: k_cache[l], v_cache[l], each [num_slots][kv_heads][capacity][head_dim] float32.
+// K/V of layer l: k_cache[l], v_cache[l], each [num_slots][kv_heads][capacity][head_dim] in kv_format
+// (F32, or BF16: stored rounded to nearest even, widened to float32 when read).
 // logits [n_out][vocab] (float32) are those of rows out_rows. Returns 0, or a code naming a bad input:
-// 1 token id, 2 position, 3 slot, 4 output row, 5 vector width.
+// 1 token id, 2 position, 3 slot, 4 output row, 5 vector width, 6 K/V format.
 int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64_t* rot_pos, const int64_t* slots,
-                  const int64_t* kv_pos, int64_t n_out, const int64_t* out_rows, float* const* k_cache,
-                  float* const* v_cache, int64_t num_slots, int64_t capacity, int64_t num_threads, float* logits) {
+                  const int64_t* kv_pos, int64_t n_out, const int64_t* out_rows, void* const* k_cache,
+                  void* const* v_cache, int64_t kv_format, int64_t num_slots, int64_t capacity, int64_t num_threads, float* logits) {
     const Model& md = *model;
     if (md.vector_width != VW) return 5;
+    if (kv_format != F32 && kv_format != BF16) return 6;
+    const bool kv_bf16 = kv_format == BF16;
     const bool profile = g_profile;
     const double started = profile ? now_s() : 0.0;
     int64_t max_len = 1;
@@ -1209,8 +1232,8 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
 
         for (int64_t l = 0; l < md.num_layers; ++l) {
             const Layer& L = md.layers[l];
-            float* kc = k_cache[l];
-            float* vc = v_cache[l];
+            void* kc = k_cache[l];
+            void* vc = v_cache[l];
 
             // QKV: rms scale, bias, rotary of Q and K (adjacent pairs), Q to `q`, K/V into the cache.
             inverse_rms(partial.get(), HP, H, md.eps[2 * l], nullptr, T, inv.get());
@@ -1240,7 +1263,11 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                             } else {
                                 const bool is_k = c < q_size + kv_size;
                                 const int64_t e = c - q_size - (is_k ? 0 : kv_size), h = e / D, d = e % D;
-                                (is_k ? kc : vc)[((slots[t] * KVH + h) * capacity + kv_pos[t]) * D + d] = x[j];
+                                const int64_t at = ((slots[t] * KVH + h) * capacity + kv_pos[t]) * D + d;
+                                if (kv_bf16)
+                                    kv_store(static_cast<uint16_t*>(is_k ? kc : vc) + at, x[j]);
+                                else
+                                    kv_store(static_cast<float*>(is_k ? kc : vc) + at, x[j]);
                             }
                         }
                     }
@@ -1260,7 +1287,13 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                 float* parts = split ? chunk_partials.get() + first_chunk[tg] * partial_size : own_partials.get();
                 for (int64_t c = c0; c < c1; ++c) {
                     const int64_t j0 = c * ATTN_CHUNK, n = std::min(ATTN_CHUNK, len - j0);
-                    attend_chunk_any(qh, kc + kv_offset + j0 * D, vc + kv_offset + j0 * D, n, group, D, scores.get(), parts + c * partial_size);
+                    const int64_t at = kv_offset + j0 * D;
+                    if (kv_bf16)
+                        attend_chunk_any(qh, static_cast<const uint16_t*>(kc) + at, static_cast<const uint16_t*>(vc) + at, n, group, D,
+                                         scores.get(), parts + c * partial_size);
+                    else
+                        attend_chunk_any(qh, static_cast<const float*>(kc) + at, static_cast<const float*>(vc) + at, n, group, D,
+                                         scores.get(), parts + c * partial_size);
                 }
                 if (split && chunks > 1) {
                     if (chunks_done[tg].fetch_add(1, std::memory_order_acq_rel) != chunks - 1) continue;
@@ -1312,6 +1345,11 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
         ++g_profile_calls;
     }
     return 0;
+}
+
+// float32 to bf16 as the forward stores K/V (tests compare it with torch's rounding).
+void draft_to_bf16(const float* x, int64_t n, uint16_t* y) {
+    for (int64_t i = 0; i < n; ++i) y[i] = float_to_bf16(x[i]);
 }
 
 // One matmul as the forward runs it, over num_threads threads (tests compare it with the maths it
