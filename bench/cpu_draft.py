@@ -10,7 +10,7 @@ single-token forward per further depth level). ``forward_ms`` is one batched for
                               [--precisions bf16 fp32 int8] [--batch-sizes 1 8 32]
                               [--context 256] [--draft-tokens 4] [--steps 20] [--cpus 4-15] [--threads 12]
                               [--kv-layouts slots paged] [--kernels native lean] [--no-pack-linears]
-                              [--profile-native] [--amx on off]
+                              [--kv-dtypes fp32 bf16] [--profile-native] [--amx on off]
 
 ``--kv-layouts slots paged`` times the contiguous-slot layout (the CPU default) next to the
 paged one it replaced on the CPU (gathers per layer, plain F.linear), in one run.
@@ -18,6 +18,11 @@ paged one it replaced on the CPU (gathers per layer, plain F.linear), in one run
 forward, `cpu_draft.native_model`, the default) next to the lean torch forward, in one run;
 the ``kernels`` column says which ran (``torch`` for the paged layout, and ``lean`` where
 the native forward was asked for but did not build).
+
+``--kv-dtypes fp32 bf16`` times the slots layout with its K/V stored in float32 and in bfloat16,
+in one run (default: the drafter's choice, bf16 where the native forward runs a bf16 or int8
+draft, else float32); the ``kv_dtype`` column says what each row stored. The paged layout keeps
+the model's dtype, whatever is asked.
 
 ``--amx on off`` times the native forward with the AMX tile kernels (matmuls of 4 rows or more,
 where the library was built for AMX and Linux grants the tile data) and without them, in one run;
@@ -59,6 +64,7 @@ from gpu_target.model_config import ModelConfig
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PRECISIONS = {"bf16": (torch.bfloat16, False), "fp32": (torch.float32, False), "int8": (torch.bfloat16, True)}
+KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
 
 
@@ -82,9 +88,11 @@ def random_config(shape: str) -> ModelConfig:
                        tie_word_embeddings=True, **dims)
 
 
-def load_drafter(args, dtype: torch.dtype, int8: bool, max_num_seqs: int, kv_layout: str, kernels: str = "native") -> Drafter:
+def load_drafter(args, dtype: torch.dtype, int8: bool, max_num_seqs: int, kv_layout: str, kernels: str = "native",
+                 kv_dtype: Optional[str] = None) -> Drafter:
     options = DraftModelOptions(dtype=dtype, int8_weights=int8, kv_cache_bytes=int(args.kv_cache_gib * 2**30), max_num_seqs=max_num_seqs,
-                                kv_layout=kv_layout, pack_linears=args.pack_linears, native_kernels=kernels == "native")
+                                kv_layout=kv_layout, pack_linears=args.pack_linears, native_kernels=kernels == "native",
+                                kv_dtype=kv_dtype)
     if args.random_shape is None:
         return Drafter.load(args.model, options)
     config = random_config(args.random_shape)
@@ -141,6 +149,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="slots layout: the native forward (C++/OpenMP, one call per forward) and/or the lean torch forward")
     parser.add_argument("--pack-linears", action=argparse.BooleanOptionalAction, default=True,
                         help="slots layout: oneDNN-packed projections and logits head")
+    parser.add_argument("--kv-dtypes", nargs="+", default=None, choices=list(KV_DTYPES),
+                        help="slots layout: store the draft's K/V in float32 and/or bfloat16 (default: the drafter's choice)")
     parser.add_argument("--profile-native", action="store_true",
                         help="native rows: time each phase of the forward and print ms per forward per phase")
     parser.add_argument("--amx", nargs="+", default=None, choices=["on", "off"],
@@ -165,14 +175,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.random_shape is None:
         config = load_config(args.model)
         print(f"shape: {config.num_parameters() / 1e6:.0f} M parameters, {config.num_layers} layers, hidden {config.hidden_size}")
-    print(f"{'layout':>6} {'kernels':>7} {'amx':>3} {'precision':>9} {'batch':>5} {'step p50 ms':>11} {'step p90 ms':>11} {'forward ms':>10} "
-          f"{'draft tok/s':>11}")
+    print(f"{'layout':>6} {'kernels':>7} {'amx':>3} {'precision':>9} {'kv':>4} {'batch':>5} {'step p50 ms':>11} {'step p90 ms':>11} "
+          f"{'forward ms':>10} {'draft tok/s':>11}")
     rows, profile_rows = [], []
-    runs = [(layout, kernels, amx) for layout in args.kv_layouts for kernels in (args.kernels if layout == "slots" else ["torch"])
-            for amx in ((args.amx or [None]) if kernels == "native" else [None])]
-    for precision, (layout, kernels, amx_setting) in itertools.product(args.precisions, runs):
+    runs = [(layout, kernels, amx, kv) for layout in args.kv_layouts for kernels in (args.kernels if layout == "slots" else ["torch"])
+            for amx in ((args.amx or [None]) if kernels == "native" else [None])
+            for kv in ((args.kv_dtypes or [None]) if layout == "slots" else [None])]
+    for precision, (layout, kernels, amx_setting, kv_setting) in itertools.product(args.precisions, runs):
         dtype, int8 = PRECISIONS[precision]
-        drafter = load_drafter(args, dtype, int8, max(args.batch_sizes), layout, kernels)
+        drafter = load_drafter(args, dtype, int8, max(args.batch_sizes), layout, kernels, kv_setting and KV_DTYPES[kv_setting])
+        kv_dtype = drafter.kv.cache.dtype if layout == "slots" else drafter.kv.pool.storage.dtype
+        kv_name = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(kv_dtype, str(kv_dtype).removeprefix("torch."))
         if kernels == "native" and not drafter.kv.native:
             kernels = "lean"  # the native forward did not build (warned): this is the torch forward
         amx_kernels = False
@@ -193,6 +206,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "amx_kernels": amx_kernels,
                 "packed_linears": kernels == "lean" and args.pack_linears,
                 "precision": precision,
+                "kv_dtype": kv_name,
                 "batch_size": batch_size,
                 "step_p50_ms": round(p50, 3),
                 "step_p90_ms": round(p90, 3),
@@ -203,11 +217,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "steps": args.steps,
             }
             rows.append(row)
-            print(f"{layout:>6} {kernels:>7} {'yes' if amx_kernels else 'no':>3} {precision:>9} {batch_size:>5} {p50:>11.2f} {p90:>11.2f} {row['forward_ms']:>10.2f} {row['draft_tokens_per_s']:>11.0f}")
+            print(f"{layout:>6} {kernels:>7} {'yes' if amx_kernels else 'no':>3} {precision:>9} {kv_name:>4} {batch_size:>5} {p50:>11.2f} "
+                  f"{p90:>11.2f} {row['forward_ms']:>10.2f} {row['draft_tokens_per_s']:>11.0f}")
             if library is not None:
                 profile = native.read_profile(library)
                 table = native.profile_table(profile)
-                profile_rows.append({"precision": precision, "amx_kernels": amx_kernels, "batch_size": batch_size, "forwards": profile["calls"],
+                profile_rows.append({"precision": precision, "kv_dtype": kv_name, "amx_kernels": amx_kernels, "batch_size": batch_size,
+                                     "forwards": profile["calls"],
                                      "threads": profile["threads"], **{f"{k}_ms": round(v, 4) for k, v in table.items()}})
                 print("        phases, ms per forward: " + "  ".join(f"{k} {v:.3f}" for k, v in table.items()))
         if library is not None:
@@ -233,9 +249,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if profile_rows:
         names = [k for k in profile_rows[0] if k.endswith("_ms")]
         print("native forward phases, ms per forward (phase = mean compute + mean wait at its closing barrier):")
-        print(f"{'precision':>9} {'amx':>3} {'batch':>5} " + " ".join(f"{n[:-3]:>9}" for n in names))
+        print(f"{'precision':>9} {'kv':>4} {'amx':>3} {'batch':>5} " + " ".join(f"{n[:-3]:>9}" for n in names))
         for r in profile_rows:
-            print(f"{r['precision']:>9} {'yes' if r['amx_kernels'] else 'no':>3} {r['batch_size']:>5} "
+            print(f"{r['precision']:>9} {r['kv_dtype']:>4} {'yes' if r['amx_kernels'] else 'no':>3} {r['batch_size']:>5} "
                   + " ".join(f"{r[n]:>9.3f}" for n in names))
         write_csv_with_context(out.with_name(f"{out.stem}-profile{out.suffix}"), profile_rows, extra)
     return 0
