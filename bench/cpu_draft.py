@@ -20,8 +20,7 @@ the ``kernels`` column says which ran (``torch`` for the paged layout, and ``lea
 the native forward was asked for but did not build).
 
 ``--kv-dtypes fp32 bf16`` times the slots layout with its K/V stored in float32 and in bfloat16,
-in one run (default: the drafter's choice, bf16 where the native forward runs a bf16 or int8
-draft, else float32); the ``kv_dtype`` column says what each row stored. The paged layout keeps
+in one run (default: the drafter's, float32); the ``kv_dtype`` column says what each row stored. The paged layout keeps
 the model's dtype, whatever is asked.
 
 ``--amx on off`` times the native forward with the AMX tile kernels (matmuls of 4 rows or more,

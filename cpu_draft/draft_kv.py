@@ -7,9 +7,8 @@
 * `PagedDraftKV`: the target's paged pool and `ModelRunner`, with the Triton paged kernel
   on CUDA (the in-process GPU draft) or `PerForwardAttention` on the CPU.
 
-The slots layout stores K/V in float32 or bfloat16 (`slot_kv_dtype`: by default bf16 where
-the native forward runs a bf16 draft, halving the bytes attention streams and the memory a
-token holds). The paged layout keeps the model's dtype: its pool is the target's, written by
+The slots layout stores K/V in float32 (the default) or bfloat16 (`slot_kv_dtype`: half the
+memory a token holds). The paged layout keeps the model's dtype: its pool is the target's, written by
 `CausalLM` (and read by the Triton kernel on CUDA) in the compute dtype.
 
 Both take, per forward, each sequence's handle, its cached length and the tokens to append
@@ -34,20 +33,21 @@ from gpu_target.runner import ModelRunner, SequenceChunk
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def slot_kv_dtype(requested: Optional[str], native: bool, dtype: torch.dtype) -> torch.dtype:
-    """The slots layout's K/V dtype: ``requested`` ("float32" | "bfloat16"), or for None bfloat16 where the
-    native forward runs a ``dtype`` bfloat16 draft (INT8 ones included), else float32.
+def slot_kv_dtype(requested: Optional[str]) -> torch.dtype:
+    """The slots layout's K/V dtype: ``requested`` ("float32" | "bfloat16"), float32 for None.
 
-    At batch 8 a 135M draft's float32 K/V at context 256 (94 MB) and INT8 weights (134 MB) no longer
-    fit the GPU host's L3 together, and both streamed from DRAM; bf16 K/V halve theirs. A float32
-    draft keeps float32 K/V (the precise configuration, compared bit for bit in tests), and so does
-    the lean torch forward, for which a bf16 cache is one more widening copy per layer.
+    Float32 by default because it measured faster where the CPU draft is used most: on the GPU
+    host (`bench/results/cpu_draft-h100host-bf16kv.csv`, side by side) bf16 K/V made a 135M
+    draft's forward 18-21 % slower at batch 1 (2.04 -> 2.41 ms INT8), mixed at batch 8 (INT8
+    7.2 -> 7.8 ms, BF16 8.8 -> 7.5 ms) and 6-9 % faster only at batch 32; attention there is
+    not limited by the bytes it streams. bf16 holds twice the tokens in a memory budget, and
+    cost INT8 drafts 1 % of greedy agreement on SmolLM2-135M.
     """
-    if requested is not None:
-        if requested not in KV_DTYPES:
-            raise ValueError(f"draft K/V dtype must be one of {', '.join(KV_DTYPES)}, got {requested!r}")
-        return KV_DTYPES[requested]
-    return torch.bfloat16 if native and dtype == torch.bfloat16 else torch.float32
+    if requested is None:
+        return torch.float32
+    if requested not in KV_DTYPES:
+        raise ValueError(f"draft K/V dtype must be one of {', '.join(KV_DTYPES)}, got {requested!r}")
+    return KV_DTYPES[requested]
 
 
 class SlotDraftKV:
@@ -57,7 +57,7 @@ class SlotDraftKV:
         native = NativeDraftModel.build(model, dtype, int8_weights) if native_kernels else None
         self.native = native is not None
         self.model = native if native is not None else LeanDraftModel(model, dtype, int8_weights, pack_linears)
-        self.cache = SlotKVCache(model.config, slot_kv_dtype(kv_dtype, self.native, dtype), budget_bytes, max_positions)
+        self.cache = SlotKVCache(model.config, slot_kv_dtype(kv_dtype), budget_bytes, max_positions)
 
     new_handle = SlotHandle
 

@@ -49,7 +49,7 @@ class DraftModelOptions:
     kv_layout: Optional[str] = None  # "slots" | "paged"; None: slots on the CPU, paged elsewhere
     pack_linears: bool = True  # slots layout, torch forward: oneDNN-packed projections and logits head
     native_kernels: bool = True  # slots layout: the native forward (cpu_draft.native_model) where it builds, else the torch one
-    kv_dtype: Optional[str] = None  # "float32" | "bfloat16"; None: draft_kv.slot_kv_dtype's choice (paged: the model's dtype)
+    kv_dtype: Optional[str] = None  # "float32" | "bfloat16"; None: float32 (paged: the model's dtype)
 
 
 def tree_levels(max_nodes: int, width: int) -> list[int]:

@@ -19,6 +19,8 @@ from ipc.segment import SHM_DIR, owner_pid_of
 from tiny_models import save_tiny_model
 
 K = 4
+# Every LLM here keeps its target on the CPU, GPU or not: the tiny models' head_dim (8) is below the
+# GPU attention kernel's 16, and these tests are about the draft worker, not the target.
 PROMPTS = [
     "The capital of France is",
     "Hello, my name is",
@@ -46,7 +48,7 @@ def other_draft_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain_outputs(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32")
+    llm = LLM(device="cpu", model=str(tiny_llama_dir), dtype="float32")
     return {
         "batch1": [_tokens(llm.generate(p, GREEDY, use_tqdm=False))[0] for p in PROMPTS],
         "batch4": _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)),
@@ -219,13 +221,11 @@ def test_bf16_kv_hold_twice_the_tokens_in_one_budget(tiny_llama_dir):
 
 
 def test_kv_dtype_defaults_and_choices(tiny_llama_dir):
-    """bf16 K/V by default where the native forward runs a bf16 draft; float32 for a float32 draft or the lean
-    forward; an explicit choice wins; the paged layout keeps the model's dtype and refuses another."""
-    assert slot_kv_dtype(None, True, torch.bfloat16) == torch.bfloat16
-    assert slot_kv_dtype(None, True, torch.float32) == slot_kv_dtype(None, False, torch.bfloat16) == torch.float32
-    assert slot_kv_dtype("float32", True, torch.bfloat16) == torch.float32
+    """float32 K/V unless bf16 is asked for; the paged layout keeps the model's dtype and refuses another."""
+    assert slot_kv_dtype(None) == slot_kv_dtype("float32") == torch.float32
+    assert slot_kv_dtype("bfloat16") == torch.bfloat16
     with pytest.raises(ValueError, match="K/V dtype"):
-        slot_kv_dtype("int8", True, torch.bfloat16)
+        slot_kv_dtype("int8")
     with pytest.raises(ValueError, match="paged"):
         _drafter(tiny_llama_dir, kv_layout="paged", kv_dtype="bfloat16")
 
@@ -321,7 +321,7 @@ def test_greedy_output_equals_plain_decoding(
     monkeypatch.setenv("HETERO_DRAFT_TREE_WIDTH", str(tree_width))
     draft_dir = tiny_llama_dir if draft == "same" else other_draft_dir
     llm = LLM(
-        model=str(tiny_llama_dir),
+        device="cpu", model=str(tiny_llama_dir),
         speculative_model=str(draft_dir),
         num_speculative_tokens=K if tree_width == 1 else 2 * K,
         cpu_draft_worker=worker,
@@ -346,7 +346,7 @@ def test_greedy_output_equals_plain_decoding(
 
 def test_killed_worker_loses_no_request_and_is_restarted(tiny_llama_dir, plain_outputs):
     llm = LLM(
-        model=str(tiny_llama_dir), speculative_model=str(tiny_llama_dir), num_speculative_tokens=K,
+        device="cpu", model=str(tiny_llama_dir), speculative_model=str(tiny_llama_dir), num_speculative_tokens=K,
         cpu_draft_worker=True, dtype="float32",
     )
     _always_speculate(llm)
@@ -382,7 +382,7 @@ def test_killed_worker_loses_no_request_and_is_restarted(tiny_llama_dir, plain_o
 def test_hung_worker_times_out_and_is_replaced(tiny_llama_dir, plain_outputs, monkeypatch):
     monkeypatch.setenv("HETERO_DRAFT_REPLY_TIMEOUT_S", "1")
     llm = LLM(
-        model=str(tiny_llama_dir), speculative_model=str(tiny_llama_dir), num_speculative_tokens=K,
+        device="cpu", model=str(tiny_llama_dir), speculative_model=str(tiny_llama_dir), num_speculative_tokens=K,
         cpu_draft_worker=True, dtype="float32",
     )
     _always_speculate(llm)
@@ -402,7 +402,7 @@ def test_vocabulary_size_mismatch_is_a_clear_error(tiny_llama_dir, tmp_path):
 
     bigger = save_tiny_model(tmp_path / "bigger", "llama", vocab_size=len(build_tokenizer()) + 8)
     with pytest.raises(ValueError, match="vocabulary of .* tokens but the target model has"):
-        LLM(model=str(tiny_llama_dir), speculative_model=str(bigger), num_speculative_tokens=K, dtype="float32")
+        LLM(device="cpu", model=str(tiny_llama_dir), speculative_model=str(bigger), num_speculative_tokens=K, dtype="float32")
 
 
 def test_tokenizer_mismatch_is_a_clear_error(tiny_llama_dir, tmp_path):
@@ -414,7 +414,7 @@ def test_tokenizer_mismatch_is_a_clear_error(tiny_llama_dir, tmp_path):
     vocab[first], vocab[second] = vocab[second], vocab[first]
     tokenizer_file.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="tokenizer maps id 100"):
-        LLM(model=str(tiny_llama_dir), speculative_model=str(shuffled), num_speculative_tokens=K, cpu_draft_worker=True)
+        LLM(device="cpu", model=str(tiny_llama_dir), speculative_model=str(shuffled), num_speculative_tokens=K, cpu_draft_worker=True)
 
 
 def test_draft_dtype_knob_defaults_to_auto_and_names_a_bad_value(monkeypatch):
