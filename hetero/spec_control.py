@@ -12,19 +12,18 @@ their median seconds per step: acceptance really varies from step to step and it
 what pays, while a slow step (a cold first step, a pause) is noise that the median
 ignores, as long as it is one of at least three. The controller first alternates, starting
 with speculation, until each option has `min_samples` steps, or until a plain step has run
-and speculation has accepted no draft token in enough sequence-steps (one step at batch 32):
-a step that accepts nothing emits a plain step's one token per sequence at a
+and speculation has accepted no draft token in enough sequence-steps (one step at batch
+32): a step that accepts nothing emits a plain step's one token per sequence at a
 verification's cost, so no timing is needed to rank it, and drafts that never fit cost two
-steps to rule out at a large batch, not six.
-Then it runs the faster option and probes the other one, to notice when acceptance
-changes: once the winner has run for `probe_interval` of the loser's step times. Time, not
-steps: a plain window emits 8 tokens per sequence and a speculative step a few, and a
-probe should cost at most about 1/`probe_interval` of the time either way. The probe
-spacing doubles, up to `max_probe_interval`, only while the evidence is solid: the losing
-option's window is full and it trails by more than `margin`, or speculation has accepted
-nothing. A close call or a thin window keeps probing at `probe_interval`; a probe
-faster than the winner is followed by another at once, so a verdict that has become wrong
-is overturned within a few steps instead of being locked in.
+steps to rule out at a large batch, not six. Then it runs the faster option and probes the
+other one, to notice when acceptance changes: once the winner has run for `probe_interval`
+of the loser's step times. Time, not steps: a plain window emits 8 tokens per sequence and
+a speculative step a few, and a probe should cost at most about 1/`probe_interval` of the
+time either way. The probe spacing doubles, up to `max_probe_interval`, only while the
+evidence is solid: the losing option's window is full and it trails by more than `margin`,
+or speculation has accepted nothing. A close call or a thin window keeps probing at
+`probe_interval`; a probe faster than the winner is followed by another at once, so a
+verdict that has become wrong is overturned within a few steps instead of being locked in.
 
 A bucket with no verdict of its own borrows its neighbours' (`_inherited_verdict`):
 speculation that pays at a batch size is kept at smaller ones, plain decoding that wins at
