@@ -192,6 +192,7 @@ class LLMEngine:
         return runner
 
     def _attention_fn(self):
+        """The attention the model runs with; on CUDA, its kernel variants are compiled here, at start-up."""
         if self.config.batch_invariant:
             return batch_invariant_attention
         if self.device.type == "cuda":

@@ -212,33 +212,24 @@ def test_tile_shapes_cover_every_plan(num_heads, num_kv_heads):
 def test_no_compile_after_compile_variants():
     """After start-up's compile_variants, no batch shape (mixed prefill and decode, trees, splits,
     block-table widths) builds another attention kernel variant."""
-    from triton import knobs
+    from bench.gpu_decode import TRITON_COMPILES, count_triton_compiles
 
     meta, k_cache, v_cache = make_batch([Seq(3, 1)], num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
     compile_variants(torch.bfloat16, 8, k_cache, v_cache)
-    compiled: list[str] = []
-    previous = knobs.runtime.jit_cache_hook
-
-    def on_cache_miss(*args, **kwargs):
-        compiled.append(str(kwargs.get("repr", "?")))
-        return False
-
-    knobs.runtime.jit_cache_hook = on_cache_miss
-    try:
-        batches = [
-            [Seq(0, 300), Seq(64, 1), Seq(10, 12, tree=True), Seq(200, 1)],
-            [Seq(0, 17), Seq(500, 1)],
-            [Seq(900, 1)],
-            [Seq(40, 5, tree=True), Seq(3, 5, tree=True)],
-            [Seq(0, 3)],
-            [Seq(1, 1)] * 33,
-        ]
-        for seed, seqs in enumerate(batches):
-            for num_splits in (None, 4):
-                check(seqs, num_heads=8, num_splits=num_splits, dtype=torch.bfloat16, seed=seed)
-    finally:
-        knobs.runtime.jit_cache_hook = previous
-    assert compiled == []
+    count_triton_compiles()
+    compiled_before = len(TRITON_COMPILES)
+    batches = [
+        [Seq(0, 300), Seq(64, 1), Seq(10, 12, tree=True), Seq(200, 1)],
+        [Seq(0, 17), Seq(500, 1)],
+        [Seq(900, 1)],
+        [Seq(40, 5, tree=True), Seq(3, 5, tree=True)],
+        [Seq(0, 3)],
+        [Seq(1, 1)] * 33,
+    ]
+    for seed, seqs in enumerate(batches):
+        for num_splits in (None, 4):
+            check(seqs, num_heads=8, num_splits=num_splits, dtype=torch.bfloat16, seed=seed)
+    assert TRITON_COMPILES[compiled_before:] == []
 
 
 def test_benchmark_smoke(tmp_path, capsys):
