@@ -20,10 +20,14 @@ other one, to notice when acceptance changes: once the winner has run for `probe
 of the loser's step times. Time, not steps: a plain window emits 8 tokens per sequence and
 a speculative step a few, and a probe should cost at most about 1/`probe_interval` of the
 time either way. The probe spacing doubles, up to `max_probe_interval`, only while the
-evidence is solid: the losing option's window is full and it trails by more than `margin`,
-or speculation has accepted nothing. A close call or a thin window keeps probing at
-`probe_interval`; a probe faster than the winner is followed by another at once, so a
-verdict that has become wrong is overturned within a few steps instead of being locked in.
+evidence is solid: the losing option trails by more than `margin` over a full window, or
+over `SOLID_SEQUENCE_STEPS` sequence-steps (two steps at batch 64: what decides a
+speculative step's worth is acceptance, and its estimate firms up with sequences, not
+steps). Drafts that accepted nothing are probed at `max_probe_interval` at once: no probe
+could change that verdict short of the drafts themselves changing. A close call or a thin
+window keeps probing at `probe_interval`; a probe faster than the winner is followed by
+another at once, so a verdict that has become wrong is overturned within a few steps
+instead of being locked in.
 
 A bucket with no verdict of its own borrows its neighbours' (`_inherited_verdict`):
 speculation that pays at a batch size is kept at smaller ones, plain decoding that wins at
@@ -52,6 +56,11 @@ from typing import Optional
 # timed verdict) at batch 1.
 NOTHING_ACCEPTED_SEQUENCE_STEPS = 32
 
+# A losing option's window that spans this many sequence-steps is solid evidence, full or not:
+# the mean accepted length over 128 sequence-steps has a standard error of about a tenth of a
+# token per step, and its seconds are the median of at least `min_samples` steps.
+SOLID_SEQUENCE_STEPS = 128
+
 
 @dataclass
 class _Samples:
@@ -65,10 +74,13 @@ class _Samples:
         if len(self.recent) > self.window:
             self.recent.popleft()
 
+    def sequence_steps(self) -> int:
+        return sum(n for _, _, n in self.recent)
+
     def accepted_nothing(self) -> bool:
         """No draft token accepted (one token per sequence each step) in at least
         `NOTHING_ACCEPTED_SEQUENCE_STEPS` sequence-steps."""
-        return sum(n for _, _, n in self.recent) >= NOTHING_ACCEPTED_SEQUENCE_STEPS and all(
+        return self.sequence_steps() >= NOTHING_ACCEPTED_SEQUENCE_STEPS and all(
             tokens <= num_seqs for tokens, _, num_seqs in self.recent
         )
 
@@ -175,16 +187,25 @@ class SpeculationController:
             return per_seq if len(state.spec.recent) <= len(state.plain.recent) else 0
         if speculate != state.speculating:  # a new verdict: its loser's samples are fresh, probe at the base rate
             state.speculating = speculate
-            state.interval = state.countdown = self.probe_interval
+            state.interval = self.max_probe_interval if state.spec.accepted_nothing() else self.probe_interval
+            state.countdown = state.interval
         if state.countdown > 0:
             return per_seq if speculate else 0
-        loser, winner = (state.plain, state.spec) if speculate else (state.spec, state.plain)
-        solid = state.spec.accepted_nothing() or (
-            len(loser.recent) == self.window and winner.tokens_per_second() > (1 + self.margin) * loser.tokens_per_second()
-        )
-        state.interval = min(2 * state.interval, self.max_probe_interval) if solid else self.probe_interval
+        if state.spec.accepted_nothing():
+            state.interval = self.max_probe_interval
+        elif self._solid(state, speculate):
+            state.interval = min(2 * state.interval, self.max_probe_interval)
+        else:
+            state.interval = self.probe_interval
         state.countdown = state.interval
         return 0 if speculate else per_seq
+
+    def _solid(self, state: _Bucket, speculate: bool) -> bool:
+        """Whether the losing option trails by more than `margin` over enough evidence: a full
+        window, or `SOLID_SEQUENCE_STEPS` sequence-steps."""
+        loser, winner = (state.plain, state.spec) if speculate else (state.spec, state.plain)
+        enough = len(loser.recent) == self.window or loser.sequence_steps() >= SOLID_SEQUENCE_STEPS
+        return enough and winner.tokens_per_second() > (1 + self.margin) * loser.tokens_per_second()
 
     def _inherited_verdict(self, bucket: int) -> Optional[bool]:
         """The verdict of measured neighbours for a bucket that has none of its own yet.

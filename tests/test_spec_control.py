@@ -49,9 +49,10 @@ def test_drafts_that_accept_nothing_are_ruled_out_after_one_step_of_each():
     controller = SpeculationController(8, 1024, probe_interval=4, max_probe_interval=256, window=16)
     assert drive(controller, 64, steps=2, **nothing) == 1
     assert controller.speculation_pays(64) is False
-    # Probes after 4, 8, 16, ..., 256 speculative step times, then every 256: a plain window
-    # takes 9.6 of them, so 1000 windows hold 38 probes once they are spaced out, 7 before.
-    assert drive(controller, 64, steps=1000, **nothing) <= 45
+    # Probed at the longest spacing at once, 256 speculative step times: a plain window takes
+    # 9.6 of them, so no probe in the first 26 windows, and one per 27 windows after that.
+    assert drive(controller, 64, steps=26, **nothing) == 0
+    assert drive(controller, 64, steps=1000, **nothing) <= 1000 // 26
     # At batch 1 one miss is weak evidence (drafts right 3 times in 4 miss a quarter of the
     # time): the timed verdict decides there, after three steps of each.
     controller = SpeculationController(8, 1024, probe_interval=4)
@@ -67,10 +68,22 @@ def test_drafts_that_accept_nothing_are_ruled_out_after_one_step_of_each():
 
 def test_probes_stay_frequent_while_the_evidence_is_thin():
     controller = SpeculationController(8, 1024, probe_interval=4, window=16)
-    first = drive(controller, 64, spec_tps=800.0, plain_tps=1000.0, steps=100)
-    # 3 while exploring, then one every 4 speculative step times (5 plain steps here) until
-    # the window of 16 is full: 13 probes.
+    first = drive(controller, 1, spec_tps=800.0, plain_tps=1000.0, steps=100)
+    # Batch 1: 3 while exploring, then one every 4 speculative step times (5 plain steps here)
+    # until the window of 16 is full: 13 probes.
     assert first >= 3 + 13
+
+
+def test_a_large_batch_firms_up_the_evidence_in_a_few_steps():
+    """At batch 64, the 3 speculative steps of the exploration hold 192 sequence-steps: a
+    clear loss is solid evidence at once, and the probes thin out without a full window."""
+    controller = SpeculationController(8, 1024, probe_interval=4, window=16)
+    # 3 while exploring, then probes after 4, 8, 16 and 32 speculative step times (a plain
+    # step takes 0.8 of one): 4 probes within 100 plain steps, not 13.
+    assert drive(controller, 64, spec_tps=800.0, plain_tps=1000.0, steps=100) <= 3 + 4
+    # A close call (2 % apart) stays thin evidence however many sequences it spans.
+    close = SpeculationController(8, 1024, probe_interval=4, window=16)
+    assert drive(close, 64, spec_tps=980.0, plain_tps=1000.0, steps=100) >= 3 + 13
 
 
 def test_winning_speculation_stays_on():
