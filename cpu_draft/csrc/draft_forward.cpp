@@ -377,23 +377,37 @@ inline float kv_value(uint16_t x) { return bf16_to_float(x); }
 inline void kv_store(float* p, float x) { *p = x; }
 inline void kv_store(uint16_t* p, float x) { *p = float_to_bf16(x); }
 
-// exp(x) for x in about [-87, 88] (clamped), within a few ulp; branch-free so `omp simd` loops vectorise it.
-inline float exp_approx(float x) {
-    x = std::min(std::max(x, -87.0f), 88.0f);
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
-    float r = x - n * 0.693359375f;
+// exp(x) for x in about [-87, 88] (clamped), within a few ulp, for a float or a vector of VW (the
+// same operations lane by lane, so both give the same bits). Written for vectors, and inlined by force:
+// left to `omp simd`, GCC called the scalar function once per element.
+inline float clamp(float x, float lo, float hi) { return std::min(std::max(x, lo), hi); }
+inline vf clamp(vf x, float lo, float hi) {
+    x = x < lo ? vf{} + lo : x;
+    return x > hi ? vf{} + hi : x;
+}
+inline int32_t to_int(float x) { return int32_t(x); }
+inline vi32 to_int(vf x) { return __builtin_convertvector(x, vi32); }
+inline float from_bits(int32_t b) {
+    float f;
+    std::memcpy(&f, &b, sizeof f);
+    return f;
+}
+inline vf from_bits(vi32 b) { return vf(b); }
+
+template <typename F>
+__attribute__((always_inline)) inline F exp_approx(F x) {
+    x = clamp(x, -87.0f, 88.0f);
+    const F n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+    F r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
+    F p = F{} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const int32_t bits = (int32_t(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return p * from_bits((to_int(n) + 127) << 23);
 }
 
 // Sums in an order fixed by n alone (never by the data's alignment, as vectorised reductions can be),
@@ -414,6 +428,19 @@ inline float dot(const float* a, const KT* b, int64_t n) {
     float s = lane_sum(acc);
     for (; i < n; ++i) s += a[i] * kv_value(b[i]);
     return s;
+}
+
+inline float max_of(const float* a, int64_t n) {
+    vf most = vf{} + a[0];
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        const vf v = load_w(a + i);
+        most = v > most ? v : most;
+    }
+    float m = most[0];
+    for (int j = 1; j < VW; ++j) m = std::max(m, most[j]);
+    for (; i < n; ++i) m = std::max(m, a[i]);
+    return m;
 }
 
 inline float sum(const float* a, int64_t n) {
@@ -1024,10 +1051,13 @@ void attend_chunk(const float* q, const KT* keys, const KT* values, int64_t n, i
     }
     for (int h = 0; h < group; ++h) {
         float* sc = scores + h * ATTN_CHUNK;
-        float mx = sc[0];
-        for (int64_t j = 1; j < n; ++j) mx = std::max(mx, sc[j]);
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) sc[j] = exp_approx(sc[j] - mx);
+        float mx = max_of(sc, n);
+        int64_t j = 0;
+        for (; j + VW <= n; j += VW) {
+            const vf e = exp_approx(load_w(sc + j) - mx);
+            std::memcpy(sc + j, &e, sizeof e);
+        }
+        for (; j < n; ++j) sc[j] = exp_approx(sc[j] - mx);
         maxima[h] = mx;
         sums[h] = sum(sc, n);
     }
@@ -1314,10 +1344,8 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                         const int64_t t = m0 + mi;
                         const float* g = o + (pi * mt + mi) * VW;
                         const float* u = o + ((pi + 1) * mt + mi) * VW;
-                        float y[VW];
-#pragma omp simd
-                        for (int j = 0; j < VW; ++j) y[j] = g[j] / (1.0f + exp_approx(-g[j])) * u[j];
-                        std::memcpy(act.get() + t * I + c0, y, sizeof(float) * width);
+                        const vf gv = load_w(g), y = gv / (1.0f + exp_approx(-gv)) * load_w(u);
+                        std::memcpy(act.get() + t * I + c0, &y, sizeof(float) * width);
                     }
                 }
             });
