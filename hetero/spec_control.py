@@ -23,8 +23,9 @@ time either way. The probe spacing doubles, up to `max_probe_interval`, only whi
 evidence is solid: the losing option trails by more than `margin` over a full window, or
 over `SOLID_SEQUENCE_STEPS` sequence-steps (two steps at batch 64: what decides a
 speculative step's worth is acceptance, and its estimate firms up with sequences, not
-steps). Drafts that accepted nothing are probed at `max_probe_interval` at once: no probe
-could change that verdict short of the drafts themselves changing. A close call or a thin
+steps); a verdict that is solid when it is reached starts at twice the base spacing.
+Drafts that accepted nothing are probed at `max_probe_interval` at once: no probe could
+change that verdict short of the drafts themselves changing. A close call or a thin
 window keeps probing at `probe_interval`; a probe faster than the winner is followed by
 another at once, so a verdict that has become wrong is overturned within a few steps
 instead of being locked in.
@@ -185,20 +186,22 @@ class SpeculationController:
                 state.countdown = self.probe_interval
             # Exploring (or probing an inherited verdict): the option measured less so far, speculation first.
             return per_seq if len(state.spec.recent) <= len(state.plain.recent) else 0
-        if speculate != state.speculating:  # a new verdict: its loser's samples are fresh, probe at the base rate
+        if speculate != state.speculating:  # a new verdict: its loser is probed at the base spacing, or twice it on solid evidence
             state.speculating = speculate
-            state.interval = self.max_probe_interval if state.spec.accepted_nothing() else self.probe_interval
-            state.countdown = state.interval
+            state.interval = state.countdown = self._probe_spacing(state, speculate, self.probe_interval)
         if state.countdown > 0:
             return per_seq if speculate else 0
-        if state.spec.accepted_nothing():
-            state.interval = self.max_probe_interval
-        elif self._solid(state, speculate):
-            state.interval = min(2 * state.interval, self.max_probe_interval)
-        else:
-            state.interval = self.probe_interval
-        state.countdown = state.interval
+        state.interval = state.countdown = self._probe_spacing(state, speculate, state.interval)
         return 0 if speculate else per_seq
+
+    def _probe_spacing(self, state: _Bucket, speculate: bool, current: int) -> int:
+        """The loser's next probe spacing: the longest for drafts that accepted nothing, twice
+        `current` on solid evidence (a verdict reached on it starts at twice the base), else the base."""
+        if state.spec.accepted_nothing():
+            return self.max_probe_interval
+        if self._solid(state, speculate):
+            return min(2 * current, self.max_probe_interval)
+        return self.probe_interval
 
     def _solid(self, state: _Bucket, speculate: bool) -> bool:
         """Whether the losing option trails by more than `margin` over enough evidence: a full
