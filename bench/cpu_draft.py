@@ -79,12 +79,16 @@ def cpu_flags() -> set[str]:
 
 
 def random_config(shape: str) -> ModelConfig:
-    values = [int(v) for v in shape.split(",")]
+    """A llama config from `--random-shape`: the SHAPE_FIELDS ints, then optionally `untied` for
+    a logits head of its own (llama-68m's 768,2,12,12,3072,32000,untied: 68 M parameters)."""
+    fields = shape.split(",")
+    untied = fields[-1] == "untied"
+    values = [int(v) for v in (fields[:-1] if untied else fields)]
     if len(values) != len(SHAPE_FIELDS):
-        raise SystemExit(f"--random-shape takes {len(SHAPE_FIELDS)} ints: {','.join(SHAPE_FIELDS)}")
+        raise SystemExit(f"--random-shape takes {len(SHAPE_FIELDS)} ints: {','.join(SHAPE_FIELDS)}[,untied]")
     dims = dict(zip(SHAPE_FIELDS, values))
     return ModelConfig(architecture="llama", head_dim=dims["hidden_size"] // dims["num_heads"], max_position_embeddings=4096,
-                       tie_word_embeddings=True, **dims)
+                       tie_word_embeddings=not untied, **dims)
 
 
 def load_drafter(args, dtype: torch.dtype, int8: bool, max_num_seqs: int, kv_layout: str, kernels: str = "native",
@@ -132,7 +136,7 @@ def time_draft_steps(drafter: Drafter, batch_size: int, context: int, draft_toke
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_draft", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="draft checkpoint (HF dir or GGUF)")
-    parser.add_argument("--random-shape", default=None, help=f"random weights of this shape instead: {','.join(SHAPE_FIELDS)}")
+    parser.add_argument("--random-shape", default=None, help=f"random weights of this shape instead: {','.join(SHAPE_FIELDS)}[,untied]")
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--context", type=int, default=256, help="tokens already in each sequence's context")
