@@ -515,8 +515,7 @@ inline void tile(const WT* const* wp, const void* const* xr, int64_t K, float* o
                 const __m512i start = _mm512_set1_epi32(xc[m][b]);
                 for (int p = 0; p < NPT; ++p) acc[p][m] = start;
             }
-            const int64_t k1 = std::min<int64_t>(K, k0 + QB4);
-            for (int64_t k = k0; k < k1; ++k) {
+            const auto quad = [&](int64_t k) __attribute__((always_inline)) {
                 __m512i wv[NPT];
                 for (int p = 0; p < NPT; ++p) {
                     wv[p] = _mm512_loadu_si512(w[p] + k * VW);
@@ -526,6 +525,14 @@ inline void tile(const WT* const* wp, const void* const* xr, int64_t K, float* o
                     const __m512i xv = _mm512_set1_epi32(int(xq[m][k]));
                     for (int p = 0; p < NPT; ++p) acc[p][m] = _mm512_dpbusd_epi32(acc[p][m], wv[p], xv);
                 }
+            };
+            // A whole block unrolled: as a loop, GCC copied every accumulator to another register (or the
+            // stack) and back each quad, doubling the instructions around the vpdpbusd.
+            if (K - k0 >= QB4) {
+#pragma GCC unroll 16
+                for (int i = 0; i < QB4; ++i) quad(k0 + i);
+            } else {
+                for (int64_t k = k0; k < K; ++k) quad(k);
             }
             for (int m = 0; m < MT; ++m) {
                 const __m512 scale = _mm512_set1_ps(xs[m][b]);
