@@ -1299,34 +1299,46 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
             matmul(L.qkv, residual_rows.get(), inv.get(), T, tid, nt, 1, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
                 for (int pi = 0; pi < np; ++pi) {
                     const int64_t c0 = (p + pi) * VW, width = std::min<int64_t>(VW, L.qkv.n - c0);
+                    // Column c0's part (0 Q, 1 K, 2 V), head and dimension, then stepped along the panel's
+                    // column pairs (D is even: a pair never straddles two heads): no division per column.
+                    const int part0 = c0 < q_size ? 0 : c0 < q_size + kv_size ? 1 : 2;
+                    const int64_t e0 = c0 - (part0 ? q_size + (part0 - 1) * kv_size : 0), h0 = e0 / D, d0 = e0 % D;
                     for (int mi = 0; mi < mt; ++mi) {
                         const int64_t t = m0 + mi;
                         const float* a = o + (pi * mt + mi) * VW;
-                        float x[VW];
-                        for (int j = 0; j < VW; ++j) x[j] = a[j] + (L.qkv.bias ? L.qkv.bias[c0 + j] : 0.0f);
                         const float* cs = md.cos + rot_pos[t] * half;
                         const float* sn = md.sin + rot_pos[t] * half;
+                        int part = part0;
+                        int64_t h = h0, d = d0;
                         for (int64_t j = 0; j < width; j += 2) {
-                            const int64_t c = c0 + j;
-                            if (c < q_size + kv_size) {
-                                const int64_t i = (c % D) / 2;
-                                const float re = x[j], im = x[j + 1];
-                                x[j] = re * cs[i] - im * sn[i];
-                                x[j + 1] = re * sn[i] + im * cs[i];
+                            float re = a[j] + (L.qkv.bias ? L.qkv.bias[c0 + j] : 0.0f);
+                            float im = a[j + 1] + (L.qkv.bias ? L.qkv.bias[c0 + j + 1] : 0.0f);
+                            if (part < 2) {
+                                const int64_t i = d / 2;
+                                const float rotated = re * cs[i] - im * sn[i];
+                                im = re * sn[i] + im * cs[i];
+                                re = rotated;
                             }
-                        }
-                        for (int64_t j = 0; j < width; ++j) {
-                            const int64_t c = c0 + j;
-                            if (c < q_size) {
-                                q[t * q_size + c] = x[j];
+                            if (part == 0) {
+                                q[t * q_size + c0 + j] = re;
+                                q[t * q_size + c0 + j + 1] = im;
                             } else {
-                                const bool is_k = c < q_size + kv_size;
-                                const int64_t e = c - q_size - (is_k ? 0 : kv_size), h = e / D, d = e % D;
                                 const int64_t at = ((slots[t] * KVH + h) * capacity + kv_pos[t]) * D + d;
-                                if (kv_bf16)
-                                    kv_store(static_cast<uint16_t*>(is_k ? kc : vc) + at, x[j]);
-                                else
-                                    kv_store(static_cast<float*>(is_k ? kc : vc) + at, x[j]);
+                                void* cache = part == 1 ? kc : vc;
+                                if (kv_bf16) {
+                                    kv_store(static_cast<uint16_t*>(cache) + at, re);
+                                    kv_store(static_cast<uint16_t*>(cache) + at + 1, im);
+                                } else {
+                                    kv_store(static_cast<float*>(cache) + at, re);
+                                    kv_store(static_cast<float*>(cache) + at + 1, im);
+                                }
+                            }
+                            if ((d += 2) == D) {
+                                d = 0;
+                                if (++h == (part == 0 ? md.num_heads : KVH)) {
+                                    h = 0;
+                                    ++part;
+                                }
                             }
                         }
                     }
