@@ -27,9 +27,10 @@
 // its panels once, front to back, and keeps an MT rows x NPT panels block of accumulators in
 // vector registers: per k, NPT weight vectors and MT broadcasts of x[m][k] feed NPT*MT FMAs,
 // with no horizontal sums (NPT = 2 from 5 rows up, more panels at once below that so enough
-// independent FMAs are in flight), prefetching its panels a few KB ahead where it streams one or two. Threads own contiguous ranges of panels (static partition), so
-// each output element is summed in the same order whatever the batch: a token's result
-// does not depend on the other tokens of its forward.
+// independent FMAs are in flight), from 2 rows up prefetching the panels it streams next as it streams
+// these. Threads own contiguous ranges of panels (static partition), so each output element is summed
+// in the same order whatever the batch: a token's result does not depend on the other tokens of its
+// forward.
 //
 // Built for AMX (-march=native on a Xeon with it) and allowed at run time (the CPU has it, Linux
 // granted the process its tile data; HETERO_NATIVE_AMX=0 or draft_set_amx(0) turn it off), int8 and
@@ -453,21 +454,23 @@ inline float sum(const float* a, int64_t n) {
     return s;
 }
 
-// Weights stream from memory once per forward, and at M = 8 the hardware prefetchers alone left the
-// kernels waiting on them (gate_up 5.1 ms per forward, 3.2 ms with this, on one Zen 5 core). Kernels
-// of one or two panels at once (M >= 5) prefetch PREFETCH_BYTES / NPT ahead in each; those of 4 or 8
-// (small M) stream enough panels side by side for the hardware alone (prefetching there measured
-// 2-4% slower for bf16 at M = 1, within noise for int8).
-constexpr int PREFETCH_BYTES = 4096;
-
+// Weights stream from memory once per forward, and the hardware prefetchers alone, or prefetching a
+// few KB ahead within each panel, left the kernels waiting on them. A thread's panels lie one after
+// another in memory, so while a kernel streams its NPT panels it prefetches (to L2) the NPT panels it
+// streams next, `next`: at step k, the k-th NPT * VW weights of them, one line per panel read, so they
+// are all on their way a whole group of panels before their use (int8 gate_up at M = 8: 2.9 ms per
+// forward with 4 KB ahead within each panel, 1.7 ms so; at M = 4, 3.1 -> 2.3 ms; one Zen 5 core). Where
+// no panels follow, `next` is the kernel's own first panel (cached already): a branch per step measured
+// slower. Kernels of NP_MAX panels (M = 1) stream enough side by side for the hardware alone (prefetching
+// measured 0-10% slower there).
 template <int NPT, typename WT>
-inline void prefetch_ahead(const WT* w) {
-    if constexpr (NPT <= 2) __builtin_prefetch(reinterpret_cast<const char*>(w) + PREFETCH_BYTES / NPT, 0, 3);
+inline void prefetch_next(const WT* next, int64_t k, int p) {
+    if constexpr (NPT < NP_MAX) __builtin_prefetch(next + (k * NPT + p) * VW, 0, 2);
 }
 
 // The float kernel: weights widened to float32 in registers (load_w), one FMA per weight and row.
 template <typename WT, int NPT, int MT>
-inline void tile_float(const WT* const* wp, const float* const* xr, int64_t K, float* out) {
+inline void tile_float(const WT* const* wp, const WT* next, const float* const* xr, int64_t K, float* out) {
     vf acc[NPT][MT];
     const float* x[MT];
     for (int m = 0; m < MT; ++m) {
@@ -480,7 +483,7 @@ inline void tile_float(const WT* const* wp, const float* const* xr, int64_t K, f
         vf wv[NPT];
         for (int p = 0; p < NPT; ++p) {
             wv[p] = load_w(w[p] + k * VW);
-            prefetch_ahead<NPT>(w[p] + k * VW);
+            prefetch_next<NPT>(next, k, p);
         }
         for (int m = 0; m < MT; ++m) {
             const float xv = x[m][k];
@@ -491,11 +494,11 @@ inline void tile_float(const WT* const* wp, const float* const* xr, int64_t K, f
         for (int m = 0; m < MT; ++m) std::memcpy(out + (p * MT + m) * VW, &acc[p][m], sizeof(vf));
 }
 
-// acc[p][m] = sum_k w_p[k] * x_m[k] for NPT panels and MT rows; out is [NPT][MT][VW].
+// acc[p][m] = sum_k w_p[k] * x_m[k] for NPT panels and MT rows, prefetching `next`; out is [NPT][MT][VW].
 // bf16x2 weights take rows of bf16 pairs (uint32) and K counts pairs; u8x4 weights take rows quantised
 // by `quantize_rows` and K counts quads.
 template <typename WT, int NPT, int MT>
-inline void tile(const WT* const* wp, const void* const* xr, int64_t K, float* out) {
+inline void tile(const WT* const* wp, const WT* next, const void* const* xr, int64_t K, float* out) {
 #if DRAFT_INT8_QUADS
     if constexpr (std::is_same_v<WT, u8x4>) {
         const uint32_t* xq[MT];
@@ -519,7 +522,7 @@ inline void tile(const WT* const* wp, const void* const* xr, int64_t K, float* o
                 __m512i wv[NPT];
                 for (int p = 0; p < NPT; ++p) {
                     wv[p] = _mm512_loadu_si512(w[p] + k * VW);
-                    prefetch_ahead<NPT>(w[p] + k * VW);
+                    prefetch_next<NPT>(next, k, p);
                 }
                 for (int m = 0; m < MT; ++m) {
                     const __m512i xv = _mm512_set1_epi32(int(xq[m][k]));
@@ -559,7 +562,7 @@ inline void tile(const WT* const* wp, const void* const* xr, int64_t K, float* o
             __m512bh wv[NPT];
             for (int p = 0; p < NPT; ++p) {
                 wv[p] = (__m512bh)_mm512_loadu_si512(w[p] + k * VW);
-                prefetch_ahead<NPT>(w[p] + k * VW);
+                prefetch_next<NPT>(next, k, p);
             }
             for (int m = 0; m < MT; ++m) {
                 const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(x[m][k]));
@@ -572,7 +575,7 @@ inline void tile(const WT* const* wp, const void* const* xr, int64_t K, float* o
     }
 #endif
     if constexpr (!std::is_same_v<WT, bf16x2> && !std::is_same_v<WT, u8x4>)
-        tile_float<WT, NPT, MT>(wp, reinterpret_cast<const float* const*>(xr), K, out);
+        tile_float<WT, NPT, MT>(wp, next, reinterpret_cast<const float* const*>(xr), K, out);
 }
 
 // Register blocks that fit: NPT panels x MT rows of accumulators plus NPT weight vectors.
@@ -582,20 +585,20 @@ constexpr bool fits() {
 }
 
 template <typename WT, int NPT, int MT = 1>
-inline void tile_rows(int mt, const WT* const* wp, const void* const* xr, int64_t K, float* out) {
+inline void tile_rows(int mt, const WT* const* wp, const WT* next, const void* const* xr, int64_t K, float* out) {
     if constexpr (MT < MT_MAX) {
-        if (mt != MT) return tile_rows<WT, NPT, MT + 1>(mt, wp, xr, K, out);
+        if (mt != MT) return tile_rows<WT, NPT, MT + 1>(mt, wp, next, xr, K, out);
     }
-    if constexpr (fits<NPT, MT>()) tile<WT, NPT, MT>(wp, xr, K, out);
+    if constexpr (fits<NPT, MT>()) tile<WT, NPT, MT>(wp, next, xr, K, out);
 }
 
 template <typename WT>
-inline void tile_any(int np, int mt, const WT* const* wp, const void* const* xr, int64_t K, float* out) {
+inline void tile_any(int np, int mt, const WT* const* wp, const WT* next, const void* const* xr, int64_t K, float* out) {
     switch (np) {
-        case 8: return tile_rows<WT, 8>(mt, wp, xr, K, out);
-        case 4: return tile_rows<WT, 4>(mt, wp, xr, K, out);
-        case 2: return tile_rows<WT, 2>(mt, wp, xr, K, out);
-        default: return tile_rows<WT, 1>(mt, wp, xr, K, out);
+        case 8: return tile_rows<WT, 8>(mt, wp, next, xr, K, out);
+        case 4: return tile_rows<WT, 4>(mt, wp, next, xr, K, out);
+        case 2: return tile_rows<WT, 2>(mt, wp, next, xr, K, out);
+        default: return tile_rows<WT, 1>(mt, wp, next, xr, K, out);
     }
 }
 
@@ -915,7 +918,7 @@ void matmul_t(const Matrix& W, const float* const* xr, const float* row_scale, i
                     amx_tile<WT>(tiles, np, mt, wp, rows + m0, K, out);
                 else
 #endif
-                    tile_any<WT>(np, mt, wp, rows + m0, K, out);
+                    tile_any<WT>(np, mt, wp, m0 + mt == R && p + np < p1 ? wp[np - 1] + stride : wp[0], rows + m0, K, out);
                 if (W.scale || post_scale) {
                     for (int pi = 0; pi < np; ++pi) {
                         const float* s = W.scale ? W.scale + (p + pi) * VW : nullptr;
