@@ -456,16 +456,18 @@ inline float sum(const float* a, int64_t n) {
 
 // Weights stream from memory once per forward, and the hardware prefetchers alone, or prefetching a
 // few KB ahead within each panel, left the kernels waiting on them. A thread's panels lie one after
-// another in memory, so while a kernel streams its NPT panels it prefetches (to L2) the NPT panels it
-// streams next, `next`: at step k, the k-th NPT * VW weights of them, one line per panel read, so they
-// are all on their way a whole group of panels before their use (int8 gate_up at M = 8: 2.9 ms per
-// forward with 4 KB ahead within each panel, 1.7 ms so; at M = 4, 3.1 -> 2.3 ms; one Zen 5 core). Where
-// no panels follow, `next` is the kernel's own first panel (cached already): a branch per step measured
-// slower. Kernels of NP_MAX panels (M = 1) stream enough side by side for the hardware alone (prefetching
-// measured 0-10% slower there).
+// another in memory, so while a kernel streams its NPT panels it prefetches the NPT panels it streams
+// next, `next`: at step k, the k-th NPT * VW weights of them, one line per panel read, so they are all
+// on their way a whole group of panels before their use (int8 gate_up at M = 8: 2.9 ms per forward with
+// 4 KB ahead within each panel, 1.7 ms so; at M = 4, 3.1 -> 2.3 ms; one Zen 5 core). To L1, but for the
+// int8 quad kernel, whose vpdpbusd (one a cycle on Zen 5, half the rate of vdpbf16ps or FMAs) take
+// longer than its loads: to L2 there (to L1 measured 5-10% slower for it, 15-20% faster for bf16 and
+// float32). Where no panels follow, `next` is the kernel's own first panel (cached already): a branch
+// per step measured slower. Kernels of NP_MAX panels (M = 1) stream enough side by side for the hardware
+// alone (prefetching measured 0-10% slower there).
 template <int NPT, typename WT>
 inline void prefetch_next(const WT* next, int64_t k, int p) {
-    if constexpr (NPT < NP_MAX) __builtin_prefetch(next + (k * NPT + p) * VW, 0, 2);
+    if constexpr (NPT < NP_MAX) __builtin_prefetch(next + (k * NPT + p) * VW, 0, std::is_same_v<WT, u8x4> ? 2 : 3);
 }
 
 // The float kernel: weights widened to float32 in registers (load_w), one FMA per weight and row.
