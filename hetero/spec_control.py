@@ -15,8 +15,9 @@ with speculation, until each option has `min_samples` steps, or until a plain st
 and speculation has accepted no draft token in enough sequence-steps (one step at batch
 32): a step that accepts nothing emits a plain step's one token per sequence at a
 verification's cost, so no timing is needed to rank it, and drafts that never fit cost two
-steps to rule out at a large batch, not six. Then it runs the faster option and probes the
-other one, to notice when acceptance changes: once the winner has run for `probe_interval`
+steps to rule out at a large batch, not six. Then it runs the faster option (speculation
+that is not running must lead by `margin` to be turned on; plain decoding returns as soon as
+it measures faster) and probes the other one, to notice when acceptance changes: once the winner has run for `probe_interval`
 of the loser's step times. Time, not steps: a plain window emits 8 tokens per sequence and
 a speculative step a few, and a probe should cost at most about 1/`probe_interval` of the
 time either way. The probe spacing doubles, up to `max_probe_interval`, only while the
@@ -155,7 +156,22 @@ class SpeculationController:
             return False
         if min(len(state.spec.recent), len(state.plain.recent)) < self.min_samples:
             return None
-        return state.spec.tokens_per_second() >= state.plain.tokens_per_second()
+        return state.spec.tokens_per_second() >= self._lead_to_speculate(state) * state.plain.tokens_per_second()
+
+    def _lead_to_switch(self, to_speculation: bool) -> float:
+        """The lead over the winner that turns the verdict to the other option."""
+        return 1.0 + self.margin if to_speculation else 1.0
+
+    def _lead_to_speculate(self, state: _Bucket) -> float:
+        """How much faster speculation must measure than plain decoding to be (or stay) the verdict.
+
+        Speculation that runs is kept while it measures at least as fast; speculation that does
+        not is turned on only past `margin`. A window of a few speculative steps at a small batch
+        is noisy (at batch 8 and p = 0.3 one step's tokens vary by about 17 %), and without that
+        margin the verdict flipped to speculation on lucky windows. Asymmetric, so that plain
+        decoding, the floor that speculation must not fall below, never needs a margin to return.
+        """
+        return self._lead_to_switch(not state.speculating)
 
     def nodes_per_sequence(self, num_seqs: int, explore: bool = True) -> int:
         """Tree size to grant each decoding sequence this step (0 = plain decoding).
@@ -236,9 +252,9 @@ class SpeculationController:
         loser, winner = (state.plain, state.spec) if speculate else (state.spec, state.plain)
         if speculated == speculate:
             state.countdown -= seconds / loser.seconds_per_step()
-        elif not state.spec.accepted_nothing() and tokens_emitted / seconds >= winner.tokens_per_second():
-            # A probe faster than the winner: look again at once. Consecutive such probes
-            # overturn the verdict; a fluke is outvoted by the probes after it.
+        elif not state.spec.accepted_nothing() and tokens_emitted / seconds >= self._lead_to_switch(speculated) * winner.tokens_per_second():
+            # A probe faster than the winner by what a switch takes: look again at once.
+            # Consecutive such probes overturn the verdict; a fluke is outvoted by the probes after it.
             state.interval, state.countdown = self.probe_interval, 0
 
     def speculation_pays(self, num_seqs: int) -> bool | None:

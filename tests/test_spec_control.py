@@ -86,6 +86,21 @@ def test_a_large_batch_firms_up_the_evidence_in_a_few_steps():
     assert drive(close, 64, spec_tps=980.0, plain_tps=1000.0, steps=100) >= 3 + 13
 
 
+def test_speculation_needs_a_lead_to_be_turned_on_but_none_to_be_turned_off():
+    """A few percent either way is within a small batch's noise: speculation that is not
+    running is turned on past `margin`, and running speculation is turned off as soon as
+    plain decoding measures faster (plain decoding is the floor)."""
+    slightly_faster = SpeculationController(8, 1024, probe_interval=4, window=4, margin=0.05)
+    assert drive(slightly_faster, 8, spec_tps=1030.0, plain_tps=1000.0, steps=200) <= 3 + 50
+    assert slightly_faster.speculation_pays(8) is False
+    clearly_faster = SpeculationController(8, 1024, probe_interval=4, window=4, margin=0.05)
+    assert drive(clearly_faster, 8, spec_tps=1100.0, plain_tps=1000.0, steps=200) >= 200 - 3 - 50
+    assert clearly_faster.speculation_pays(8) is True
+    # Acceptance drops so that speculation is 3 % slower: turned off within the window.
+    drive(clearly_faster, 8, spec_tps=970.0, plain_tps=1000.0, steps=8)
+    assert clearly_faster.speculation_pays(8) is False
+
+
 def test_winning_speculation_stays_on():
     controller = SpeculationController(8, 1024, probe_interval=4, window=4)
     speculated = drive(controller, 1, spec_tps=1500.0, plain_tps=1000.0, steps=500)
