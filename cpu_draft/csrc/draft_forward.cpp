@@ -1194,6 +1194,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
     if (md.vector_width != VW) return 5;
     if (kv_format != F32 && kv_format != BF16) return 6;
     const bool kv_bf16 = kv_format == BF16;
+    const int64_t kv_bytes = kv_bf16 ? 2 : 4;
     const bool profile = g_profile;
     const double started = profile ? now_s() : 0.0;
     int64_t max_len = 1;
@@ -1299,7 +1300,17 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
             void* kc = k_cache[l];
             void* vc = v_cache[l];
 
-            // QKV: rms scale, bias, rotary of Q and K (adjacent pairs), Q to `q`, K/V into the cache.
+            // QKV: rms scale, bias, rotary of Q and K (adjacent pairs), Q to `q`, K/V into the cache. The
+            // cache lines the tokens' K/V go to (in no cache yet: a forward writes each once) are fetched
+            // for writing first, while the matmul runs, rather than when its epilogue stores to them.
+            for (int64_t t = tid; t < T; t += nt)
+                for (int64_t h = 0; h < KVH; ++h) {
+                    const int64_t at = (((slots[t] * KVH + h) * capacity + kv_pos[t]) * D) * kv_bytes;
+                    for (int64_t b = 0; b < D * kv_bytes; b += 64) {
+                        __builtin_prefetch(static_cast<char*>(kc) + at + b, 1, 3);
+                        __builtin_prefetch(static_cast<char*>(vc) + at + b, 1, 3);
+                    }
+                }
             inverse_rms(partial.get(), HP, H, md.eps[2 * l], nullptr, T, inv.get());
             matmul(L.qkv, residual_rows.get(), inv.get(), T, tid, nt, 1, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
                 for (int pi = 0; pi < np; ++pi) {
