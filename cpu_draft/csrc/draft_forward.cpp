@@ -40,7 +40,8 @@
 //
 // Attention runs in chunks of ATTN_CHUNK (64) positions. A decode batch has few (token, KV head)
 // pairs for many threads (24 at batch 8 for 14), so each chunk of a pair is an item handed out
-// dynamically; it leaves a partial (its maximum score, sum of exponentials and exp-weighted values)
+// dynamically (with the same chunk of the pairs of the slot's next tokens in the batch, which read the
+// same K/V); it leaves a partial (its maximum score, sum of exponentials and exp-weighted values)
 // and the pair's last chunk to finish merges the partials in chunk order. A thread claims its next item
 // before attending the current one and prefetches that chunk's K/V meanwhile. Past a memory budget (long
 // prefills) a pair's chunks run in turn on one thread, merged the same way. Chunk bounds are fixed
@@ -1152,6 +1153,10 @@ inline void attend_chunk_any(const float* q, const KT* keys, const KT* values, i
         attend_chunk<0>(q, keys, values, n, group, D, scores, partial, ahead);
 }
 
+struct AttnItem {  // attention work: chunk c (all chunks, where not split) of KV head g for tokens t0 .. t1 - 1
+    int64_t t0, t1, g, c;
+};
+
 template <typename T>
 std::unique_ptr<T[]> buffer(int64_t n) {
     return std::unique_ptr<T[]>(new T[std::max<int64_t>(n, 1)]);
@@ -1237,14 +1242,20 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
     for (int64_t tg = 0; tg < pairs; ++tg) first_chunk[tg + 1] = first_chunk[tg] + (kv_pos[tg / KVH] + ATTN_CHUNK) / ATTN_CHUNK;
     const int64_t total_chunks = first_chunk[pairs];
     const bool split = total_chunks * partial_size <= SPLIT_BUDGET;
-    const int64_t items = split ? total_chunks : pairs;
-    auto item_pair = buffer<int32_t>(split ? total_chunks : 0);
+    // Split, an item is chunk c of KV head g for a run of consecutive tokens of one slot (a sequence's
+    // tokens in a catch-up forward), which read the same keys and values: one thread attends them in
+    // turn, the chunk's K/V in its caches. Not split, an item is a (token, KV head) with all its chunks.
+    auto work = buffer<AttnItem>(split ? total_chunks : pairs);  // a split item holds at least one chunk
+    int64_t items = 0;
+    for (int64_t t0 = 0, t1; t0 < T; t0 = t1) {
+        int64_t most = kv_pos[t0];
+        for (t1 = t0 + 1; split && t1 < T && slots[t1] == slots[t0]; ++t1) most = std::max(most, kv_pos[t1]);
+        for (int64_t g = 0; g < KVH; ++g)
+            for (int64_t c = 0; c < (split ? (most + ATTN_CHUNK) / ATTN_CHUNK : 1); ++c) work[items++] = {t0, t1, g, c};
+    }
     auto chunk_partials = buffer<float>(split ? total_chunks * partial_size : 0);
     auto chunks_done = std::unique_ptr<std::atomic<int32_t>[]>(new std::atomic<int32_t>[pairs]);
-    for (int64_t tg = 0; tg < pairs; ++tg) {
-        chunks_done[tg].store(0, std::memory_order_relaxed);
-        if (split) std::fill(item_pair.get() + first_chunk[tg], item_pair.get() + first_chunk[tg + 1], int32_t(tg));
-    }
+    for (int64_t tg = 0; tg < pairs; ++tg) chunks_done[tg].store(0, std::memory_order_relaxed);
     SpinBarrier barrier(max_threads <= usable_cpus() ? SPIN_PAUSES : 0);
 
 #pragma omp parallel num_threads(max_threads)
@@ -1362,41 +1373,41 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
             });
             end_phase(P_QKV);
 
-            // Attention: items handed out dynamically, a chunk of a (token, KV head) each, or a whole
-            // (token, KV head) past SPLIT_BUDGET; the last chunk of a (token, KV head) to finish merges them.
-            // A thread claims its next item before attending the current one, so it can prefetch the chunk
-            // it attends next while it attends this one (`ChunkPrefetch`).
+            // Attention: items (`work`) handed out dynamically; the last chunk of a (token, KV head) to
+            // finish merges them. A thread claims its next item before attending the current one, so it
+            // can prefetch the chunk it attends next while it attends this one (`ChunkPrefetch`).
             const auto attend = [&](const auto* keys, const auto* values) {
                 using KT = std::remove_cv_t<std::remove_pointer_t<decltype(keys)>>;
-                const auto chunk = [&](int64_t tg, int64_t c) {  // chunk c of (token, KV head) tg: its K/V data
-                    const int64_t t = tg / KVH, at = ((slots[t] * KVH + tg % KVH) * capacity + c * ATTN_CHUNK) * D;
+                const auto chunk = [&](int64_t t, int64_t g, int64_t c) {  // chunk c of (token t, KV head g): its K/V data
+                    const int64_t at = ((slots[t] * KVH + g) * capacity + c * ATTN_CHUNK) * D;
                     return ChunkPrefetch<KT>(keys + at, values + at, std::min(ATTN_CHUNK, kv_pos[t] + 1 - c * ATTN_CHUNK) * D);
                 };
-                const auto first_unit = [&](int64_t item) {  // an item's first chunk
-                    const int64_t tg = split ? item_pair[item] : item;
-                    return chunk(tg, split ? item - first_chunk[tg] : 0);
-                };
+                const auto first_unit = [&](int64_t item) { return chunk(work[item].t0, work[item].g, work[item].c); };
                 int64_t item = counters[l].fetch_add(1, std::memory_order_relaxed);
                 if (item < items) first_unit(item).lines(INT32_MAX);  // nothing ahead of it did
                 while (item < items) {
                     const int64_t next = counters[l].fetch_add(1, std::memory_order_relaxed);
-                    const int64_t tg = split ? item_pair[item] : item, t = tg / KVH, g = tg % KVH;
-                    const float* qh = q.get() + t * q_size + g * group * D;
-                    const int64_t chunks = first_chunk[tg + 1] - first_chunk[tg];
-                    const int64_t c0 = split ? item - first_chunk[tg] : 0, c1 = split ? c0 + 1 : chunks;
-                    float* parts = split ? chunk_partials.get() + first_chunk[tg] * partial_size : own_partials.get();
-                    for (int64_t c = c0; c < c1; ++c) {
-                        const int64_t j0 = c * ATTN_CHUNK, at = ((slots[t] * KVH + g) * capacity + j0) * D;
-                        ChunkPrefetch<KT> ahead = c + 1 < c1 ? chunk(tg, c + 1) : next < items ? first_unit(next) : ChunkPrefetch<KT>();
-                        attend_chunk_any(qh, keys + at, values + at, std::min(ATTN_CHUNK, kv_pos[t] + 1 - j0), group, D, scores.get(),
-                                         parts + c * partial_size, ahead);
+                    const AttnItem& it = work[item];
+                    const int64_t g = it.g;
+                    ChunkPrefetch<KT> following = next < items ? first_unit(next) : ChunkPrefetch<KT>(), within;
+                    for (int64_t t = it.t0; t < it.t1; ++t) {
+                        const int64_t tg = t * KVH + g, chunks = first_chunk[tg + 1] - first_chunk[tg];
+                        const int64_t c0 = split ? it.c : 0, c1 = split ? std::min(c0 + 1, chunks) : chunks;
+                        if (c0 >= c1) continue;  // this token's keys end before chunk c
+                        const float* qh = q.get() + t * q_size + g * group * D;
+                        float* parts = split ? chunk_partials.get() + first_chunk[tg] * partial_size : own_partials.get();
+                        for (int64_t c = c0; c < c1; ++c) {
+                            const int64_t j0 = c * ATTN_CHUNK, at = ((slots[t] * KVH + g) * capacity + j0) * D;
+                            attend_chunk_any(qh, keys + at, values + at, std::min(ATTN_CHUNK, kv_pos[t] + 1 - j0), group, D, scores.get(),
+                                             parts + c * partial_size, c + 1 < c1 ? within = chunk(t, g, c + 1) : following);
+                        }
+                        bool last = true;
+                        if (split && chunks > 1) {
+                            last = chunks_done[tg].fetch_add(1, std::memory_order_acq_rel) == chunks - 1;
+                            if (last) chunks_done[tg].store(0, std::memory_order_relaxed);  // for the next layer, which reads it after barriers
+                        }
+                        if (last) merge_chunks(parts, chunks, group, D, attn.get() + t * q_size + g * group * D);
                     }
-                    bool last = true;
-                    if (split && chunks > 1) {
-                        last = chunks_done[tg].fetch_add(1, std::memory_order_acq_rel) == chunks - 1;
-                        if (last) chunks_done[tg].store(0, std::memory_order_relaxed);  // for the next layer, which reads it after barriers
-                    }
-                    if (last) merge_chunks(parts, chunks, group, D, attn.get() + t * q_size + g * group * D);
                     item = next;
                 }
             };
