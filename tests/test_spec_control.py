@@ -390,7 +390,7 @@ def _greedy_truth(model_dir, prompts, max_tokens):
     from hetero import LLM
     from hetero.sampling_params import SamplingParams
 
-    plain = LLM(model=str(model_dir), max_model_len=256, dtype="float32")
+    plain = LLM(model=str(model_dir), max_model_len=256, dtype="float32", device="cpu")
     outs = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     return {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in outs}
 
@@ -400,7 +400,7 @@ def _spec_engine(model_dir, truth, **kwargs):
     from hetero.engine import LLMEngine
 
     proposer = _RightOrWrongProposer(truth)
-    config = EngineConfig(model=str(model_dir), max_model_len=256, dtype="float32", **kwargs)
+    config = EngineConfig(model=str(model_dir), max_model_len=256, dtype="float32", device="cpu", **kwargs)
     engine = LLMEngine(config, proposer=proposer)
     engine.spec_control = _AlwaysSpeculate(engine.spec_control.max_nodes_per_seq, engine.spec_control.target_parallelism)
     return engine, proposer
