@@ -16,11 +16,11 @@ and speculation has accepted no draft token in enough sequence-steps (one step a
 32): a step that accepts nothing emits a plain step's one token per sequence at a
 verification's cost, so no timing is needed to rank it, and drafts that never fit cost two
 steps to rule out at a large batch, not six. Then it runs the faster option (speculation
-that is not running must lead by `margin` to be turned on; plain decoding returns as soon as
-it measures faster) and probes the other one, to notice when acceptance changes: once the winner has run for `probe_interval`
-of the loser's step times. Time, not steps: a plain window emits 8 tokens per sequence and
-a speculative step a few, and a probe should cost at most about 1/`probe_interval` of the
-time either way. The probe spacing doubles, up to `max_probe_interval`, only while the
+that is not running must lead by `margin` to be turned on; plain decoding returns as soon
+as it measures faster) and probes the other one, to notice when acceptance changes: once
+the winner has run for `probe_interval` of the loser's step times. Time, not steps: a plain
+window emits 8 tokens per sequence and a speculative step a few, and a probe should cost
+at most about 1/`probe_interval` of the time either way. The probe spacing doubles, up to `max_probe_interval`, only while the
 evidence is solid: the losing option trails by more than `margin` over a full window, or
 over `SOLID_SEQUENCE_STEPS` sequence-steps (two steps at batch 64: what decides a
 speculative step's worth is acceptance, and its estimate firms up with sequences, not
@@ -202,7 +202,7 @@ class SpeculationController:
                 state.countdown = self.probe_interval
             # Exploring (or probing an inherited verdict): the option measured less so far, speculation first.
             return per_seq if len(state.spec.recent) <= len(state.plain.recent) else 0
-        if speculate != state.speculating:  # a new verdict: its loser is probed at the base spacing, or twice it on solid evidence
+        if speculate != state.speculating:  # a new verdict: probe its loser at the base spacing (twice it on solid evidence)
             state.speculating = speculate
             state.interval = state.countdown = self._probe_spacing(state, speculate, self.probe_interval)
         if state.countdown > 0:
