@@ -252,7 +252,10 @@ class SpeculationController:
         loser, winner = (state.plain, state.spec) if speculate else (state.spec, state.plain)
         if speculated == speculate:
             state.countdown -= seconds / loser.seconds_per_step()
-        elif not state.spec.accepted_nothing() and tokens_emitted / seconds >= self._lead_to_switch(speculated) * winner.tokens_per_second():
+            return
+        if state.spec.accepted_nothing():
+            return
+        if tokens_emitted / seconds >= self._lead_to_switch(speculated) * winner.tokens_per_second():
             # A probe faster than the winner by what a switch takes: look again at once.
             # Consecutive such probes overturn the verdict; a fluke is outvoted by the probes after it.
             state.interval, state.countdown = self.probe_interval, 0
