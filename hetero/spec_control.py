@@ -156,22 +156,18 @@ class SpeculationController:
             return False
         if min(len(state.spec.recent), len(state.plain.recent)) < self.min_samples:
             return None
-        return state.spec.tokens_per_second() >= self._lead_to_speculate(state) * state.plain.tokens_per_second()
+        return state.spec.tokens_per_second() >= self._lead_to_switch(not state.speculating) * state.plain.tokens_per_second()
 
     def _lead_to_switch(self, to_speculation: bool) -> float:
-        """The lead over the winner that turns the verdict to the other option."""
-        return 1.0 + self.margin if to_speculation else 1.0
+        """How much faster than the current verdict the other option must measure to replace it.
 
-    def _lead_to_speculate(self, state: _Bucket) -> float:
-        """How much faster speculation must measure than plain decoding to be (or stay) the verdict.
-
-        Speculation that runs is kept while it measures at least as fast; speculation that does
-        not is turned on only past `margin`. A window of a few speculative steps at a small batch
-        is noisy (at batch 8 and p = 0.3 one step's tokens vary by about 17 %), and without that
-        margin the verdict flipped to speculation on lucky windows. Asymmetric, so that plain
-        decoding, the floor that speculation must not fall below, never needs a margin to return.
+        Speculation that is not running is turned on only past `margin`; plain decoding, the
+        floor that speculation must not fall below, returns as soon as it measures faster. A
+        window of a few speculative steps at a small batch is noisy (at batch 8 and p = 0.3 one
+        step's tokens vary by about 17 %), and without that margin the verdict flipped to
+        speculation on lucky windows.
         """
-        return self._lead_to_switch(not state.speculating)
+        return 1.0 + self.margin if to_speculation else 1.0
 
     def nodes_per_sequence(self, num_seqs: int, explore: bool = True) -> int:
         """Tree size to grant each decoding sequence this step (0 = plain decoding).
