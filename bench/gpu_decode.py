@@ -38,6 +38,7 @@ from hetero.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.protocols import TokenTree
 from hetero.sampling_params import SamplingParams
+from hetero.spec_control import SpeculationController
 
 DAMPING = 1e-5  # scale of the random models' layer output projections (see stabilise_greedy)
 LLAMA3_8B = dict(
@@ -373,6 +374,11 @@ def bench_verify(model_dir, tree_sizes, batches, prompt_len, rows, repeats=1):
     del engine
 
 
+def fresh_controller(engine: LLMEngine, k: int, target_parallelism: int, **options) -> SpeculationController:
+    """A controller with no measurements, for the engine's graphs (their query buckets size its trees)."""
+    return SpeculationController(k, target_parallelism, query_buckets=engine.spec_control.tree_sizer.query_buckets, **options)
+
+
 def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, prompt_len, new_tokens, repeats, rows, waves=1):
     vocab = LLAMA3_8B["vocab_size"]
     oracle = ChainOracle([], k=k, p=0.0, vocab=vocab, target_parallelism=target_parallelism)
@@ -386,12 +392,12 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
         prompts = random_prompts(batch * waves, prompt_len, vocab, seed=batch)
         # Warm-up: verification and mixed prefill/decode shapes compile their kernels on first use.
         oracle.p, engine.proposer = 0.5, oracle
-        engine.spec_control = type(engine.spec_control)(k, target_parallelism, always_speculate=True)
+        engine.spec_control = fresh_controller(engine, k, target_parallelism, always_speculate=True)
         timed_decode(engine, prompts, 16)
         for p in probabilities:
             oracle.p = p
-            engine.spec_control = type(engine.spec_control)(k, target_parallelism)  # learns across the repeats
-            plain_runs, spec_runs, steps, accepted, matching, outputs = [], [], 0, 0, 0, 0
+            engine.spec_control = fresh_controller(engine, k, target_parallelism)  # learns across the repeats
+            plain_runs, spec_runs, steps, accepted, drafted, matching, outputs = [], [], 0, 0, 0, 0, 0
             kinds.reset()
             plain_kinds.reset()
             for _ in range(repeats):  # alternate, so drift hits both alike; medians below
@@ -399,16 +405,19 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
                 elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens, plain_kinds)
                 plain_runs.append(tokens / elapsed)
                 engine.proposer = oracle
-                before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens)
+                stats = engine.spec_stats
+                before = (stats.num_steps, stats.num_accepted_tokens, stats.num_draft_tokens)
                 elapsed, tokens, spec_out = timed_decode(engine, prompts, new_tokens, kinds)
                 spec_runs.append(tokens / elapsed)
                 matching += sum(truth.get(prompt) == out for prompt, out in spec_out.items())
                 outputs += len(spec_out)
-                steps += engine.spec_stats.num_steps - before[0]
-                accepted += engine.spec_stats.num_accepted_tokens - before[1]
+                steps += stats.num_steps - before[0]
+                accepted += stats.num_accepted_tokens - before[1]
+                drafted += stats.num_draft_tokens - before[2]
             plain, spec = float(np.median(plain_runs)), float(np.median(spec_runs))
             rows.append(dict(section="spec", batch=batch, waves=waves, draft_p=p, k=k, repeats=repeats,
-                             spec_seq_steps=steps, mean_accepted_length=round((accepted + steps) / max(steps, 1), 2),
+                             spec_seq_steps=steps, mean_tree_nodes=round(drafted / max(steps, 1), 2),
+                             mean_accepted_length=round((accepted + steps) / max(steps, 1), 2),
                              same_tokens_as_plain=f"{matching}/{outputs}",
                              tokens_per_s=round(spec, 1), plain_tokens_per_s=round(plain, 1),
                              speedup=round(spec / plain, 2), speedup_range=f"{min(spec_runs) / max(plain_runs):.2f}-{max(spec_runs) / min(plain_runs):.2f}",

@@ -129,10 +129,13 @@ class LLMEngine:
         self.proposer = proposer if proposer is not None else build_proposer(config, self.model_config, self.tokenizer)
         max_tree_nodes = min(config.num_speculative_tokens or _DEFAULT_TREE_NODES, MAX_TREE_NODES)
         self.num_scheduler_steps = config.resolve_scheduler_steps(self.device)
+        target_parallelism = getattr(self.proposer, "target_parallelism", _DEFAULT_TARGET_PARALLELISM)
+        # A step's tokens: the scheduler's budget, plus the tree nodes verified beside it.
+        step_tokens = self.scheduler.max_num_batched_tokens + (target_parallelism if self.proposer is not None else 0)
+        graph_runner = self._capture_graphs(1 + max_tree_nodes if self.proposer is not None else 1, step_tokens)
         self.spec_control = SpeculationController(
-            max_tree_nodes, getattr(self.proposer, "target_parallelism", _DEFAULT_TARGET_PARALLELISM)
+            max_tree_nodes, target_parallelism, query_buckets=graph_runner.query_buckets if graph_runner is not None else None
         )
-        graph_runner = self._capture_graphs(1 + max_tree_nodes if self.proposer is not None else 1)
         self.runner = ModelRunner(self.model, self.kv_pool, self.device, self._attention_fn(), graph_runner)
         self.spec_stats = SpecStats()
         self.num_trees_withheld = 0  # sequence-steps whose tree DraftBackoff withheld (drafts that kept missing)
@@ -176,15 +179,13 @@ class LLMEngine:
             )
         return num_blocks
 
-    def _capture_graphs(self, max_query_len: int):
-        """CUDA graphs for decode/verification steps, unless on the CPU or enforce_eager."""
+    def _capture_graphs(self, max_query_len: int, step_tokens: int):
+        """CUDA graphs for decode/verification steps of up to `step_tokens` tokens, unless on the CPU or enforce_eager."""
         self.cuda_graph_capture_seconds = 0.0
         if self.device.type != "cuda" or self.config.enforce_eager:
             return None
         from gpu_target.cuda_graphs import CudaGraphRunner
 
-        # A step's tokens: the scheduler's budget, plus the tree nodes verified beside it.
-        step_tokens = self.scheduler.max_num_batched_tokens + (self.spec_control.target_parallelism if self.proposer is not None else 0)
         runner = CudaGraphRunner(self.model, self.kv_pool, self.config.max_num_seqs, max_query_len, self.max_model_len,
                                  max_step_tokens=step_tokens)
         self.cuda_graph_capture_seconds = runner.capture_all()
@@ -514,6 +515,7 @@ class LLMEngine:
             plain_tokens = {}
         touched: dict[str, SequenceGroup] = {}
         kv_moves: list[tuple[list[int], int, int]] = []  # compacting accepted paths, one copy for the batch
+        tree_sizes, accepted_counts = [], []
         for b, (item, rows) in enumerate(zip(scheduled, layout)):
             seq = item.seq
             if rows.num_prompt_rows:
@@ -537,6 +539,8 @@ class LLMEngine:
                 token_rows = [first] + [first + i + 1 for i in accepted]
                 self._keep_accepted_kv(item, accepted, kv_moves)
                 seq.spec.record(len(item.tree), len(accepted))
+                tree_sizes.append(len(item.tree))
+                accepted_counts.append(len(accepted))
                 seq.draft_backoff.record(len(accepted))
                 self.spec_stats.record(len(item.tree), len(accepted))
                 # Before the tokens are appended: a stop among them releases the sequence,
@@ -545,6 +549,7 @@ class LLMEngine:
             self._append_tokens(seq, new_tokens, sample_logits, token_rows)
             touched[seq.group.request_id] = seq.group
         self.runner.copy_kv_slots(kv_moves)
+        self.spec_control.record_acceptance(tree_sizes, accepted_counts)
         return list(touched.values())
 
     def _row_context(self, row: _SampleRow) -> RowContext:

@@ -31,6 +31,11 @@ window keeps probing at `probe_interval`; a probe faster than the winner is foll
 another at once, so a verdict that has become wrong is overturned within a few steps
 instead of being locked in.
 
+How many nodes a speculating step verifies per sequence is the budget's share, cut to the
+size with the most expected tokens per unit of step cost (`TreeSizer`): a node is worth
+the measured probability of getting that far, and a deep node that is rarely reached
+costs a large batch more than it brings.
+
 A bucket with no verdict of its own borrows its neighbours' (`_inherited_verdict`):
 speculation that pays at a batch size is kept at smaller ones, plain decoding that wins at
 one is kept at larger ones, and the other option is probed every `probe_interval` steps
@@ -49,7 +54,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Optional
+from typing import Optional, Sequence
+
+import numpy as np
 
 
 # Drafts whose first node is right with probability p accept nothing in this many
@@ -118,6 +125,7 @@ class SpeculationController:
         window: int = 16,
         margin: float = 0.05,
         always_speculate: bool = False,
+        query_buckets: Optional[Sequence[int]] = None,
     ):
         if not 1 <= min_samples <= window:
             raise ValueError(f"min_samples must be in [1, window={window}], got {min_samples}")
@@ -129,6 +137,7 @@ class SpeculationController:
         self.window = window  # recent steps per option that its estimate is taken over
         self.margin = margin  # relative lead below which the verdict counts as a close call
         self.always_speculate = always_speculate  # skip the measurement (tests, cost benchmarks)
+        self.tree_sizer = TreeSizer(max_nodes_per_seq, query_buckets)
         self._buckets: dict[int, _Bucket] = {}
 
     @staticmethod
@@ -181,6 +190,7 @@ class SpeculationController:
             return 0
         if self.always_speculate:
             return per_seq
+        per_seq = self.tree_sizer.best_size(per_seq, num_seqs)
         if not explore:
             state = self._buckets.get(self.bucket(num_seqs))
             verdict = None if state is None else self._verdict(state)
@@ -256,10 +266,95 @@ class SpeculationController:
             # Consecutive such probes overturn the verdict; a fluke is outvoted by the probes after it.
             state.interval, state.countdown = self.probe_interval, 0
 
+    def record_acceptance(self, num_nodes: Sequence[int], num_accepted: Sequence[int]) -> None:
+        """One step's verified trees: each one's node count and accepted draft tokens."""
+        self.tree_sizer.record(num_nodes, num_accepted)
+
     def speculation_pays(self, num_seqs: int) -> bool | None:
         """Whether speculation measured faster at this batch size (None before both were measured)."""
         state = self._buckets.get(self.bucket(num_seqs))
         return None if state is None else self._verdict(state)
+
+
+class TreeSizer:
+    """The tree size, within the node budget, with the most expected tokens per unit of step cost.
+
+    A verified tree's i-th node pays off with the probability that the sequence accepts at
+    least i draft tokens, P(>= i), measured here over recent trees that had at least i
+    nodes. A speculative step of n nodes per sequence is expected to emit 1 + P(>= 1) + ...
+    + P(>= n) tokens per sequence, and costs one token-step plus `ROW_COST` per extra query
+    row per sequence, rows rounded up to the CUDA-graph query bucket the step will replay
+    (`query_buckets`; a graph of 4 rows costs the same for 2 or 3 nodes). The budget alone
+    (`target_parallelism`) gave a batch of 64 one node per sequence or eight, never the
+    three that pay best at P(>= 1) = 0.6, and a batch of 8 its full 8 nodes at P(>= 1) = 0.3,
+    where 1 to 3 measured faster (bench/results/gpu_decode-20261123-074*).
+
+    Positions deeper than the recent trees reached (too few trees offered them) are
+    extrapolated from the deepest measured one at its own conditional rate, so a tree cut
+    short grows back when its last node starts being accepted more often. With no
+    measurement yet, the whole budget is granted. The counts decay with a half-life of
+    `HALF_LIFE_SEQUENCE_STEPS`, so a change of workload shows within a few hundred
+    sequence-steps.
+    """
+
+    HALF_LIFE_SEQUENCE_STEPS = 512
+    MIN_TREES = 16.0  # trees offering position i (decayed) before P(>= i) counts as measured
+    # Cost of one more query row per sequence, as a share of a one-token step, at B sequences:
+    # ROW_COST[0] + B * ROW_COST[1]. Fitted to Llama-3-8B-shaped verification on an H100
+    # (graph replays and engine steps, bench/results/gpu_decode-20261123-074*): ~3 % per row at
+    # batch 8, ~5 % at batch 64, where rows start to cost GEMM time as well as weight reads.
+    ROW_COST = (0.02, 1 / 2000)
+
+    def __init__(self, max_nodes: int, query_buckets: Optional[Sequence[int]] = None):
+        self.max_nodes = max_nodes
+        self.query_buckets = sorted(query_buckets) if query_buckets else None
+        self.offered = np.zeros(max_nodes + 1)  # [i]: decayed count of trees with >= i nodes
+        self.reached = np.zeros(max_nodes + 1)  # [i]: of those, trees with >= i accepted tokens
+
+    def record(self, num_nodes: Sequence[int], num_accepted: Sequence[int]) -> None:
+        if not len(num_nodes):
+            return
+        decay = 0.5 ** (len(num_nodes) / self.HALF_LIFE_SEQUENCE_STEPS)
+        nodes = np.minimum(np.asarray(num_nodes, dtype=np.int64), self.max_nodes)
+        accepted = np.minimum(np.asarray(num_accepted, dtype=np.int64), nodes)
+        self.offered = self.offered * decay + _at_least_counts(nodes, self.max_nodes)
+        self.reached = self.reached * decay + _at_least_counts(accepted, self.max_nodes)
+
+    def acceptance_at_least(self) -> Optional[np.ndarray]:
+        """P(>= i) for i = 1..max_nodes (index i - 1), or None before any position is measured."""
+        measured = self.offered[1:] >= self.MIN_TREES
+        if not measured[0]:
+            return None
+        depth = int(np.argmin(measured)) if not measured.all() else len(measured)
+        probs = np.minimum.accumulate(self.reached[1 : depth + 1] / self.offered[1 : depth + 1])
+        previous = probs[-2] if depth > 1 else 1.0
+        rate = probs[-1] / previous if previous > 0 else 0.0
+        tail = probs[-1] * rate ** np.arange(1, self.max_nodes - depth + 1)
+        return np.concatenate([probs, tail])
+
+    def best_size(self, budget: int, num_seqs: int) -> int:
+        """The node count in 1..budget with the most expected tokens per unit of step cost."""
+        at_least = self.acceptance_at_least()
+        if at_least is None or budget <= 1:
+            return budget
+        sizes = np.arange(1, budget + 1)
+        expected_tokens = 1.0 + np.cumsum(at_least[:budget])
+        row_cost = self.ROW_COST[0] + num_seqs * self.ROW_COST[1]
+        cost = 1.0 + row_cost * (np.array([self._rows(n) for n in sizes]) - 1)
+        ratio = expected_tokens / cost
+        return int(sizes[np.flatnonzero(ratio >= ratio.max() * (1 - 1e-9))[-1]])  # ties: the larger tree
+
+    def _rows(self, nodes: int) -> int:
+        """Query rows a sequence's tree of `nodes` nodes occupies in the step (root included)."""
+        rows = nodes + 1
+        if self.query_buckets is None:
+            return rows
+        return next((q for q in self.query_buckets if q >= rows), rows)
+
+
+def _at_least_counts(values: np.ndarray, top: int) -> np.ndarray:
+    """[i] = how many of `values` are >= i, for i = 0..top."""
+    return np.bincount(values, minlength=top + 1)[::-1].cumsum()[::-1].astype(np.float64)
 
 
 class DraftBackoff:

@@ -493,3 +493,90 @@ def test_an_unmeasured_step_follows_the_verdict_without_exploring_or_probing():
     drive(controller, 32, spec_tps=500.0, plain_tps=1000.0, steps=6)
     assert controller.nodes_per_sequence(32, explore=False) == 0
     assert controller.nodes_per_sequence(64, explore=False) == 0  # plain at 32 is kept at 64
+
+
+GRAPH_QUERY_BUCKETS = [1, 2, 4, 8, 9]  # the CUDA-graph query ladder of max_num_seqs 64, 8 nodes
+
+
+def _sizer_after(p_accept, tree_nodes=8, trees=4096, query_buckets=GRAPH_QUERY_BUCKETS, seed=0):
+    """A TreeSizer that has verified `trees` chains of `tree_nodes` nodes, each node right with probability p."""
+    from hetero.spec_control import TreeSizer
+
+    rng = random.Random(seed)
+    sizer = TreeSizer(8, query_buckets)
+    for _ in range(trees // 64):
+        sizer.record([tree_nodes] * 64, [_accepted(rng, tree_nodes, p_accept) for _ in range(64)])
+    return sizer
+
+
+def test_tree_size_grants_the_whole_budget_until_acceptance_is_measured():
+    from hetero.spec_control import TreeSizer
+
+    sizer = TreeSizer(8, GRAPH_QUERY_BUCKETS)
+    assert sizer.best_size(8, 64) == 8
+    sizer.record([8] * 15, [8] * 15)  # fewer trees than a measurement takes
+    assert sizer.acceptance_at_least() is None and sizer.best_size(6, 64) == 6
+
+
+def test_tree_size_follows_acceptance_and_batch_size():
+    """The sizes the verification costs measured on the GPU host favour: at batch 64 one node
+    at p = 0.3 and three (a full 4-row graph) at p = 0.6; at batch 8, where rows cost less,
+    three at p = 0.3 and the whole chain at p = 0.9."""
+    assert _sizer_after(0.3).best_size(8, 64) == 1
+    assert _sizer_after(0.6).best_size(8, 64) == 3
+    assert _sizer_after(0.9).best_size(8, 64) == 8
+    assert _sizer_after(0.3).best_size(8, 8) == 3
+    assert _sizer_after(0.9).best_size(8, 8) == 8
+    # Within the budget only, and rows rounded to the graph bucket: 2 nodes fill a 4-row graph as 3 would.
+    assert _sizer_after(0.9).best_size(2, 64) == 2
+    # Without graphs each row costs its own share: a fourth node (5 rows, not a padded 8) still pays.
+    assert _sizer_after(0.6, query_buckets=None).best_size(8, 64) == 4
+
+
+def test_measured_acceptance_by_position():
+    sizer = _sizer_after(0.5, trees=64 * 200)
+    assert sizer.acceptance_at_least()[:4] == pytest.approx([0.5, 0.25, 0.125, 0.0625], abs=0.03)
+
+
+def test_a_tree_cut_short_grows_back_when_its_nodes_are_accepted():
+    """Positions past the trees' length are extrapolated at the last measured rate: one-node
+    trees accepted 90 % of the time predict deeper ones worth verifying."""
+    sizer = _sizer_after(0.9, tree_nodes=1)
+    assert sizer.acceptance_at_least()[:3] == pytest.approx([0.9, 0.81, 0.729], abs=0.03)
+    assert sizer.best_size(8, 64) == 8
+
+
+def test_tree_size_follows_a_change_of_workload():
+    sizer = _sizer_after(0.9)
+    assert sizer.best_size(8, 64) == 8
+    rng = random.Random(1)
+    for _ in range(64):  # 4096 sequence-steps of drafts that are right 30 % of the time: 8 half-lives
+        sizer.record([8] * 64, [_accepted(rng, 8, 0.3) for _ in range(64)])
+    assert sizer.best_size(8, 64) == 1
+
+
+def test_the_controller_sizes_trees_within_the_budget():
+    controller = SpeculationController(8, 512, query_buckets=GRAPH_QUERY_BUCKETS)
+    rng = random.Random(2)
+    for _ in range(64):
+        controller.record_acceptance([8] * 64, [_accepted(rng, 8, 0.6) for _ in range(64)])
+    assert controller.tree_sizer.best_size(8, 64) == 3
+    speculated = [controller.nodes_per_sequence(64) for _ in range(2)]
+    assert 3 in speculated and set(speculated) <= {0, 3}
+    assert SpeculationController(8, 512, always_speculate=True).nodes_per_sequence(64) == 8
+
+
+def test_engine_records_how_deep_each_tree_was_accepted(tiny_llama_dir):
+    from hetero.sampling_params import SamplingParams
+
+    prompts = [{"prompt_token_ids": [3 + i, 7, 11 + i]} for i in range(8)]
+    truth = _greedy_truth(tiny_llama_dir, prompts, 48)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    for kind, expected in (("right", 1.0), ("wrong", 0.0)):
+        engine, _ = _spec_engine(tiny_llama_dir, truth)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{kind}-{i}", prompt, params)
+        _run(engine)
+        sizer = engine.spec_control.tree_sizer
+        assert sizer.offered[1] >= sizer.MIN_TREES
+        assert sizer.acceptance_at_least()[0] == pytest.approx(expected)
