@@ -470,7 +470,8 @@ def main(argv=None) -> None:
     parser.add_argument("--verify-batches", default="1,16")
     parser.add_argument("--draft-p", default="0.0,0.5,0.8,0.95")
     parser.add_argument("--spec-k", type=int, default=8)
-    parser.add_argument("--target-parallelism", type=int, default=64, help="tree nodes per step over the batch")
+    parser.add_argument("--target-parallelism", type=int, default=512,
+                        help="tree nodes per step over the batch (default: the lookahead cache's, TACO-LLM's)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="alternating plain/speculative runs per spec point; rounds of 32 timed steps per verify point")
     parser.add_argument("--waves", type=int, default=1, help="requests per slot in the decode and spec sections (1: a closed batch)")

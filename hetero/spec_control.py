@@ -282,17 +282,20 @@ class TreeSizer:
     A verified tree's i-th node pays off with the probability that the sequence accepts at
     least i draft tokens, P(>= i), measured here over recent trees that had at least i
     nodes. A speculative step of n nodes per sequence is expected to emit 1 + P(>= 1) + ...
-    + P(>= n) tokens per sequence, and costs one token-step plus `ROW_COST` per extra query
-    row per sequence, rows rounded up to the CUDA-graph query bucket the step will replay
-    (`query_buckets`; a graph of 4 rows costs the same for 2 or 3 nodes). The budget alone
-    (`target_parallelism`) gave a batch of 64 one node per sequence or eight, never the
-    three that pay best at P(>= 1) = 0.6, and a batch of 8 its full 8 nodes at P(>= 1) = 0.3,
-    where 1 to 3 measured faster (bench/results/gpu_decode-20261123-074*).
+    + P(>= n) tokens per sequence, and costs one token-step plus a row cost (`_row_cost`)
+    per extra query row per sequence, rows rounded up to the CUDA-graph query bucket the
+    step will replay (`query_buckets`; a graph of 4 rows costs the same for 2 or 3 nodes).
+    That cost is fitted to the GPU's graph replays; without graphs (the CPU, enforce_eager)
+    no tree is cut and the budget alone decides.
+
+    The budget alone (`target_parallelism`) gave a batch of 64 one node per sequence or
+    eight, never the three that pay best at P(>= 1) = 0.6, and a batch of 8 its full 8
+    nodes at P(>= 1) = 0.3, where 1 to 3 measured faster (bench/results/gpu_decode-20261123-074*).
 
     Positions deeper than the recent trees reached (too few trees offered them) are
     extrapolated from the deepest measured one at its own conditional rate, so a tree cut
-    short grows back when its last node starts being accepted more often. With no
-    measurement yet, the whole budget is granted. The counts decay with a half-life of
+    short grows back when its last node starts being accepted more often. Before any
+    measurement, P(>= i) = `PRIOR_ACCEPTANCE` ** i. The counts decay with a half-life of
     `HALF_LIFE_SEQUENCE_STEPS`, so a change of workload shows within a few hundred
     sequence-steps.
     """
@@ -300,10 +303,12 @@ class TreeSizer:
     HALF_LIFE_SEQUENCE_STEPS = 512
     MIN_TREES = 16.0  # trees offering position i (decayed) before P(>= i) counts as measured
     # Cost of one more query row per sequence, as a share of a one-token step, at B sequences:
-    # ROW_COST[0] + B * ROW_COST[1]. Fitted to Llama-3-8B-shaped verification on an H100
-    # (graph replays and engine steps, bench/results/gpu_decode-20261123-074*): ~3 % per row at
-    # batch 8, ~5 % at batch 64, where rows start to cost GEMM time as well as weight reads.
-    ROW_COST = (0.02, 1 / 2000)
+    # min(B * ROW_COST_PER_SEQUENCE, MAX_ROW_COST). Fitted to Llama-3-8B-shaped verification on
+    # an H100 (graph replays and engine steps, bench/results/gpu_decode-20261123-07*): ~0.4 % per
+    # row at batch 1, ~3 % at batch 8, ~5 % at batch 64.
+    ROW_COST_PER_SEQUENCE = 0.004
+    MAX_ROW_COST = 0.05
+    PRIOR_ACCEPTANCE = 0.5  # P(>= i) = 0.5 ** i until measured: a batch of 64 starts at 3 nodes, not 8
 
     def __init__(self, max_nodes: int, query_buckets: Optional[Sequence[int]] = None):
         self.max_nodes = max_nodes
@@ -321,10 +326,10 @@ class TreeSizer:
         self.reached = self.reached * decay + _at_least_counts(accepted, self.max_nodes)
 
     def acceptance_at_least(self) -> Optional[np.ndarray]:
-        """P(>= i) for i = 1..max_nodes (index i - 1), or None before any position is measured."""
+        """P(>= i) for i = 1..max_nodes (index i - 1); `PRIOR_ACCEPTANCE` ** i before any position is measured."""
         measured = self.offered[1:] >= self.MIN_TREES
         if not measured[0]:
-            return None
+            return self.PRIOR_ACCEPTANCE ** np.arange(1, self.max_nodes + 1)
         depth = int(np.argmin(measured)) if not measured.all() else len(measured)
         probs = np.minimum.accumulate(self.reached[1 : depth + 1] / self.offered[1 : depth + 1])
         previous = probs[-2] if depth > 1 else 1.0
@@ -334,22 +339,21 @@ class TreeSizer:
 
     def best_size(self, budget: int, num_seqs: int) -> int:
         """The node count in 1..budget with the most expected tokens per unit of step cost."""
-        at_least = self.acceptance_at_least()
-        if at_least is None or budget <= 1:
+        if budget <= 1 or self.query_buckets is None:
             return budget
         sizes = np.arange(1, budget + 1)
-        expected_tokens = 1.0 + np.cumsum(at_least[:budget])
-        row_cost = self.ROW_COST[0] + num_seqs * self.ROW_COST[1]
-        cost = 1.0 + row_cost * (np.array([self._rows(n) for n in sizes]) - 1)
+        expected_tokens = 1.0 + np.cumsum(self.acceptance_at_least()[:budget])
+        cost = 1.0 + self._row_cost(num_seqs) * (np.array([self._rows(n) for n in sizes]) - 1)
         ratio = expected_tokens / cost
         return int(sizes[np.flatnonzero(ratio >= ratio.max() * (1 - 1e-9))[-1]])  # ties: the larger tree
 
+    def _row_cost(self, num_seqs: int) -> float:
+        """One more query row per sequence, as a share of a one-token step's cost."""
+        return min(num_seqs * self.ROW_COST_PER_SEQUENCE, self.MAX_ROW_COST)
+
     def _rows(self, nodes: int) -> int:
         """Query rows a sequence's tree of `nodes` nodes occupies in the step (root included)."""
-        rows = nodes + 1
-        if self.query_buckets is None:
-            return rows
-        return next((q for q in self.query_buckets if q >= rows), rows)
+        return next((q for q in self.query_buckets if q > nodes), nodes + 1)
 
 
 def _at_least_counts(values: np.ndarray, top: int) -> np.ndarray:
