@@ -37,7 +37,7 @@ from bench._report import markdown_table, write_markdown_and_json
 from hetero.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.protocols import TokenTree
-from hetero.sampling_params import SamplingParams
+from hetero.sampling_params import RequestOutputKind, SamplingParams
 from hetero.spec_control import SpeculationController
 
 DAMPING = 1e-5  # scale of the random models' layer output projections (see stabilise_greedy)
@@ -85,7 +85,8 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[dict]
 
 
 def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                          output_kind=RequestOutputKind.FINAL_ONLY)  # as LLM.generate asks
 
 
 TRITON_COMPILES: list[str] = []  # kernels whose variants were built in this process, in order (see `count_triton_compiles`)

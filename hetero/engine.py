@@ -33,7 +33,7 @@ from hetero.detokenizer import decode_new_text, find_stop_string
 from hetero.outputs import CompletionOutput, Logprob, RequestOutput
 from hetero.proposers import build_proposer
 from hetero.protocols import MAX_TREE_NODES, ProposalRequest, Proposer, SpecStats, Verdict
-from hetero.sampling_params import SamplingParams
+from hetero.sampling_params import RequestOutputKind, SamplingParams
 from hetero.scheduler import ScheduledSeq, Scheduler, Sequence, SequenceGroup
 from hetero.spec_control import SpeculationController
 
@@ -43,6 +43,7 @@ _CPU_DEFAULT_KV_GIB = 4.0
 _GPU_ACTIVATION_RESERVE_GIB = 4.0  # activations and CUDA-graph pools
 _DEFAULT_TREE_NODES = 16
 _DEFAULT_TARGET_PARALLELISM = 64
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 @dataclass
@@ -310,7 +311,7 @@ class LLMEngine:
             chunks, layout = self._build_chunks(scheduled)
             logits = self.runner.forward(chunks)
             touched = self._consume_logits(scheduled, layout, logits)
-        outputs = [self._request_output(group) for group in touched]
+        outputs = [self._request_output(group) for group in touched if group.is_finished or group.params.output_kind is not FINAL_ONLY]
         finished = self._clock()
         # The controller compares whole steps: scheduling, building outputs and the caller's
         # work between steps cost once per step, which a multi-step window spreads over many

@@ -1,6 +1,7 @@
 """The offline API, as vLLM's `LLM`: construct once, then `generate` or `chat`."""
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any, Optional, Sequence, Union
 
@@ -9,7 +10,7 @@ from tqdm.auto import tqdm
 from hetero.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.outputs import RequestOutput
-from hetero.sampling_params import SamplingParams
+from hetero.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = Union[str, dict[str, Any]]
 
@@ -76,14 +77,21 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _per_prompt_params(self, sampling_params, count: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt, each a copy asking for the final output only, as vLLM's LLM does."""
         if sampling_params is None:
-            return [SamplingParams()] * count
+            sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * count
+            return [_final_only(sampling_params)] * count
         params = list(sampling_params)
         if len(params) != count:
             raise ValueError(f"got {len(params)} sampling_params for {count} prompts; pass one or one per prompt")
-        return params
+        finals: dict[int, SamplingParams] = {}
+        for item in params:
+            if not isinstance(item, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(item).__name__}")
+            if id(item) not in finals:
+                finals[id(item)] = _final_only(item)
+        return [finals[id(item)] for item in params]
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -110,6 +118,13 @@ class LLM:
         finally:
             bar.close()
         return [finished[request_id] for request_id in request_ids]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """A copy of `params` whose request reports only its finished output (the caller's object is left as it was)."""
+    final = copy.copy(params)
+    final.output_kind = RequestOutputKind.FINAL_ONLY
+    return final
 
 
 def render_chat_prompt(tokenizer, conversation, chat_template, add_generation_prompt, continue_final_message) -> dict[str, Any]:

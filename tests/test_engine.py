@@ -237,3 +237,34 @@ def test_best_of_ranks_by_logprob_even_when_logprobs_are_not_asked(llama):
     scored = llama.generate(PROMPTS[0], SamplingParams(**common, logprobs=0), use_tqdm=False)[0]
     assert [o.token_ids for o in without.outputs] == [o.token_ids for o in scored.outputs]
     assert without.outputs[0].cumulative_logprob is None
+
+
+def test_final_only_requests_report_once_when_finished(llama):
+    """FINAL_ONLY (what LLM.generate asks for): no output while the request runs, one when it
+    ends, holding everything a CUMULATIVE request's last output holds."""
+    from hetero.sampling_params import RequestOutputKind
+
+    engine = llama.llm_engine
+    cumulative = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    final_only = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("cumulative", PROMPTS[0], cumulative)
+    engine.add_request("final", PROMPTS[0], final_only)
+    reported: dict[str, list] = {"cumulative": [], "final": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            reported[out.request_id].append(out)
+    assert len(reported["cumulative"]) > 1 and len(reported["final"]) == 1
+    last, final = reported["cumulative"][-1], reported["final"][0]
+    assert final.finished and final.outputs[0].token_ids == last.outputs[0].token_ids
+    assert final.outputs[0].text == last.outputs[0].text and final.outputs[0].finish_reason == "length"
+
+
+def test_generate_asks_for_final_outputs_without_changing_the_callers_params(llama):
+    from hetero.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = llama.generate(PROMPTS[:2], [params, params], use_tqdm=False)
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+    with pytest.raises(ValueError, match="^sampling_params must be SamplingParams"):
+        llama.generate(PROMPTS[:1], [{"temperature": 0.0}], use_tqdm=False)

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from hetero.sampling_params import SamplingParams
+from hetero.sampling_params import RequestOutputKind, SamplingParams
 
 VLLM_DEFAULTS = {
     "n": 1,
@@ -27,6 +27,7 @@ VLLM_DEFAULTS = {
     "spaces_between_special_tokens": True,
     "include_stop_str_in_output": False,
     "no_repeat_ngram_size": 0,
+    "output_kind": RequestOutputKind.CUMULATIVE,
 }
 
 
@@ -59,6 +60,7 @@ def test_defaults_are_vllms():
     ("spaces_between_special_tokens", 2),
     ("include_stop_str_in_output", "true"),
     ("no_repeat_ngram_size", -1), ("no_repeat_ngram_size", 2.0),
+    ("output_kind", 2), ("output_kind", RequestOutputKind.DELTA),
 ])
 def test_invalid_value_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} "):
