@@ -308,7 +308,9 @@ class TreeSizer:
     # row at batch 1, ~3 % at batch 8, ~5 % at batch 64.
     ROW_COST_PER_SEQUENCE = 0.004
     MAX_ROW_COST = 0.05
-    PRIOR_ACCEPTANCE = 0.5  # P(>= i) = 0.5 ** i until measured: a batch of 64 starts at 3 nodes, not 8
+    # P(>= i) = 0.6 ** i until measured: a batch of 64 starts at 3 nodes, not 8, and a batch of 1
+    # at 8 (at 0.5 ** i, 7 and 8 nodes tie there, and the first trees at batch 1 lost a node).
+    PRIOR_ACCEPTANCE = 0.6
 
     def __init__(self, max_nodes: int, query_buckets: Optional[Sequence[int]] = None):
         self.max_nodes = max_nodes
