@@ -5,6 +5,10 @@ previous chain as accepted plus a bonus token, then draft a chain of ``--draft-t
 for every sequence of the batch (one catch-up forward of 2 tokens per sequence, then one
 single-token forward per further depth level). ``forward_ms`` is one batched forward
 (step / draft tokens); the issue's target is a draft step of <= 2 ms per forward at batch 8.
+``roofline_ms`` is what that forward cannot beat: the bytes it must read (every projection
+and the logits head at the row's precision, and the batch's cached K/V at the measured
+steps' mean context; `bytes_per_forward`) over the memory read bandwidth that the pinned
+threads measure at start (``read_bandwidth_GBps`` in the CSV).
 
     python -m bench.cpu_draft [--model SmolLM2-135M-Instruct | --random-shape 576,30,9,3,1536,49152]
                               [--precisions bf16 fp32 int8] [--batch-sizes 1 8 32]
@@ -105,6 +109,35 @@ def load_drafter(args, dtype: torch.dtype, int8: bool, max_num_seqs: int, kv_lay
     return Drafter(model, options)
 
 
+WEIGHT_BYTES = {"bf16": 2, "fp32": 4, "int8": 1}  # per weight element; int8 adds a float32 scale per row
+KV_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def read_bandwidth(num_bytes: int = 2**30, repeats: int = 5) -> float:
+    """Bytes per second that this process's threads read from memory: the best of `repeats`
+    sums of a float32 tensor too large for any cache."""
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    data.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return num_bytes / best
+
+
+def bytes_per_forward(config: ModelConfig, precision: str, kv_dtype: str, batch_size: int, mean_context: float) -> float:
+    """Bytes one batched single-token forward must read: every projection and the logits head
+    once, at the precision's width (the embedding: only the batch's rows, left out), and the
+    batch's cached K/V at `mean_context` tokens."""
+    width = WEIGHT_BYTES[precision]
+    head = [(config.vocab_size, config.hidden_size)] if config.tie_word_embeddings else []
+    matrices = [shape for name, shape in parameter_shapes(config).items() if len(shape) == 2 and "embed_tokens" not in name] + head
+    weights = sum(rows * cols * width + (4 * rows if precision == "int8" else 0) for rows, cols in matrices)
+    kv = config.num_layers * batch_size * mean_context * 2 * config.kv_size * KV_BYTES[kv_dtype]
+    return weights + kv
+
+
 def time_draft_steps(drafter: Drafter, batch_size: int, context: int, draft_tokens: int, steps: int, warmup: int,
                      on_measure_start=None) -> np.ndarray:
     """Seconds per draft step, each after accepting the previous chain and a bonus token.
@@ -175,11 +208,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"machine: {machine['hostname']}, {machine['cpu_model']}, AMX: {'yes' if amx else 'no'}, "
           f"AVX-512 BF16: {'yes' if 'avx512_bf16' in flags else 'no'}, IPEX: {'yes' if ipex else 'no'}, torch {torch.__version__}")
     print(f"draft: {model_name}; cpus {cpus}, {threads} threads; context {args.context}, {args.draft_tokens} draft tokens per step")
+    config = random_config(args.random_shape) if args.random_shape else load_config(args.model)
     if args.random_shape is None:
-        config = load_config(args.model)
         print(f"shape: {config.num_parameters() / 1e6:.0f} M parameters, {config.num_layers} layers, hidden {config.hidden_size}")
+    bandwidth = read_bandwidth()
+    print(f"memory read bandwidth of these {threads} threads: {bandwidth / 1e9:.1f} GB/s (roofline ms: the bytes a forward "
+          "must read at that rate)")
     print(f"{'layout':>6} {'kernels':>7} {'amx':>3} {'precision':>9} {'kv':>4} {'batch':>5} {'step p50 ms':>11} {'step p90 ms':>11} "
-          f"{'forward ms':>10} {'draft tok/s':>11}")
+          f"{'forward ms':>10} {'roofline ms':>11} {'draft tok/s':>11}")
     rows, profile_rows = [], []
     runs = [(layout, kernels, amx, kv) for layout in args.kv_layouts for kernels in (args.kernels if layout == "slots" else ["torch"])
             for amx in ((args.amx or [None]) if kernels == "native" else [None])
@@ -203,6 +239,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             on_start = (lambda: native.reset_profile(library)) if library is not None else None
             times = time_draft_steps(drafter, batch_size, args.context, args.draft_tokens, args.steps, args.warmup, on_start)
             p50, p90 = np.percentile(times, 50) * 1e3, np.percentile(times, 90) * 1e3
+            # Each step appends the accepted chain and a bonus token: the measured steps' mean context.
+            mean_context = args.context + (args.draft_tokens + 1) * (args.warmup + 1 + args.steps / 2) + args.draft_tokens / 2
+            roofline_ms = 1e3 * bytes_per_forward(config, precision, kv_name, batch_size, mean_context) / bandwidth
             row = {
                 "kv_layout": layout,
                 "kernels": kernels,
@@ -214,6 +253,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "step_p50_ms": round(p50, 3),
                 "step_p90_ms": round(p90, 3),
                 "forward_ms": round(p50 / args.draft_tokens, 3),
+                "roofline_ms": round(roofline_ms, 3),
                 "draft_tokens_per_s": round(batch_size * args.draft_tokens / (p50 / 1e3), 1),
                 "context": args.context,
                 "draft_tokens": args.draft_tokens,
@@ -221,7 +261,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             }
             rows.append(row)
             print(f"{layout:>6} {kernels:>7} {'yes' if amx_kernels else 'no':>3} {precision:>9} {kv_name:>4} {batch_size:>5} {p50:>11.2f} "
-                  f"{p90:>11.2f} {row['forward_ms']:>10.2f} {row['draft_tokens_per_s']:>11.0f}")
+                  f"{p90:>11.2f} {row['forward_ms']:>10.2f} {roofline_ms:>11.2f} {row['draft_tokens_per_s']:>11.0f}")
             if library is not None:
                 profile = native.read_profile(library)
                 table = native.profile_table(profile)
@@ -236,6 +276,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "model": model_name,
         "cpus": ",".join(map(str, cpus)),
         "threads": threads,
+        "read_bandwidth_GBps": round(bandwidth / 1e9, 1),
         "amx": amx,
         "avx512_bf16": "avx512_bf16" in flags,
         "ipex": ipex,
