@@ -43,7 +43,6 @@ _CPU_DEFAULT_KV_GIB = 4.0
 _GPU_ACTIVATION_RESERVE_GIB = 4.0  # activations and CUDA-graph pools
 _DEFAULT_TREE_NODES = 16
 _DEFAULT_TARGET_PARALLELISM = 64
-FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 @dataclass
@@ -311,7 +310,11 @@ class LLMEngine:
             chunks, layout = self._build_chunks(scheduled)
             logits = self.runner.forward(chunks)
             touched = self._consume_logits(scheduled, layout, logits)
-        outputs = [self._request_output(group) for group in touched if group.is_finished or group.params.output_kind is not FINAL_ONLY]
+        outputs = [
+            self._request_output(group)
+            for group in touched
+            if group.is_finished or group.params.output_kind is not RequestOutputKind.FINAL_ONLY
+        ]
         finished = self._clock()
         # The controller compares whole steps: scheduling, building outputs and the caller's
         # work between steps cost once per step, which a multi-step window spreads over many
