@@ -327,7 +327,7 @@ class TreeSizer:
         self.offered = self.offered * decay + _at_least_counts(nodes, self.max_nodes)
         self.reached = self.reached * decay + _at_least_counts(accepted, self.max_nodes)
 
-    def acceptance_at_least(self) -> Optional[np.ndarray]:
+    def acceptance_at_least(self) -> np.ndarray:
         """P(>= i) for i = 1..max_nodes (index i - 1); `PRIOR_ACCEPTANCE` ** i before any position is measured."""
         measured = self.offered[1:] >= self.MIN_TREES
         if not measured[0]:
