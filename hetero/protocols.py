@@ -109,13 +109,18 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
 
     def record(self, num_draft: int, num_accepted: int) -> None:
-        self.num_steps += 1
-        self.num_draft_tokens += num_draft
-        self.num_accepted_tokens += num_accepted
-        while len(self.accepted_per_position) < num_accepted:
-            self.accepted_per_position.append(0)
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
+        self.record_batch((num_draft,), (num_accepted,))
+
+    def record_batch(self, num_draft: Sequence[int], num_accepted: Sequence[int]) -> None:
+        """Several verified trees at once (a step's, for the engine's totals): node counts and accepted tokens."""
+        self.num_steps += len(num_draft)
+        self.num_draft_tokens += sum(num_draft)
+        self.num_accepted_tokens += sum(num_accepted)
+        per_position = self.accepted_per_position
+        per_position.extend([0] * (max(num_accepted, default=0) - len(per_position)))
+        for accepted in num_accepted:
+            for i in range(accepted):
+                per_position[i] += 1
 
     @property
     def mean_accepted_length(self) -> float:

@@ -5,7 +5,7 @@ import tracemalloc
 
 import pytest
 
-from hetero.protocols import MAX_TREE_NODES, ProposalRequest, Verdict
+from hetero.protocols import MAX_TREE_NODES, ProposalRequest, SpecStats, Verdict
 from lookahead import LookaheadCache, LookaheadConfig, default_memory_budget
 from lookahead.trie import NODE_BYTES, HistoryAppender, Trie
 
@@ -406,3 +406,15 @@ def test_memory_budget_honours_a_container_limit(tmp_path):
     unlimited.write_text("max\n")
     assert total_ram_bytes(limit_files=(str(limited), str(unlimited))) == host // 4
     assert total_ram_bytes(limit_files=(str(unlimited), str(tmp_path / "absent"))) == host
+
+
+def test_spec_stats_of_a_batch_equal_its_trees_recorded_one_by_one():
+    sizes, accepted = [4, 1, 8, 3, 0], [2, 0, 5, 3, 0]
+    one_by_one, batch = SpecStats(), SpecStats()
+    for n, a in zip(sizes, accepted):
+        one_by_one.record(n, a)
+    batch.record_batch(sizes[:2], accepted[:2])
+    batch.record_batch(sizes[2:], accepted[2:])
+    assert batch == one_by_one
+    assert batch.accepted_per_position == [3, 3, 2, 1, 1]
+    assert (batch.num_steps, batch.num_draft_tokens, batch.num_accepted_tokens) == (5, 16, 10)

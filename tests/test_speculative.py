@@ -256,6 +256,8 @@ def test_lookahead_cache_speeds_up_copying_and_stays_lossless(tiny_llama_dir, tm
     stats = spec.llm_engine.spec_stats
     assert stats.num_accepted_tokens > 0
     assert out.metrics.num_accepted_tokens == stats.num_accepted_tokens
+    assert (out.metrics.num_spec_steps, out.metrics.num_draft_tokens) == (stats.num_steps, stats.num_draft_tokens)
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens and stats.accepted_per_position[0] > 0
 
     ngram = LLM(
         model=str(tiny_llama_dir),
