@@ -6,6 +6,7 @@ the new tokens into text with stop handling. `LLM` (offline) and the server both
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from hetero.config import EngineConfig
 from hetero.detokenizer import decode_new_text, find_stop_string
 from hetero.outputs import CompletionOutput, Logprob, RequestOutput
 from hetero.proposers import build_proposer
-from hetero.protocols import MAX_TREE_NODES, ProposalRequest, Proposer, SpecStats, Verdict
+from hetero.protocols import MAX_TREE_NODES, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict
 from hetero.sampling_params import RequestOutputKind, SamplingParams
 from hetero.scheduler import ScheduledSeq, Scheduler, Sequence, SequenceGroup
 from hetero.spec_control import SpeculationController
@@ -59,15 +60,48 @@ class _SampleRow:
 
 @dataclass
 class _ChunkRows:
-    """The logits rows one scheduled sequence asked for: prompt-logprob rows, then sampling rows."""
+    """The logits rows one scheduled sequence asked for: prompt-logprob rows, then sampling
+    rows (none, the last new token's, or a tree's root and each of its nodes)."""
 
+    seq: Sequence
     num_prompt_rows: int
-    sample_rows: list[_SampleRow]
+    num_sample_rows: int
+    tree: Optional[TokenTree] = None
+
+    def sample_rows(self) -> list[_SampleRow]:
+        """The sampling rows with the draft path before each one's position.
+
+        Built only when a logits processor needs the rows' contexts: a greedy speculative
+        step at batch 64 would otherwise build a few hundred paths it never reads.
+        """
+        if not self.num_sample_rows:
+            return []
+        rows = [_SampleRow(self.seq, [])]
+        if self.tree is not None:
+            tokens = self.tree.tokens.tolist()
+            for node, parent in enumerate(self.tree.parents.tolist()):
+                rows.append(_SampleRow(self.seq, rows[parent + 1].path + [tokens[node]]))
+        return rows
 
 
 def _as_int64(masks: list[int]) -> list[int]:
     """Masks as int64 values: node 62's bit lands on bit 63, the sign bit, as the kernels expect."""
     return [m - (1 << 64) if m >> 63 else m for m in masks]
+
+
+@functools.lru_cache(maxsize=4096)
+def _tree_layout(parents: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per row of a tree chunk (row 0 the root, row i + 1 node i): its depth below the root
+    and its ancestor mask (itself included) as int64 bits of row indices.
+
+    Trees repeat their shapes (a proposer's chains are one shape per length), so each
+    shape is laid out once rather than node by node for every sequence of every step.
+    """
+    depths, masks = [0], [1]
+    for node, parent in enumerate(parents):
+        depths.append(depths[parent + 1] + 1)
+        masks.append(masks[parent + 1] | (2 << node))
+    return tuple(depths), tuple(_as_int64(masks))
 
 
 def _cut_short(rooms: list[int], tokens_per_seq: int, tolerance: float = 0.1) -> bool:
@@ -437,10 +471,11 @@ class LLMEngine:
             rows = [self._row_context(_SampleRow(item.seq, [])) for item in decoding]
             tokens = self.runner.decode_steps(chunks, num_steps, lambda logits: sample(target_probs(logits, rows), rows))
         touched: dict[str, SequenceGroup] = {}
+        now = time.time()
         for item, seq_tokens in zip(decoding, tokens):
             seq = item.seq
             seq.num_computed += num_steps
-            self._append_tokens(seq, seq_tokens, None, [])
+            self._append_tokens(seq, seq_tokens, None, [], now)
             touched[seq.group.request_id] = seq.group
         return list(touched.values())
 
@@ -454,26 +489,17 @@ class LLMEngine:
                 positions = list(range(start, start + item.num_new_tokens))
                 logits_indices = self._prompt_logprob_indices(item)
                 num_prompt_rows = len(logits_indices)
-                seq_rows = []
                 if item.samples:
                     logits_indices.append(item.num_new_tokens - 1)
-                    seq_rows.append(_SampleRow(seq, []))
                 chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, logits_indices))
+                layout.append(_ChunkRows(seq, num_prompt_rows, int(item.samples)))
             else:
-                # Row 0 is the root (the last known token), row i + 1 is node i. Built from plain
-                # lists in one pass: per-node numpy indexing costs more than the rest of the step.
-                node_tokens = item.tree.tokens.tolist()
-                tokens = [seq.token_ids[-1]] + node_tokens
-                positions = [start]
-                tree_mask = [1]  # each row's ancestors (itself included) as bits of row indices
-                seq_rows = [_SampleRow(seq, [])]
-                for node, parent in enumerate(item.tree.parents.tolist()):
-                    positions.append(positions[parent + 1] + 1)
-                    tree_mask.append(tree_mask[parent + 1] | (2 << node))
-                    seq_rows.append(_SampleRow(seq, seq_rows[parent + 1].path + [node_tokens[node]]))
-                num_prompt_rows = 0
-                chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, list(range(len(tokens))), _as_int64(tree_mask)))
-            layout.append(_ChunkRows(num_prompt_rows, seq_rows))
+                # Row 0 is the root (the last known token), row i + 1 is node i.
+                depths, masks = _tree_layout(tuple(item.tree.parents.tolist()))
+                tokens = [seq.token_ids[-1]] + item.tree.tokens.tolist()
+                positions = [start + depth for depth in depths]
+                chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, list(range(len(tokens))), masks))
+                layout.append(_ChunkRows(seq, 0, len(tokens), item.tree))
         return chunks, layout
 
     def _prompt_logprob_indices(self, item: ScheduledSeq) -> list[int]:
@@ -499,16 +525,15 @@ class LLMEngine:
             prompt_slices.append((offset, offset + rows.num_prompt_rows))
             offset += rows.num_prompt_rows
             sample_starts.append(len(sample_index))
-            sample_index.extend(range(offset, offset + len(rows.sample_rows)))
-            offset += len(rows.sample_rows)
-        sample_rows = [r for rows in layout for r in rows.sample_rows]
+            sample_index.extend(range(offset, offset + rows.num_sample_rows))
+            offset += rows.num_sample_rows
         # Decode and verification steps sample every row: no gather (a copy of all the logits).
         sample_logits = logits if len(sample_index) == logits.shape[0] else logits[sample_index]
         plain = [b for b, item in enumerate(scheduled) if item.samples and item.tree is None]
         # Plain greedy needs only the argmax of each row: one reduction and one host copy.
-        all_greedy = all(is_plain_greedy(item.seq.params) for item, rows in zip(scheduled, layout) if rows.sample_rows)
+        all_greedy = all(is_plain_greedy(item.seq.params) for item, rows in zip(scheduled, layout) if rows.num_sample_rows)
         argmax = sample_logits.argmax(dim=-1).tolist() if all_greedy else None
-        contexts = [self._row_context(r) for r in sample_rows] if argmax is None else []
+        contexts = [self._row_context(r) for rows in layout for r in rows.sample_rows()] if argmax is None else []
         probs = target_probs(sample_logits, contexts) if contexts else None
         if argmax is not None:
             plain_tokens = {b: argmax[sample_starts[b]] for b in plain}
@@ -517,9 +542,9 @@ class LLMEngine:
             plain_tokens = dict(zip(plain, sample(probs[picks], [contexts[i] for i in picks]).tolist()))
         else:
             plain_tokens = {}
-        touched: dict[str, SequenceGroup] = {}
         kv_moves: list[tuple[list[int], int, int]] = []  # compacting accepted paths, one copy for the batch
-        tree_sizes, accepted_counts = [], []
+        tree_sizes, accepted_counts, verdicts = [], [], []
+        appends: list[tuple[Sequence, list[int], list[int]]] = []  # (sequence, its new tokens, their logits rows)
         for b, (item, rows) in enumerate(zip(scheduled, layout)):
             seq = item.seq
             if rows.num_prompt_rows:
@@ -532,27 +557,33 @@ class LLMEngine:
             first = sample_starts[b]
             if item.tree is None:
                 seq.num_computed += item.num_new_tokens
-                new_tokens, token_rows = [plain_tokens[b]], [first]
+                appends.append((seq, [plain_tokens[b]], [first]))
+                continue
+            end = first + rows.num_sample_rows
+            if argmax is not None:
+                accepted, bonus = greedy_accept(argmax[first:end], item.tree)
             else:
-                end = first + len(rows.sample_rows)
-                if argmax is not None:
-                    accepted, bonus = greedy_accept(argmax[first:end], item.tree)
-                else:
-                    accepted, bonus = verify_tree(probs[first:end], item.tree, seq.params.is_greedy, seq.generator)
-                new_tokens = [int(item.tree.tokens[i]) for i in accepted] + [bonus]
-                token_rows = [first] + [first + i + 1 for i in accepted]
-                self._keep_accepted_kv(item, accepted, kv_moves)
-                seq.spec.record(len(item.tree), len(accepted))
-                tree_sizes.append(len(item.tree))
-                accepted_counts.append(len(accepted))
-                seq.draft_backoff.record(len(accepted))
-                self.spec_stats.record(len(item.tree), len(accepted))
-                # Before the tokens are appended: a stop among them releases the sequence,
-                # and the proposer should still learn this last step.
-                self.proposer.commit([Verdict(seq.seq_key, new_tokens[:-1], new_tokens[-1], len(item.tree))])
-            self._append_tokens(seq, new_tokens, sample_logits, token_rows)
+                accepted, bonus = verify_tree(probs[first:end], item.tree, seq.params.is_greedy, seq.generator)
+            tree_tokens = item.tree.tokens.tolist()
+            accepted_tokens = [tree_tokens[i] for i in accepted]
+            self._keep_accepted_kv(item, accepted, kv_moves)
+            seq.spec.record(len(tree_tokens), len(accepted))
+            tree_sizes.append(len(tree_tokens))
+            accepted_counts.append(len(accepted))
+            seq.draft_backoff.record(len(accepted))
+            verdicts.append(Verdict(seq.seq_key, accepted_tokens, bonus, len(tree_tokens)))
+            appends.append((seq, accepted_tokens + [bonus], [first] + [first + i + 1 for i in accepted]))
+        if verdicts:
+            # One call for the step, before the tokens are appended: a stop among them
+            # releases its sequence, and the proposer should still learn this last step.
+            self.proposer.commit(verdicts)
+        now = time.time()
+        touched: dict[str, SequenceGroup] = {}
+        for seq, new_tokens, token_rows in appends:
+            self._append_tokens(seq, new_tokens, sample_logits, token_rows, now)
             touched[seq.group.request_id] = seq.group
         self.runner.copy_kv_slots(kv_moves)
+        self.spec_stats.record_batch(tree_sizes, accepted_counts)
         self.spec_control.record_acceptance(tree_sizes, accepted_counts)
         return list(touched.values())
 
@@ -590,11 +621,12 @@ class LLMEngine:
         seq.num_registered_blocks = full
 
     def _append_tokens(
-        self, seq: Sequence, new_tokens: list[int], logits: Optional[torch.Tensor], token_rows: list[int]
+        self, seq: Sequence, new_tokens: list[int], logits: Optional[torch.Tensor], token_rows: list[int], now: float
     ) -> None:
         """Append tokens up to the first stop, then register the filled blocks (and finish on a stop).
 
-        `logits` rows `token_rows` score the tokens; they are read only for logprobs.
+        `logits` rows `token_rows` score the tokens; they are read only for logprobs. `now`
+        is the step's time, for the request's token timestamps.
         """
         params = seq.params
         want = params.logprobs
@@ -602,7 +634,6 @@ class LLMEngine:
         if want is not None or ranks_samples:
             chosen = torch.tensor(new_tokens, device=logits.device)
             token_logprobs = raw_logprobs(logits[token_rows], chosen, [want or 0] * len(new_tokens))
-        now = time.time()
         metrics = seq.group.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
