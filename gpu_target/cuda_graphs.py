@@ -267,33 +267,32 @@ def fill_host_inputs(host: dict[str, torch.Tensor], chunks: Sequence[SequenceChu
     arrays["seq_lens"][:] = query_len
     arrays["block_tables"][:] = NULL_BLOCK
     arrays["query_start_loc"][:] = np.arange(0, (num_seqs + 1) * query_len, query_len, dtype=np.int32)
-    # The real tokens, gathered in plain lists and written with one numpy assignment per
-    # buffer: per-chunk numpy calls cost microseconds each, for every sequence of every step.
+    if not chunks:
+        return []
+    # Tokens, positions and masks are gathered in plain lists and written with one numpy
+    # assignment per buffer, and the cache slots computed for the whole batch at once:
+    # per-chunk numpy calls cost microseconds each, for every sequence of every step.
     causal = (np.left_shift(np.int64(2), np.arange(query_len, dtype=np.int64)) - 1).tolist()
-    index: list[int] = []
+    lens = [len(chunk.token_ids) for chunk in chunks]
     token_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     masks: list[int] = []
-    rows: list[int] = []
-    for b, chunk in enumerate(chunks):
-        n = len(chunk.token_ids)
-        start = b * query_len
-        index.extend(range(start, start + n))
+    for chunk, n in zip(chunks, lens):
         token_ids.extend(chunk.token_ids)
         positions.extend(chunk.positions)
-        slots.extend(_slots(chunk, block_size))
         masks.extend(chunk.tree_mask if chunk.tree_mask is not None else causal[:n])
-        rows.extend(start + i for i in chunk.logits_indices)
-    if index:
-        arrays["input_ids"][index] = token_ids
-        arrays["positions"][index] = positions
-        arrays["slot_mapping"][index] = slots
-        arrays["tree_mask"][index] = masks
-    if chunks:
-        arrays["seq_lens"][: len(chunks)] = [chunk.num_cached + query_len for chunk in chunks]
-        _write_block_tables(arrays["block_tables"], chunks)
-    return rows
+    seq_of_token = np.repeat(np.arange(len(chunks)), lens)
+    within = np.arange(len(seq_of_token)) - np.repeat(np.cumsum(lens) - lens, lens)  # index in its chunk
+    index = seq_of_token * query_len + within
+    _write_block_tables(arrays["block_tables"], chunks)
+    storage = np.array([chunk.num_cached for chunk in chunks])[seq_of_token] + within
+    blocks = arrays["block_tables"][seq_of_token, storage // block_size].astype(np.int64)
+    arrays["input_ids"][index] = token_ids
+    arrays["positions"][index] = positions
+    arrays["slot_mapping"][index] = blocks * block_size + storage % block_size
+    arrays["tree_mask"][index] = masks
+    arrays["seq_lens"][: len(chunks)] = [chunk.num_cached + query_len for chunk in chunks]
+    return [b * query_len + i for b, chunk in enumerate(chunks) for i in chunk.logits_indices]
 
 
 def fill_ragged_host_inputs(host: dict[str, torch.Tensor], chunks: Sequence[SequenceChunk], block_size: int) -> list[int]:
