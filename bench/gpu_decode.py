@@ -8,7 +8,8 @@ Sections (all in one run, side by side):
   spec     wall speedup and tokens per step of speculative decoding vs plain decoding, with an
            oracle proposer whose drafts are right with probability p (the acceptance knob);
            ``spec_run_steps`` / ``plain_run_steps`` split each mode's time by step kind (`StepKinds`):
-           share of the time @ tokens/s within those steps / mean ms per step.
+           share of the time @ tokens/s within those steps / mean ms per step; ``pair_ratios``
+           is each speculative run's tokens/s over the plain run just before it.
 
 ``--waves W`` runs each batch point as a server would: batch x W requests through `batch`
 slots, a finished request's slot going to the next waiting one (W = 1: one closed batch,
@@ -422,6 +423,7 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
                              same_tokens_as_plain=f"{matching}/{outputs}",
                              tokens_per_s=round(spec, 1), plain_tokens_per_s=round(plain, 1),
                              speedup=round(spec / plain, 2), speedup_range=f"{min(spec_runs) / max(plain_runs):.2f}-{max(spec_runs) / min(plain_runs):.2f}",
+                             pair_ratios=",".join(f"{s / p:.3f}" for s, p in zip(spec_runs, plain_runs)),
                              spec_run_steps=kinds.summary(), plain_run_steps=plain_kinds.summary()))
             print(rows[-1], flush=True)
     del engine
