@@ -73,25 +73,36 @@ SOLID_SEQUENCE_STEPS = 128
 
 @dataclass
 class _Samples:
-    """Recent steps of one option in one bucket: (tokens emitted, seconds, sequences) each."""
+    """Recent steps of one option in one bucket: (tokens emitted, seconds, sequences) each.
+
+    The statistics are refreshed when a step is added, not when they are read: the engine
+    reads them several times per step, plain windows included, and a median per read cost
+    a measurable share of a plain window's host time.
+    """
 
     window: int
     recent: deque = field(default_factory=deque)
+    _sequence_steps: int = 0
+    _mean_tokens: float = 0.0
+    _median_seconds: float = 0.0
+    _one_token_each: bool = True  # every step emitted at most one token per sequence
 
     def add(self, tokens: int, seconds: float, num_seqs: int) -> None:
         self.recent.append((tokens, seconds, num_seqs))
         if len(self.recent) > self.window:
             self.recent.popleft()
+        self._sequence_steps = sum(n for _, _, n in self.recent)
+        self._mean_tokens = sum(t for t, _, _ in self.recent) / len(self.recent)
+        self._median_seconds = median(s for _, s, _ in self.recent)
+        self._one_token_each = all(t <= n for t, _, n in self.recent)
 
     def sequence_steps(self) -> int:
-        return sum(n for _, _, n in self.recent)
+        return self._sequence_steps
 
     def accepted_nothing(self) -> bool:
         """No draft token accepted (one token per sequence each step) in at least
         `NOTHING_ACCEPTED_SEQUENCE_STEPS` sequence-steps."""
-        return self.sequence_steps() >= NOTHING_ACCEPTED_SEQUENCE_STEPS and all(
-            tokens <= num_seqs for tokens, _, num_seqs in self.recent
-        )
+        return self._sequence_steps >= NOTHING_ACCEPTED_SEQUENCE_STEPS and self._one_token_each
 
     def tokens_per_second(self) -> float:
         """Mean tokens per step over median seconds per step.
