@@ -110,10 +110,10 @@ class _Samples:
         Tokens vary from step to step for real (acceptance), and their mean is what a step
         delivers; a slow step (a pause, a cold start) is noise, which the median ignores.
         """
-        return sum(t for t, _, _ in self.recent) / len(self.recent) / self.seconds_per_step()
+        return self._mean_tokens / self._median_seconds
 
     def seconds_per_step(self) -> float:
-        return median(s for _, s, _ in self.recent)
+        return self._median_seconds
 
 
 @dataclass
@@ -196,36 +196,39 @@ class SpeculationController:
         it follows the bucket's verdict, or its neighbours', and neither explores nor
         counts toward a probe; with no verdict at all it decodes plainly.
         """
-        per_seq = min(self.max_nodes_per_seq, self.target_parallelism // max(num_seqs, 1))
-        if per_seq == 0:
+        budget = min(self.max_nodes_per_seq, self.target_parallelism // max(num_seqs, 1))
+        if budget == 0:
             return 0
         if self.always_speculate:
-            return per_seq
-        per_seq = self.tree_sizer.best_size(per_seq, num_seqs)
+            return budget
+        return self.tree_sizer.best_size(budget, num_seqs) if self._speculates(num_seqs, explore) else 0
+
+    def _speculates(self, num_seqs: int, explore: bool) -> bool:
+        """Whether this step speculates (see `nodes_per_sequence`); counts down to the next probe."""
         if not explore:
             state = self._buckets.get(self.bucket(num_seqs))
             verdict = None if state is None else self._verdict(state)
             if verdict is None:
                 verdict = self._inherited_verdict(self.bucket(num_seqs))
-            return per_seq if verdict else 0
+            return bool(verdict)
         state = self._state(num_seqs)
         speculate = self._verdict(state)
         if speculate is None:
             inherited = self._inherited_verdict(self.bucket(num_seqs))
             if inherited is not None and state.countdown > 0:
                 state.countdown -= 1  # in steps: the other option has no step time here yet
-                return per_seq if inherited else 0
+                return inherited
             if inherited is not None:
                 state.countdown = self.probe_interval
             # Exploring (or probing an inherited verdict): the option measured less so far, speculation first.
-            return per_seq if len(state.spec.recent) <= len(state.plain.recent) else 0
+            return len(state.spec.recent) <= len(state.plain.recent)
         if speculate != state.speculating:  # a new verdict: probe its loser at the base spacing (twice it on solid evidence)
             state.speculating = speculate
             state.interval = state.countdown = self._probe_spacing(state, speculate, self.probe_interval)
         if state.countdown > 0:
-            return per_seq if speculate else 0
+            return speculate
         state.interval = state.countdown = self._probe_spacing(state, speculate, state.interval)
-        return 0 if speculate else per_seq
+        return not speculate
 
     def _probe_spacing(self, state: _Bucket, speculate: bool, current: int) -> int:
         """The loser's next probe spacing: the longest for drafts that accepted nothing, twice
@@ -328,6 +331,7 @@ class TreeSizer:
         self.query_buckets = sorted(query_buckets) if query_buckets else None
         self.offered = np.zeros(max_nodes + 1)  # [i]: decayed count of trees with >= i nodes
         self.reached = np.zeros(max_nodes + 1)  # [i]: of those, trees with >= i accepted tokens
+        self._best: dict[tuple[int, int], int] = {}  # (budget, num_seqs) -> best_size, until the next record
 
     def record(self, num_nodes: Sequence[int], num_accepted: Sequence[int]) -> None:
         if not len(num_nodes):
@@ -337,6 +341,7 @@ class TreeSizer:
         accepted = np.minimum(np.asarray(num_accepted, dtype=np.int64), nodes)
         self.offered = self.offered * decay + _at_least_counts(nodes, self.max_nodes)
         self.reached = self.reached * decay + _at_least_counts(accepted, self.max_nodes)
+        self._best.clear()
 
     def acceptance_at_least(self) -> np.ndarray:
         """P(>= i) for i = 1..max_nodes (index i - 1); `PRIOR_ACCEPTANCE` ** i before any position is measured."""
@@ -354,6 +359,12 @@ class TreeSizer:
         """The node count in 1..budget with the most expected tokens per unit of step cost."""
         if budget <= 1 or self.query_buckets is None:
             return budget
+        best = self._best.get((budget, num_seqs))
+        if best is None:
+            best = self._best[(budget, num_seqs)] = self._best_size(budget, num_seqs)
+        return best
+
+    def _best_size(self, budget: int, num_seqs: int) -> int:
         sizes = np.arange(1, budget + 1)
         expected_tokens = 1.0 + np.cumsum(self.acceptance_at_least()[:budget])
         cost = 1.0 + self._row_cost(num_seqs) * (np.array([self._rows(n) for n in sizes]) - 1)
