@@ -1,0 +1,168 @@
+"""Host time of the engine's speculative steps, per phase, with the target's forward faked out.
+
+On the GPU host a batch-64 speculative step spends about 8 ms on the device (graph replay
+and logits) and 2-3 ms of Python on one core around it: scheduling, asking the proposer,
+laying the trees out, staging the graph's inputs, accepting and appending the tokens. The
+device idles meanwhile, so that Python decides whether speculation can beat multi-step
+plain windows at large batches. This benchmark measures it alone, on any machine:
+
+* an engine on the CPU with a small random Llama-shaped model (`--vocab` tokens);
+* `bench.gpu_decode.ChainOracle` drafting chains of `--nodes` tokens, each right with
+  probability p;
+* the runner's forward replaced by what the CUDA-graph path does on the host
+  (`fill_host_inputs` into a bucket's buffers) and logits whose argmax is each token's
+  successor, so trees are accepted as p says, as on the GPU host.
+
+Each phase is the time inside that engine method, summed over the timed steps; ``step_ms``
+is the whole `LLMEngine.step`. Compare commits by running it from each checkout side by
+side (``PYTHONPATH`` pointing at the other tree).
+
+    python -m bench.host_step --batches 64 --nodes 1,3 --draft-p 0.3,0.6
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from bench._machine import describe_machine
+from bench._report import write_csv_with_context
+from bench.gpu_decode import ChainOracle, greedy
+from gpu_target.cuda_graphs import allocate_buffers, bucket_view, fill_host_inputs
+from hetero.config import EngineConfig
+from hetero.engine import LLMEngine
+from hetero.spec_control import SpeculationController
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+QUERY_BUCKETS = (1, 2, 4, 8, 16)  # the GPU engine's graph query lengths for trees of up to 15 nodes
+ENGINE_PHASES = ("_attach_trees", "_build_chunks", "_consume_logits")
+
+
+def tiny_llama_dir(vocab: int) -> str:
+    """A config-only model directory: weights come from load_format="dummy"."""
+    path = tempfile.mkdtemp(prefix="hetero-host-step-")
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+    (Path(path) / "config.json").write_text(json.dumps(config))
+    return path
+
+
+class GraphHostForward:
+    """The host side of a CUDA-graph step (input staging) and logits that make each row's
+    argmax its input token's successor: a chain of successors is accepted whole."""
+
+    def __init__(self, engine: LLMEngine, successors: list[int]):
+        self.engine = engine
+        self.real_forward = engine.runner.forward
+        max_seqs = engine.scheduler.max_num_seqs
+        self.host = allocate_buffers(max_seqs * QUERY_BUCKETS[-1], max_seqs, -(-engine.max_model_len // engine.runner.block_size), "cpu")
+        self.successors = torch.tensor(successors)
+
+    def __call__(self, chunks):
+        longest = max(len(c.token_ids) for c in chunks)
+        if longest > QUERY_BUCKETS[-1] or any(c.num_cached == 0 for c in chunks):
+            return self.real_forward(chunks)  # prefills run the model
+        query_len = next(q for q in QUERY_BUCKETS if q >= longest)
+        view = bucket_view(self.host, len(chunks), len(chunks) * query_len)
+        rows = fill_host_inputs(view, chunks, query_len, self.engine.runner.block_size)
+        next_tokens = self.successors[view["input_ids"][torch.tensor(rows)]]
+        return torch.nn.functional.one_hot(next_tokens, len(self.successors)).float()
+
+
+def timed_phases(engine: LLMEngine) -> Counter:
+    """Wrap the engine's step phases so each call adds its seconds to the returned counter."""
+    seconds: Counter = Counter()
+
+    def timed(owner, name: str) -> None:
+        method = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - start
+
+        setattr(owner, name, wrapper)
+
+    for name in ENGINE_PHASES:
+        timed(engine, name)
+    timed(engine.scheduler, "schedule")
+    timed(engine.proposer, "propose")
+    timed(engine.runner, "forward")
+    return seconds
+
+
+def measure(model_dir: str, batch: int, nodes: int, p: float, steps: int, seed: int) -> dict:
+    engine = LLMEngine(EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, device="cpu",
+                                    dtype="float32", max_model_len=4096, max_num_seqs=batch, num_speculative_tokens=nodes))
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(seed)
+    successors = list(range(vocab))
+    rng.shuffle(successors)
+    engine.proposer = ChainOracle(successors, k=nodes, p=p, vocab=vocab, target_parallelism=batch * nodes, seed=seed)
+    engine.spec_control = SpeculationController(nodes, batch * nodes, always_speculate=True, query_buckets=QUERY_BUCKETS)
+    engine.runner.forward = GraphHostForward(engine, successors)
+    max_tokens = (steps + 8) * (nodes + 1)
+    if max_tokens + 32 > engine.max_model_len:
+        raise ValueError(f"{steps} steps of {nodes + 1} tokens do not fit max_model_len {engine.max_model_len}")
+    for i in range(batch):
+        engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(vocab) for _ in range(32)]}, greedy(max_tokens))
+    while engine.spec_stats.num_steps < 3 * batch:  # prefill, then warm speculative steps
+        engine.step()
+    seconds = timed_phases(engine)
+    tokens_before = engine.num_generation_tokens_total
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - start
+    return dict(batch=batch, nodes=nodes, draft_p=p, steps=steps,
+                tokens_per_seq_step=round((engine.num_generation_tokens_total - tokens_before) / steps / batch, 3),
+                step_ms=round(1e3 * elapsed / steps, 4),
+                **{f"{name.strip('_')}_ms": round(1e3 * seconds[name] / steps, 4)
+                   for name in ("schedule", "propose", *ENGINE_PHASES, "forward")})
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.host_step", description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="64", help="comma-separated batch sizes")
+    parser.add_argument("--nodes", default="1,3", help="comma-separated chain lengths (tree nodes per sequence)")
+    parser.add_argument("--draft-p", default="0.3,0.6", help="comma-separated probabilities that a drafted token is right")
+    parser.add_argument("--steps", type=int, default=100, help="timed speculative steps per point")
+    parser.add_argument("--vocab", type=int, default=512, help="vocabulary of the random model (small: logits are host-side here)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="CSV path (default bench/results/host_step-HOSTNAME.csv)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    command = shlex.join([Path(sys.executable).name, "-m", "bench.host_step", *(argv if argv is not None else sys.argv[1:])])
+    machine = describe_machine()
+    torch.set_num_threads(1)  # the engine's host work is one Python thread; the tiny prefills need no more
+    model_dir = tiny_llama_dir(args.vocab)
+    rows = []
+    for batch in map(int, args.batches.split(",")):
+        for nodes in map(int, args.nodes.split(",")):
+            for p in map(float, args.draft_p.split(",")):
+                rows.append(measure(model_dir, batch, nodes, p, args.steps, args.seed))
+                print(" ".join(f"{key} {value}" for key, value in rows[-1].items()), flush=True)
+    context = dict(command=command, hostname=machine["hostname"], cpu_model=machine["cpu_model"],
+                   hetero_commit=machine["hetero_commit"], torch=torch.__version__,
+                   measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    write_csv_with_context(args.out or RESULTS_DIR / f"host_step-{machine['hostname']}.csv", rows, context)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
