@@ -133,14 +133,15 @@ def _can_run_ahead(seq: Sequence) -> bool:
 @functools.lru_cache(maxsize=None)
 def _freeze_startup_heap() -> None:
     """Take the objects alive before the first engine (torch, transformers and the rest of
-    the imports: a few hundred thousand) out of the cyclic garbage collector's scans.
+    the imports) out of the cyclic garbage collector's scans.
 
-    A full collection walks every tracked object; with the imports in the heap it took 30-40
-    ms, and the steps that allocate most (speculative ones, at large batches) set it off in
-    the middle of a step, with the GPU waiting (bench.host_step: 2.4 ms per batch-64 step
-    on average). vLLM freezes its startup heap the same way. Once per process, before the
-    engine's own objects exist, so an engine dropped later is still collected. They are
-    handed back at exit, for extension modules that check for leaks then.
+    A full collection walks every tracked object; with the imports in the heap (about 200
+    thousand objects) one took 150 ms on the development vm, and the steps that allocate
+    most (speculative ones, at large batches) set them off in the middle of a step, with the
+    GPU waiting: 2.2 ms per batch-64 step on average there (bench.host_step, before the
+    engine allocated less). vLLM freezes its startup heap the same way. Once per process,
+    before the engine's own objects exist, so an engine dropped later is still collected.
+    They are handed back at exit, for extension modules that check for leaks then.
     """
     gc.collect()
     gc.freeze()
