@@ -270,8 +270,8 @@ def fill_host_inputs(host: dict[str, torch.Tensor], chunks: Sequence[SequenceChu
     if not chunks:
         return []
     # Tokens, positions and masks are gathered in plain lists and written with one numpy
-    # assignment per buffer, and the cache slots computed for the whole batch at once:
-    # per-chunk numpy calls cost microseconds each, for every sequence of every step.
+    # assignment per buffer, and the cache slots computed for the whole batch at once
+    # (`_cache_slots`): per-chunk numpy calls cost microseconds each, for every sequence of every step.
     causal = (np.left_shift(np.int64(2), np.arange(query_len, dtype=np.int64)) - 1).tolist()
     lens = [len(chunk.token_ids) for chunk in chunks]
     token_ids: list[int] = []
@@ -281,15 +281,12 @@ def fill_host_inputs(host: dict[str, torch.Tensor], chunks: Sequence[SequenceChu
         token_ids.extend(chunk.token_ids)
         positions.extend(chunk.positions)
         masks.extend(chunk.tree_mask if chunk.tree_mask is not None else causal[:n])
-    seq_of_token = np.repeat(np.arange(len(chunks)), lens)
-    within = np.arange(len(seq_of_token)) - np.repeat(np.cumsum(lens) - lens, lens)  # index in its chunk
+    seq_of_token, within = _token_coordinates(lens)
     index = seq_of_token * query_len + within
     _write_block_tables(arrays["block_tables"], chunks)
-    storage = np.array([chunk.num_cached for chunk in chunks])[seq_of_token] + within
-    blocks = arrays["block_tables"][seq_of_token, storage // block_size].astype(np.int64)
     arrays["input_ids"][index] = token_ids
     arrays["positions"][index] = positions
-    arrays["slot_mapping"][index] = blocks * block_size + storage % block_size
+    arrays["slot_mapping"][index] = _cache_slots(arrays["block_tables"], chunks, seq_of_token, within, block_size)
     arrays["tree_mask"][index] = masks
     arrays["seq_lens"][: len(chunks)] = [chunk.num_cached + query_len for chunk in chunks]
     return [b * query_len + i for b, chunk in enumerate(chunks) for i in chunk.logits_indices]
@@ -315,32 +312,41 @@ def fill_ragged_host_inputs(host: dict[str, torch.Tensor], chunks: Sequence[Sequ
     arrays["block_tables"][:] = NULL_BLOCK
     arrays["query_start_loc"][:] = num_real
     arrays["query_start_loc"][: len(chunks) + 1] = starts
+    if not chunks:
+        return []
     token_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     masks: list[int] = []
     rows: list[int] = []
     for chunk, start in zip(chunks, starts.tolist()):
         n = len(chunk.token_ids)
         token_ids.extend(chunk.token_ids)
         positions.extend(chunk.positions)
-        slots.extend(_slots(chunk, block_size))
         masks.extend(chunk.tree_mask if chunk.tree_mask is not None else [0] * n)
         rows.extend(start + i for i in chunk.logits_indices)
+    _write_block_tables(arrays["block_tables"], chunks)
+    seq_of_token, within = _token_coordinates(query_lens)
     arrays["input_ids"][:num_real] = token_ids
     arrays["positions"][:num_real] = positions
-    arrays["slot_mapping"][:num_real] = slots
+    arrays["slot_mapping"][:num_real] = _cache_slots(arrays["block_tables"], chunks, seq_of_token, within, block_size)
     arrays["tree_mask"][:num_real] = masks
-    if chunks:
-        arrays["seq_lens"][: len(chunks)] = [chunk.num_cached + n for chunk, n in zip(chunks, query_lens)]
-        _write_block_tables(arrays["block_tables"], chunks)
+    arrays["seq_lens"][: len(chunks)] = [chunk.num_cached + n for chunk, n in zip(chunks, query_lens)]
     return rows
 
 
-def _slots(chunk: SequenceChunk, block_size: int) -> list[int]:
-    """Cache slots of the chunk's new tokens (storage indices num_cached onwards)."""
-    table = chunk.block_table
-    return [table[i // block_size] * block_size + i % block_size for i in range(chunk.num_cached, chunk.num_cached + len(chunk.token_ids))]
+def _token_coordinates(lens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """For chunks of `lens` tokens laid back to back: each token's chunk, and its index in that chunk."""
+    seq_of_token = np.repeat(np.arange(len(lens)), lens)
+    within = np.arange(len(seq_of_token)) - np.repeat(np.cumsum(lens) - lens, lens)
+    return seq_of_token, within
+
+
+def _cache_slots(block_tables: np.ndarray, chunks: Sequence[SequenceChunk], seq_of_token: np.ndarray, within: np.ndarray,
+                 block_size: int) -> np.ndarray:
+    """Cache slots of the chunks' new tokens (storage indices num_cached onwards), for the whole
+    batch at once, from the block tables already written into `block_tables`."""
+    storage = np.array([chunk.num_cached for chunk in chunks])[seq_of_token] + within
+    return block_tables[seq_of_token, storage // block_size].astype(np.int64) * block_size + storage % block_size
 
 
 def _write_block_tables(block_tables: np.ndarray, chunks: Sequence[SequenceChunk]) -> None:
