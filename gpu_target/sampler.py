@@ -267,12 +267,7 @@ def greedy_accept(argmax: Sequence[int], tree: TokenTree) -> tuple[list[int], in
             depth[node] = (depth[parent] if parent >= 0 else 0) + 1
             if depth[node] > best_depth:
                 best, best_depth = node, depth[node]
-    path = []
-    node = best
-    while node >= 0:  # the path from the parents list: indexing the numpy array costs more per node
-        path.append(node)
-        node = parents[node]
-    return path[::-1], argmax[best + 1]
+    return tree.path_to(best), argmax[best + 1]
 
 
 def verify_tree(probs: torch.Tensor, tree: TokenTree, greedy: bool,

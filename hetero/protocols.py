@@ -72,10 +72,11 @@ class TokenTree:
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` inclusive."""
+        parents = self.parents.tolist()  # indexing the numpy array costs more per node
         path = []
         while node >= 0:
             path.append(node)
-            node = int(self.parents[node])
+            node = parents[node]
         return path[::-1]
 
 
