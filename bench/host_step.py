@@ -22,11 +22,9 @@ side (``PYTHONPATH`` pointing at the other tree).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shlex
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -36,6 +34,7 @@ import torch
 
 from bench._machine import describe_machine
 from bench._report import write_csv_with_context
+from bench.e2e_speculation import write_model_dir
 from bench.gpu_decode import ChainOracle, greedy
 from gpu_target.cuda_graphs import allocate_buffers, bucket_view, fill_host_inputs
 from hetero.config import EngineConfig
@@ -47,14 +46,11 @@ QUERY_BUCKETS = (1, 2, 4, 8, 16)  # the GPU engine's graph query lengths for tre
 ENGINE_PHASES = ("_attach_trees", "_build_chunks", "_consume_logits")
 
 
-def tiny_llama_dir(vocab: int) -> str:
-    """A config-only model directory: weights come from load_format="dummy"."""
-    path = tempfile.mkdtemp(prefix="hetero-host-step-")
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_size=64,
-                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
-    (Path(path) / "config.json").write_text(json.dumps(config))
-    return path
+def tiny_llama_config(vocab: int) -> dict:
+    """A small Llama-shaped config; weights come from load_format="dummy"."""
+    return dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_size=64,
+                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
 
 
 class GraphHostForward:
@@ -150,7 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = shlex.join([Path(sys.executable).name, "-m", "bench.host_step", *(argv if argv is not None else sys.argv[1:])])
     machine = describe_machine()
     torch.set_num_threads(1)  # the engine's host work is one Python thread; the tiny prefills need no more
-    model_dir = tiny_llama_dir(args.vocab)
+    model_dir = write_model_dir(tiny_llama_config(args.vocab))
     rows = []
     for batch in map(int, args.batches.split(",")):
         for nodes in map(int, args.nodes.split(",")):
