@@ -20,8 +20,9 @@ that is not running must lead by `margin` to be turned on; plain decoding return
 as it measures faster) and probes the other one, to notice when acceptance changes: once
 the winner has run for `probe_interval` of the loser's step times. Time, not steps: a plain
 window emits 8 tokens per sequence and a speculative step a few, and a probe should cost
-at most about 1/`probe_interval` of the time either way. The probe spacing doubles, up to `max_probe_interval`, only while the
-evidence is solid: the losing option trails by more than `margin` over a full window, or
+at most about 1/`probe_interval` of the time either way. The probe spacing doubles, up to
+`max_probe_interval`, only while the evidence is solid: the losing option trails by more
+than `margin` over a full window, or
 over `SOLID_SEQUENCE_STEPS` sequence-steps (two steps at batch 64: what decides a
 speculative step's worth is acceptance, and its estimate firms up with sequences, not
 steps); a verdict that is solid when it is reached starts at twice the base spacing.
