@@ -236,7 +236,7 @@ def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
 def _children(tree: TokenTree) -> list[list[int]]:
     """children[r]: the nodes whose row-of-origin is r (row 0 = root, row i+1 = node i)."""
     kids: list[list[int]] = [[] for _ in range(len(tree) + 1)]
-    for node, parent in enumerate(tree.parents.tolist()):
+    for node, parent in enumerate(tree.parent_list):
         kids[parent + 1].append(node)
     return kids
 
@@ -258,7 +258,7 @@ def greedy_accept(argmax: Sequence[int], tree: TokenTree) -> tuple[list[int], in
 
     ``argmax[0]`` is the target's choice at the root, ``argmax[i + 1]`` after node i.
     """
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    tokens, parents = tree.token_list, tree.parent_list
     depth = [0] * len(tree)
     best, best_depth = -1, 0
     for node, parent in enumerate(parents):
@@ -296,7 +296,7 @@ def verify_tree(probs: torch.Tensor, tree: TokenTree, greedy: bool,
 
     n = len(tree)
     kids = _children(tree)
-    tokens = tree.tokens.tolist()
+    tokens = tree.token_list
     device = probs.device
     uniforms = torch.rand(n, generator=generator, dtype=torch.float64, device=device).tolist()
     # One gather for every probability the walk can need: each node's token in its parent's row.

@@ -25,7 +25,6 @@ from gpu_target.runner import ModelRunner, SequenceChunk
 from gpu_target.sampler import (
     RowContext,
     greedy_accept,
-    is_plain_greedy,
     raw_logprobs,
     sample,
     target_probs,
@@ -80,8 +79,8 @@ class _ChunkRows:
             return []
         rows = [_SampleRow(self.seq, [])]
         if self.tree is not None:
-            tokens = self.tree.tokens.tolist()
-            for node, parent in enumerate(self.tree.parents.tolist()):
+            tokens = self.tree.token_list
+            for node, parent in enumerate(self.tree.parent_list):
                 rows.append(_SampleRow(self.seq, rows[parent + 1].path + [tokens[node]]))
         return rows
 
@@ -486,7 +485,7 @@ class LLMEngine:
     def _decode_ahead(self, decoding: list[ScheduledSeq], num_steps: int) -> list[SequenceGroup]:
         """Run `num_steps` decode steps on the device, then append each sequence's tokens up to its stop."""
         chunks, _ = self._build_chunks(decoding)
-        if all(is_plain_greedy(item.seq.params) for item in decoding):
+        if all(item.seq.group.plain_greedy for item in decoding):
             tokens = self.runner.decode_steps(chunks, num_steps, lambda logits: logits.argmax(dim=-1))
         else:
             rows = [self._row_context(_SampleRow(item.seq, [])) for item in decoding]
@@ -516,8 +515,8 @@ class LLMEngine:
                 layout.append(_ChunkRows(seq, num_prompt_rows, int(item.samples)))
             else:
                 # Row 0 is the root (the last known token), row i + 1 is node i.
-                depths, masks = _tree_layout(tuple(item.tree.parents.tolist()))
-                tokens = [seq.token_ids[-1]] + item.tree.tokens.tolist()
+                depths, masks = _tree_layout(tuple(item.tree.parent_list))
+                tokens = [seq.token_ids[-1]] + item.tree.token_list
                 positions = [start + depth for depth in depths]
                 chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, list(range(len(tokens))), masks))
                 layout.append(_ChunkRows(seq, 0, len(tokens), item.tree))
@@ -552,7 +551,7 @@ class LLMEngine:
         sample_logits = logits if len(sample_index) == logits.shape[0] else logits[sample_index]
         plain = [b for b, item in enumerate(scheduled) if item.samples and item.tree is None]
         # Plain greedy needs only the argmax of each row: one reduction and one host copy.
-        all_greedy = all(is_plain_greedy(item.seq.params) for item, rows in zip(scheduled, layout) if rows.num_sample_rows)
+        all_greedy = all(item.seq.group.plain_greedy for item, rows in zip(scheduled, layout) if rows.num_sample_rows)
         argmax = sample_logits.argmax(dim=-1).tolist() if all_greedy else None
         contexts = [self._row_context(r) for rows in layout for r in rows.sample_rows()] if argmax is None else []
         probs = target_probs(sample_logits, contexts) if contexts else None
@@ -585,7 +584,7 @@ class LLMEngine:
                 accepted, bonus = greedy_accept(argmax[first:end], item.tree)
             else:
                 accepted, bonus = verify_tree(probs[first:end], item.tree, seq.params.is_greedy, seq.generator)
-            tree_tokens = item.tree.tokens.tolist()
+            tree_tokens = item.tree.token_list
             accepted_tokens = [tree_tokens[i] for i in accepted]
             self._keep_accepted_kv(item, accepted, kv_moves)
             seq.spec.record(len(tree_tokens), len(accepted))
@@ -620,7 +619,9 @@ class LLMEngine:
         """
         seq = item.seq
         root = seq.num_computed
-        if any(node != m for m, node in enumerate(accepted)):
+        # A path's node indices increase (parents precede children), so it is already in
+        # place, nodes 0..m-1, exactly when its last node is m - 1.
+        if accepted and accepted[-1] != len(accepted) - 1:
             table = list(seq.block_table)
             moves.extend((table, root + 1 + node, root + 1 + m) for m, node in enumerate(accepted) if node != m)
         seq.num_computed = root + 1 + len(accepted)

@@ -38,9 +38,13 @@ class TokenTree:
             raise ValueError("TokenTree arrays must have one entry per node")
         if n > MAX_TREE_NODES:
             raise ValueError(f"a token tree holds at most {MAX_TREE_NODES} nodes, got {n}")
-        # A Python pass over at most 63 parents is cheaper than two numpy reductions; this
-        # runs for every tree of every speculative step.
-        if n and not all(-1 <= parent < i for i, parent in enumerate(self.parents.tolist())):
+        # The arrays as lists too, made once per tree: the engine walks and copies a tree's
+        # nodes several times per step, for every sequence, and a `tolist` costs more than
+        # the walk it would feed. A Python pass over at most 63 parents is also cheaper than
+        # two numpy reductions.
+        self.token_list: list[int] = self.tokens.tolist()
+        self.parent_list: list[int] = self.parents.tolist()
+        if n and not all(-1 <= parent < i for i, parent in enumerate(self.parent_list)):
             raise ValueError("TokenTree parents must precede their children (-1 <= parents[i] < i)")
 
     def __len__(self) -> int:
@@ -72,7 +76,7 @@ class TokenTree:
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` inclusive."""
-        parents = self.parents.tolist()  # indexing the numpy array costs more per node
+        parents = self.parent_list
         path = []
         while node >= 0:
             path.append(node)
@@ -110,18 +114,26 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
 
     def record(self, num_draft: int, num_accepted: int) -> None:
-        self.record_batch((num_draft,), (num_accepted,))
+        """One verified tree: its node count and accepted tokens (every sequence, every step)."""
+        self.num_steps += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        self._count_positions(num_accepted)
 
     def record_batch(self, num_draft: Sequence[int], num_accepted: Sequence[int]) -> None:
         """Several verified trees at once (a step's, for the engine's totals): node counts and accepted tokens."""
         self.num_steps += len(num_draft)
         self.num_draft_tokens += sum(num_draft)
         self.num_accepted_tokens += sum(num_accepted)
-        per_position = self.accepted_per_position
-        per_position.extend([0] * (max(num_accepted, default=0) - len(per_position)))
         for accepted in num_accepted:
-            for i in range(accepted):
-                per_position[i] += 1
+            self._count_positions(accepted)
+
+    def _count_positions(self, num_accepted: int) -> None:
+        per_position = self.accepted_per_position
+        if num_accepted > len(per_position):
+            per_position.extend([0] * (num_accepted - len(per_position)))
+        for i in range(num_accepted):
+            per_position[i] += 1
 
     @property
     def mean_accepted_length(self) -> float:

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from gpu_target.kv_cache import BlockAllocator, OutOfBlocks, extend_block_hashes
+from gpu_target.sampler import is_plain_greedy
 from hetero.detokenizer import DetokenizerState, init_state
 from hetero.outputs import Logprob, RequestMetrics
 from hetero.protocols import SpecStats, TokenTree
@@ -37,6 +38,8 @@ class Sequence:
     def __init__(self, group: "SequenceGroup", index: int, generator: torch.Generator):
         self.group = group
         self.index = index
+        self.params: SamplingParams = group.params
+        self.seq_key = f"{group.request_id}#{index}"  # what proposers know the sequence by
         self.generator = generator
         self.token_ids: list[int] = list(group.prompt_token_ids)
         self.num_prompt_tokens = len(group.prompt_token_ids)
@@ -52,14 +55,6 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.spec = SpecStats()
         self.draft_backoff = DraftBackoff()  # withholds trees while this sequence's drafts keep missing
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.group.params
-
-    @property
-    def seq_key(self) -> str:
-        return f"{self.group.request_id}#{self.index}"
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -95,6 +90,7 @@ class SequenceGroup:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        self.plain_greedy = is_plain_greedy(params)  # read for every sequence of every step
         self.seqs: list[Sequence] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
         self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
