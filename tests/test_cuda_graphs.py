@@ -39,7 +39,7 @@ def test_padding_layout_keeps_real_tokens_apart_from_padding():
     ]
     host = bucket_view(allocate_buffers(max_tokens=32, max_seqs=8, max_blocks=3, device="cpu"), num_seqs=4, num_tokens=16)
     host["tree_mask"].fill_(-7)  # stale values from an earlier step must all be overwritten
-    rows = fill_host_inputs(host, chunks, query_len=4, block_size=16)
+    rows = fill_host_inputs({name: t.numpy() for name, t in host.items()}, chunks, query_len=4, block_size=16)
     assert host["input_ids"][:5].tolist() == [11, 5, 6, 7, 12]
     # The kernel reads cached = seq_len - Q, so every sequence's length counts the padded Q.
     assert host["seq_lens"].tolist() == [24, 13, 4, 4]
@@ -72,7 +72,7 @@ def test_ragged_layout_packs_the_chunks_and_leaves_the_rest_empty():
     host = bucket_view(allocate_buffers(max_tokens=64, max_seqs=8, max_blocks=3, device="cpu"), num_seqs=6, num_tokens=16)
     for stale in host.values():  # an earlier step's values must all be overwritten
         stale.fill_(7)
-    rows = fill_ragged_host_inputs(host, chunks, block_size=16)
+    rows = fill_ragged_host_inputs({name: t.numpy() for name, t in host.items()}, chunks, block_size=16)
     assert host["input_ids"].tolist() == [1, 2, 3, 4, 5, 11, 5, 6, 7, 12] + [0] * 6
     assert host["query_start_loc"].tolist() == [0, 5, 9, 10, 10, 10, 10]
     assert host["seq_lens"].tolist() == [5, 24, 10, 0, 0, 0]
