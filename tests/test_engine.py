@@ -268,3 +268,24 @@ def test_generate_asks_for_final_outputs_without_changing_the_callers_params(lla
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
     with pytest.raises(ValueError, match="^sampling_params must be SamplingParams"):
         llama.generate(PROMPTS[:1], [{"temperature": 0.0}], use_tqdm=False)
+
+
+def test_an_engine_is_freed_without_the_cyclic_collector(tiny_llama_dir):
+    """The heap is frozen once the first engine is built (`_freeze_startup_heap`), so the
+    cyclic collector never sees that engine: dropping it must free it by reference counting
+    alone, with whatever it ran (requests, proposer state) and its KV cache."""
+    import gc
+    import weakref
+
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=128, dtype="float32")
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    engine = weakref.ref(llm.llm_engine)
+    kv_storage = weakref.ref(llm.llm_engine.kv_pool.storage)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del llm
+        assert engine() is None and kv_storage() is None
+    finally:
+        if collecting:
+            gc.enable()
