@@ -16,8 +16,8 @@ and speculation has accepted no draft token in enough sequence-steps (one step a
 32): a step that accepts nothing emits a plain step's one token per sequence at a
 verification's cost, so no timing is needed to rank it, and drafts that never fit cost two
 steps to rule out at a large batch, not six. Then it runs the faster option (speculation
-that is not running must lead by `margin` to be turned on; plain decoding returns as soon
-as it measures faster) and probes the other one, to notice when acceptance changes: once
+that is not running must lead by `margin` to be turned on; plain decoding returns once it
+measures faster by more than the speculative estimate's standard error) and probes the other one, to notice when acceptance changes: once
 the winner has run for `probe_interval` of the loser's step times. Time, not steps: a plain
 window emits 8 tokens per sequence and a speculative step a few, and a probe should cost
 at most about 1/`probe_interval` of the time either way. The probe spacing doubles, up to
@@ -86,16 +86,20 @@ class _Samples:
     _sequence_steps: int = 0
     _mean_tokens: float = 0.0
     _median_seconds: float = 0.0
+    _relative_error: float = 0.0
     _one_token_each: bool = True  # every step emitted at most one token per sequence
 
     def add(self, tokens: int, seconds: float, num_seqs: int) -> None:
         self.recent.append((tokens, seconds, num_seqs))
         if len(self.recent) > self.window:
             self.recent.popleft()
+        count = len(self.recent)
         self._sequence_steps = sum(n for _, _, n in self.recent)
-        self._mean_tokens = sum(t for t, _, _ in self.recent) / len(self.recent)
+        self._mean_tokens = sum(t for t, _, _ in self.recent) / count
         self._median_seconds = median(s for _, s, _ in self.recent)
         self._one_token_each = all(t <= n for t, _, n in self.recent)
+        variance = sum((t - self._mean_tokens) ** 2 for t, _, _ in self.recent) / max(count - 1, 1)
+        self._relative_error = (variance / count) ** 0.5 / self._mean_tokens if self._mean_tokens else 0.0
 
     def sequence_steps(self) -> int:
         return self._sequence_steps
@@ -115,6 +119,10 @@ class _Samples:
 
     def seconds_per_step(self) -> float:
         return self._median_seconds
+
+    def relative_error(self) -> float:
+        """Standard error of the mean tokens per step, relative to it (0 while they never varied)."""
+        return self._relative_error
 
 
 @dataclass
@@ -177,18 +185,23 @@ class SpeculationController:
             return False
         if min(len(state.spec.recent), len(state.plain.recent)) < self.min_samples:
             return None
-        return state.spec.tokens_per_second() >= self._lead_to_switch(not state.speculating) * state.plain.tokens_per_second()
+        spec, plain = state.spec.tokens_per_second(), state.plain.tokens_per_second()
+        if state.speculating:
+            return plain <= self._lead_to_switch(state, to_speculation=False) * spec
+        return spec >= self._lead_to_switch(state, to_speculation=True) * plain
 
-    def _lead_to_switch(self, to_speculation: bool) -> float:
+    def _lead_to_switch(self, state: _Bucket, to_speculation: bool) -> float:
         """How much faster than the current verdict the other option must measure to replace it.
 
-        Speculation that is not running is turned on only past `margin`; plain decoding, the
-        floor that speculation must not fall below, returns as soon as it measures faster. A
-        window of a few speculative steps at a small batch is noisy (at batch 8 and p = 0.3 one
-        step's tokens vary by about 17 %), and without that margin the verdict flipped to
-        speculation on lucky windows.
+        The speculative estimate is noisy at small batches: at batch 8 and p = 0.3 one step's
+        tokens vary by about 18 %, so a window's mean by about 5 %. Speculation that is not
+        running is turned on only past `margin`: without it the verdict flipped to
+        speculation on lucky windows. Plain decoding, the floor, returns once it measures
+        faster by more than the speculative estimate's standard error: returning as soon as
+        it measured faster at all abandoned speculation that won by 8 % on its unlucky
+        windows, most of the time (`test_noisy_speculation_that_wins_stays_on`).
         """
-        return 1.0 + self.margin if to_speculation else 1.0
+        return 1.0 + self.margin if to_speculation else 1.0 + state.spec.relative_error()
 
     def nodes_per_sequence(self, num_seqs: int, explore: bool = True) -> int:
         """Tree size to grant each decoding sequence this step (0 = plain decoding).
@@ -276,7 +289,7 @@ class SpeculationController:
             return
         if state.spec.accepted_nothing():
             return
-        if tokens_emitted / seconds >= self._lead_to_switch(speculated) * winner.tokens_per_second():
+        if tokens_emitted / seconds >= self._lead_to_switch(state, speculated) * winner.tokens_per_second():
             # A probe faster than the winner by what a switch takes: look again at once.
             # Consecutive such probes overturn the verdict; a fluke is outvoted by the probes after it.
             state.interval, state.countdown = self.probe_interval, 0
