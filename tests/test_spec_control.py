@@ -334,9 +334,10 @@ def test_draft_backoff_grows_while_the_drafts_keep_missing():
     from hetero.spec_control import DraftBackoff
 
     backoff = DraftBackoff()
-    # 8 misses, then 4 steps without a tree, a probe that misses, 8, a probe, 16, a probe, 32, a probe, 32 (capped).
-    got = _outcomes(backoff, [0] * 13)
-    assert got == "T" * 8 + "." * 4 + "T" + "." * 8 + "T" + "." * 16 + "T" + "." * 32 + "T" + "." * 32 + "T"
+    misses = DraftBackoff.MISSES_BEFORE_BACKOFF
+    # The run of misses, then 4 steps without a tree, a probe that misses, 8, a probe, 16, a probe, 32, a probe, 32 (capped).
+    got = _outcomes(backoff, [0] * (misses + 5))
+    assert got == "T" * misses + "." * 4 + "T" + "." * 8 + "T" + "." * 16 + "T" + "." * 32 + "T" + "." * 32 + "T"
     assert DraftBackoff.MAX_BACKOFF == 32
 
 
@@ -344,17 +345,36 @@ def test_an_accepted_probe_ends_the_backoff():
     from hetero.spec_control import DraftBackoff
 
     backoff = DraftBackoff()
-    got = _outcomes(backoff, [0] * 9 + [2] + [0] * 8 + [0])
+    misses = DraftBackoff.MISSES_BEFORE_BACKOFF
+    got = _outcomes(backoff, [0] * (misses + 1) + [2] + [0] * misses + [0])
     # After the accepting probe the sequence speculates again, and the next run of misses
-    # starts over: 8 misses before a back-off, which is the first one's length again.
-    assert got == "T" * 8 + "...." + "T" + "........" + "T" + "T" * 8 + "...." + "T"
+    # starts over: the whole run before a back-off, which is the first one's length again.
+    assert got == "T" * misses + "...." + "T" + "........" + "T" + "T" * misses + "...." + "T"
 
 
 def test_any_acceptance_resets_the_run_of_misses():
     from hetero.spec_control import DraftBackoff
 
     backoff = DraftBackoff()
-    assert _outcomes(backoff, [0] * 7 + [1] + [0] * 7 + [1] + [0] * 7) == "T" * 23
+    run = [0] * (DraftBackoff.MISSES_BEFORE_BACKOFF - 1)
+    assert _outcomes(backoff, run + [1] + run + [1] + run) == "T" * (3 * len(run) + 2)
+
+
+def test_drafts_right_a_third_of_the_time_keep_their_trees():
+    """Chance runs of misses must not withhold trees that pay: at p = 0.3 a 3-node tree brings
+    0.42 tokens a step. A back-off after 8 misses withheld them 28 % of a 90-step run."""
+    from hetero.spec_control import DraftBackoff
+
+    rng = random.Random(0)
+    granted = total = 0
+    for _ in range(200):
+        backoff = DraftBackoff()
+        for _ in range(90):
+            total += 1
+            if backoff.grants_tree():
+                granted += 1
+                backoff.record(int(rng.random() < 0.3))
+    assert granted >= 0.95 * total
 
 
 class _AlwaysSpeculate(SpeculationController):
@@ -437,9 +457,9 @@ def test_a_sequence_whose_drafts_always_miss_stops_getting_trees(tiny_llama_dir)
     from hetero.sampling_params import SamplingParams
 
     prompts = ["Hello, my name is", "The capital of France is"]
-    truth = _greedy_truth(tiny_llama_dir, prompts, 60)
+    truth = _greedy_truth(tiny_llama_dir, prompts, 90)
     engine, proposer = _spec_engine(tiny_llama_dir, truth, num_speculative_tokens=2)
-    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
     engine.add_request("wrong", prompts[0], params)
     engine.add_request("right", prompts[1], params)
     outputs, _ = _run(engine)
@@ -447,9 +467,12 @@ def test_a_sequence_whose_drafts_always_miss_stops_getting_trees(tiny_llama_dir)
     # The right one speculates at every decode step until its last token: 2 accepted nodes and a bonus each.
     right = proposer.budgets("right#0")
     assert right[:19] == [2] * 19 and 0 not in right[:-1]
-    # The wrong one is withheld its tree after 8 misses, for 4 steps, then probed, then 8 steps ...
+    # The wrong one is withheld its tree after its run of misses, for 4 steps, then probed, then 8 steps ...
+    from hetero.spec_control import DraftBackoff
+
+    misses = DraftBackoff.MISSES_BEFORE_BACKOFF
     wrong = proposer.budgets("wrong#0")
-    assert wrong[:19] == [2] * 8 + [0] * 4 + [2] + [0] * 6
+    assert wrong[: misses + 4] == [2] * misses + [0] * 4
     assert engine.num_trees_withheld >= 10
     # Once the right one has finished, the wrong one's withheld steps are plain: the proposer is not asked.
     assert len(wrong) < len(right) + 3
@@ -473,12 +496,14 @@ def test_a_lone_sequence_whose_drafts_miss_decodes_in_multi_step_windows(tiny_ll
     outputs, steps = _run(engine)
     assert outputs == truth
     assert engine.spec_stats.num_accepted_tokens == 0
-    # After the prefill's token: 8 missing trees, 4 windows of 8, a probe that misses, then windows
-    # of 8 to the end (8 of them before the next probe). Without the back-off every one of the 99
-    # decode steps speculates, one token each.
-    assert engine.spec_stats.num_steps <= 12
+    # After the prefill's token: the run of missing trees, 4 windows of 8, a probe that misses, then
+    # windows of 8 to the end (8 of them before the next probe). Without the back-off every one of
+    # the 99 decode steps speculates, one token each.
+    from hetero.spec_control import DraftBackoff
+
+    assert engine.spec_stats.num_steps <= DraftBackoff.MISSES_BEFORE_BACKOFF + 4
     assert windows[:4] == [8] * 4 and sum(windows) >= 80
-    assert steps <= 1 + 12 + 12
+    assert steps <= 1 + (DraftBackoff.MISSES_BEFORE_BACKOFF + 4) + 12
 
 
 def test_always_speculate_keeps_every_tree(tiny_llama_dir):
