@@ -74,6 +74,16 @@ def test_probes_stay_frequent_while_the_evidence_is_thin():
     assert first >= 3 + 13
 
 
+def test_speculation_that_lost_on_thin_evidence_is_probed_sooner_unless_it_accepted_nothing():
+    """A verdict from 3 speculative steps at batch 8 is noisy: drafts that accepted something
+    are probed every 16 of their step times (not 64) until their window fills; drafts that
+    accepted nothing keep the base spacing."""
+    accepting = SpeculationController(8, 1024, probe_interval=64, window=16)
+    assert drive(accepting, 8, spec_tps=900.0, plain_tps=1000.0, steps=200, spec_tokens_per_seq=2) >= 3 + 8
+    missing = SpeculationController(8, 1024, probe_interval=64, window=16)
+    assert drive(missing, 8, spec_tps=900.0, plain_tps=1000.0, steps=200, spec_tokens_per_seq=1) <= 3 + 3
+
+
 def test_a_large_batch_firms_up_the_evidence_in_a_few_steps():
     """At batch 64, the 3 speculative steps of the exploration hold 192 sequence-steps: a
     clear loss is solid evidence at once, and the probes thin out without a full window."""
