@@ -17,8 +17,9 @@ and speculation has accepted no draft token in enough sequence-steps (one step a
 verification's cost, so no timing is needed to rank it, and drafts that never fit cost two
 steps to rule out at a large batch, not six. Then it runs the faster option (speculation
 that is not running must lead by `margin` to be turned on; plain decoding returns once it
-measures faster by more than the speculative estimate's standard error) and probes the other one, to notice when acceptance changes: once
-the winner has run for `probe_interval` of the loser's step times. Time, not steps: a plain
+measures faster by more than the speculative estimate's standard error) and probes the
+other one, to notice when acceptance changes: once the winner has run for
+`probe_interval` of the loser's step times. Time, not steps: a plain
 window emits 8 tokens per sequence and a speculative step a few, and a probe should cost
 at most about 1/`probe_interval` of the time either way. The probe spacing doubles, up to
 `max_probe_interval`, only while the evidence is solid: the losing option trails by more
@@ -27,8 +28,9 @@ over `SOLID_SEQUENCE_STEPS` sequence-steps (two steps at batch 64: what decides 
 speculative step's worth is acceptance, and its estimate firms up with sequences, not
 steps); a verdict that is solid when it is reached starts at twice the base spacing.
 Drafts that accepted nothing are probed at `max_probe_interval` at once: no probe could
-change that verdict short of the drafts themselves changing. A close call or a thin
-window keeps probing at `probe_interval`; a probe faster than the winner is followed by
+change that verdict short of the drafts themselves changing. A close call keeps probing
+at `probe_interval`, and speculation that lost on a thin window (`_thin`) with drafts that
+accepted something at a quarter of it; a probe faster than the winner is followed by
 another at once, so a verdict that has become wrong is overturned within a few steps
 instead of being locked in.
 
