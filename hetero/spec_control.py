@@ -274,11 +274,9 @@ class SpeculationController:
         return len(samples.recent) < self.window and samples.sequence_steps() < SOLID_SEQUENCE_STEPS
 
     def _solid(self, state: _Bucket, speculate: bool) -> bool:
-        """Whether the losing option trails by more than `margin` over enough evidence: a full
-        window, or `SOLID_SEQUENCE_STEPS` sequence-steps."""
+        """Whether the losing option trails by more than `margin` over a window that is not thin."""
         loser, winner = (state.plain, state.spec) if speculate else (state.spec, state.plain)
-        enough = len(loser.recent) == self.window or loser.sequence_steps() >= SOLID_SEQUENCE_STEPS
-        return enough and winner.tokens_per_second() > (1 + self.margin) * loser.tokens_per_second()
+        return not self._thin(loser) and winner.tokens_per_second() > (1 + self.margin) * loser.tokens_per_second()
 
     def _inherited_verdict(self, bucket: int) -> Optional[bool]:
         """The verdict of measured neighbours for a bucket that has none of its own yet.
