@@ -34,7 +34,7 @@ from hetero.config import EngineConfig
 from hetero.detokenizer import decode_new_text, find_stop_string
 from hetero.outputs import CompletionOutput, Logprob, RequestOutput
 from hetero.proposers import build_proposer
-from hetero.protocols import MAX_TREE_NODES, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict
+from hetero.protocols import MAX_TREE_NODES, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict, tree_row_layout
 from hetero.sampling_params import RequestOutputKind, SamplingParams
 from hetero.scheduler import ScheduledSeq, Scheduler, Sequence, SequenceGroup
 from hetero.spec_control import SpeculationController
@@ -92,17 +92,9 @@ def _as_int64(masks: list[int]) -> list[int]:
 
 @functools.lru_cache(maxsize=4096)
 def _tree_layout(parents: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per row of a tree chunk (row 0 the root, row i + 1 node i): its depth below the root
-    and its ancestor mask (itself included) as int64 bits of row indices.
-
-    Trees repeat their shapes (a proposer's chains are one shape per length), so each
-    shape is laid out once rather than node by node for every sequence of every step.
-    """
-    depths, masks = [0], [1]
-    for node, parent in enumerate(parents):
-        depths.append(depths[parent + 1] + 1)
-        masks.append(masks[parent + 1] | (2 << node))
-    return tuple(depths), tuple(_as_int64(masks))
+    """`tree_row_layout` with the masks as the kernels' int64 values, also once per shape."""
+    depths, masks = tree_row_layout(parents)
+    return depths, tuple(_as_int64(list(masks)))
 
 
 def _cut_short(rooms: list[int], tokens_per_seq: int, tolerance: float = 0.1) -> bool:

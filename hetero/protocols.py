@@ -14,6 +14,7 @@ ranking and pruning only.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
@@ -61,18 +62,13 @@ class TokenTree:
 
     def depths(self) -> np.ndarray:
         """Depth of each node: 1 for children of the root."""
-        depth = np.zeros(len(self), np.int32)
-        for i, p in enumerate(self.parents):
-            depth[i] = 1 if p < 0 else depth[p] + 1
-        return depth
+        depths, _ = tree_row_layout(tuple(self.parent_list))
+        return np.array(depths[1:], dtype=np.int32)
 
     def ancestor_masks(self) -> np.ndarray:
         """int64 bitmask per node: bit j set when node j is the node itself or an ancestor."""
-        masks = np.zeros(len(self), np.int64)
-        for i, p in enumerate(self.parents):
-            own = np.int64(1) << np.int64(i)
-            masks[i] = own if p < 0 else (masks[p] | own)
-        return masks
+        _, row_masks = tree_row_layout(tuple(self.parent_list))
+        return np.array([mask >> 1 for mask in row_masks[1:]], dtype=np.int64)  # row bits less the root's
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` inclusive."""
@@ -82,6 +78,22 @@ class TokenTree:
             path.append(node)
             node = parents[node]
         return path[::-1]
+
+
+@functools.lru_cache(maxsize=4096)
+def tree_row_layout(parents: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A tree laid out behind its root, as verification feeds it (row 0 the root, row i + 1
+    node i): each row's depth below the root and its ancestor mask (itself included) as bits
+    of row indices, unsigned (up to 64 bits).
+
+    Trees repeat their shapes (a proposer's chains are one shape per length), so each
+    shape is laid out once rather than node by node for every sequence of every step.
+    """
+    depths, masks = [0], [1]
+    for node, parent in enumerate(parents):
+        depths.append(depths[parent + 1] + 1)
+        masks.append(masks[parent + 1] | (2 << node))
+    return tuple(depths), tuple(masks)
 
 
 @dataclass
