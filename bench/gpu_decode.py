@@ -9,7 +9,11 @@ Sections (all in one run, side by side):
            oracle proposer whose drafts are right with probability p (the acceptance knob);
            ``spec_run_steps`` / ``plain_run_steps`` split each mode's time by step kind (`StepKinds`):
            share of the time @ tokens/s within those steps / mean ms per step; ``pair_ratios``
-           is each speculative run's tokens/s over the plain run just before it.
+           is each speculative run's tokens/s over the plain run just before it;
+  floor    speculation where it does not pay against plain decoding's own run-to-run noise:
+           per round, in shuffled order, two plain runs (no proposer), one with the proposer
+           attached and the controller held to plain decoding (no node budget), and one
+           speculating as usual; each over the round's first plain run (`plain2` is the A/A).
 
 ``--waves W`` runs each batch point as a server would: batch x W requests through `batch`
 slots, a finished request's slot going to the next waiting one (W = 1: one closed batch,
@@ -429,6 +433,42 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
     del engine
 
 
+def bench_floor(model_dir, batches, p, k, target_parallelism, prompt_len, new_tokens, rounds, rows):
+    """See the module docstring's `floor`. The controllers learn across the rounds, as in `bench_spec`."""
+    vocab = LLAMA3_8B["vocab_size"]
+    oracle = ChainOracle([], k=k, p=p, vocab=vocab, target_parallelism=target_parallelism)
+    engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=k)
+    oracle.successors = greedy_successors(engine.model)
+    for batch in batches:
+        engine.scheduler.max_num_seqs = batch
+        prompts = random_prompts(batch, prompt_len, vocab, seed=batch)
+        oracle.p = 0.5
+        engine.spec_control = fresh_controller(engine, k, target_parallelism, always_speculate=True)
+        timed_decode(engine, prompts, 16)  # warm-up: every kernel shape compiled
+        oracle.p = p
+        controllers = {"held_plain": fresh_controller(engine, k, 0), "spec": fresh_controller(engine, k, target_parallelism)}
+        runs: dict[str, list[float]] = {"plain": [], "plain2": [], "held_plain": [], "spec": []}
+        order = random.Random(batch)
+        for _ in range(rounds):
+            names = list(runs)
+            order.shuffle(names)
+            for name in names:
+                engine.proposer = oracle if name in controllers else None
+                if name in controllers:
+                    engine.spec_control = controllers[name]
+                elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
+                runs[name].append(tokens / elapsed)
+        plain = np.array(runs["plain"])
+        row = dict(section="floor", batch=batch, draft_p=p, rounds=rounds, plain_tokens_per_s=round(float(np.median(plain)), 1))
+        for name in ("plain2", "held_plain", "spec"):
+            ratios = np.array(runs[name]) / plain
+            row[f"{name}_over_plain"] = round(float(np.median(ratios)), 4)
+            row[f"{name}_pairs"] = ",".join(f"{r:.3f}" for r in ratios)
+        rows.append(row)
+        print(rows[-1], flush=True)
+    del engine
+
+
 def time_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
     """Seconds for HF `generate` to produce exactly `new_tokens` greedy tokens per row."""
     torch.cuda.synchronize()
@@ -478,6 +518,9 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="alternating plain/speculative runs per spec point; rounds of 32 timed steps per verify point")
     parser.add_argument("--waves", type=int, default=1, help="requests per slot in the decode and spec sections (1: a closed batch)")
+    parser.add_argument("--floor-batches", default="32,64")
+    parser.add_argument("--floor-p", type=float, default=0.3, help="the floor section's draft acceptance: one where speculation does not pay")
+    parser.add_argument("--floor-rounds", type=int, default=8)
     args = parser.parse_args(argv)
     sections = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
@@ -506,6 +549,11 @@ def main(argv=None) -> None:
                    args.prompt_len, args.new_tokens, args.repeats, rows, args.waves)
         gc.collect()
         torch.cuda.empty_cache()
+    if "floor" in sections:
+        bench_floor(model_dir, [int(b) for b in args.floor_batches.split(",")], args.floor_p, args.spec_k,
+                    args.target_parallelism, args.prompt_len, args.new_tokens, args.floor_rounds, rows)
+        gc.collect()
+        torch.cuda.empty_cache()
     if "hf" in sections:
         bench_hf(model_dir, batches, args.prompt_len, args.hf_new_tokens, rows)
     write_results(args, rows)
@@ -518,7 +566,7 @@ def write_results(args, rows) -> None:
     for row in rows:
         if row.get("section") == "profile":
             body += ["## profile (batch-1 decode step)", "", "```", row["text"], "```", ""]
-    for section in ["machine", "startup", "decode", "verify", "spec"]:
+    for section in ["machine", "startup", "decode", "verify", "spec", "floor"]:
         part = [{k: v for k, v in r.items() if k != "section"} for r in rows if r.get("section") == section]
         if part:
             body += [f"## {section}", "", *markdown_table(part), ""]
