@@ -10,10 +10,11 @@ Sections (all in one run, side by side):
            ``spec_run_steps`` / ``plain_run_steps`` split each mode's time by step kind (`StepKinds`):
            share of the time @ tokens/s within those steps / mean ms per step; ``pair_ratios``
            is each speculative run's tokens/s over the plain run just before it;
-  floor    speculation where it does not pay against plain decoding's own run-to-run noise:
-           per round, in shuffled order, two plain runs (no proposer), one with the proposer
-           attached and the controller held to plain decoding (no node budget), and one
-           speculating as usual; each over the round's first plain run (`plain2` is the A/A).
+  floor    (only when named in --sections) speculation where it does not pay, against plain
+           decoding's own run-to-run noise: per round, in shuffled order, two plain runs (no
+           proposer), one with the proposer attached and the controller held to plain
+           decoding (no node budget), and one speculating as usual; each over the round's
+           first plain run (`plain2` is the A/A).
 
 ``--waves W`` runs each batch point as a server would: batch x W requests through `batch`
 slots, a finished request's slot going to the next waiting one (W = 1: one closed batch,
@@ -385,6 +386,13 @@ def fresh_controller(engine: LLMEngine, k: int, target_parallelism: int, **optio
     return SpeculationController(k, target_parallelism, query_buckets=engine.spec_control.tree_sizer.query_buckets, **options)
 
 
+def warm_up_speculation(engine: LLMEngine, oracle: ChainOracle, prompts: list[dict], k: int, target_parallelism: int) -> None:
+    """Speculate through a short run: verification and mixed prefill/decode shapes compile their kernels on first use."""
+    oracle.p, engine.proposer = 0.5, oracle
+    engine.spec_control = fresh_controller(engine, k, target_parallelism, always_speculate=True)
+    timed_decode(engine, prompts, 16)
+
+
 def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, prompt_len, new_tokens, repeats, rows, waves=1):
     vocab = LLAMA3_8B["vocab_size"]
     oracle = ChainOracle([], k=k, p=0.0, vocab=vocab, target_parallelism=target_parallelism)
@@ -396,10 +404,7 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
     for batch in batches:
         engine.scheduler.max_num_seqs = batch
         prompts = random_prompts(batch * waves, prompt_len, vocab, seed=batch)
-        # Warm-up: verification and mixed prefill/decode shapes compile their kernels on first use.
-        oracle.p, engine.proposer = 0.5, oracle
-        engine.spec_control = fresh_controller(engine, k, target_parallelism, always_speculate=True)
-        timed_decode(engine, prompts, 16)
+        warm_up_speculation(engine, oracle, prompts, k, target_parallelism)
         for p in probabilities:
             oracle.p = p
             engine.spec_control = fresh_controller(engine, k, target_parallelism)  # learns across the repeats
@@ -442,9 +447,7 @@ def bench_floor(model_dir, batches, p, k, target_parallelism, prompt_len, new_to
     for batch in batches:
         engine.scheduler.max_num_seqs = batch
         prompts = random_prompts(batch, prompt_len, vocab, seed=batch)
-        oracle.p = 0.5
-        engine.spec_control = fresh_controller(engine, k, target_parallelism, always_speculate=True)
-        timed_decode(engine, prompts, 16)  # warm-up: every kernel shape compiled
+        warm_up_speculation(engine, oracle, prompts, k, target_parallelism)
         oracle.p = p
         controllers = {"held_plain": fresh_controller(engine, k, 0), "spec": fresh_controller(engine, k, target_parallelism)}
         runs: dict[str, list[float]] = {"plain": [], "plain2": [], "held_plain": [], "spec": []}
