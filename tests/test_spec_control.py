@@ -482,7 +482,7 @@ def test_a_sequence_whose_drafts_always_miss_stops_getting_trees(tiny_llama_dir)
 
     misses = DraftBackoff.MISSES_BEFORE_BACKOFF
     wrong = proposer.budgets("wrong#0")
-    assert wrong[: misses + 4] == [2] * misses + [0] * 4
+    assert wrong[: misses + 11] == [2] * misses + [0] * 4 + [2] + [0] * 6
     assert engine.num_trees_withheld >= 10
     # Once the right one has finished, the wrong one's withheld steps are plain: the proposer is not asked.
     assert len(wrong) < len(right) + 3
