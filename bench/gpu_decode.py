@@ -14,11 +14,13 @@ Sections (all in one run, side by side):
            decoding's own run-to-run noise: per round, in shuffled order, two plain runs (no
            proposer), one with the proposer attached and the controller held to plain
            decoding (no node budget), and one speculating as usual; each over the round's
-           first plain run (`plain2` is the A/A).
+           first plain run (`plain2` is the A/A); ``spec_steps_per_run``: trees verified
+           per sequence in a speculating run (where speculation does not pay, its probes).
 
 ``--waves W`` runs each batch point as a server would: batch x W requests through `batch`
 slots, a finished request's slot going to the next waiting one (W = 1: one closed batch,
-whose requests all start and end together).
+whose requests all start and end together, run as `LLM.generate` runs one: the engine
+knows its caller waits for all of them, `LLMEngine.waits_for_all`).
 
     python -m bench.gpu_decode --out bench/results
 """
@@ -397,6 +399,7 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
     vocab = LLAMA3_8B["vocab_size"]
     oracle = ChainOracle([], k=k, p=0.0, vocab=vocab, target_parallelism=target_parallelism)
     engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=k)
+    engine.waits_for_all = waves == 1
     kinds, plain_kinds = StepKinds(engine), StepKinds(engine)
     oracle.successors = greedy_successors(engine.model)
     rows.append(dict(section="startup", what="oracle_successor_agreement", value=round(successor_agreement(oracle.successors, truth), 4)))
@@ -443,6 +446,7 @@ def bench_floor(model_dir, batches, p, k, target_parallelism, prompt_len, new_to
     vocab = LLAMA3_8B["vocab_size"]
     oracle = ChainOracle([], k=k, p=p, vocab=vocab, target_parallelism=target_parallelism)
     engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=k)
+    engine.waits_for_all = True  # closed batches, as `LLM.generate` runs them
     oracle.successors = greedy_successors(engine.model)
     for batch in batches:
         engine.scheduler.max_num_seqs = batch
@@ -452,6 +456,7 @@ def bench_floor(model_dir, batches, p, k, target_parallelism, prompt_len, new_to
         controllers = {"held_plain": fresh_controller(engine, k, 0), "spec": fresh_controller(engine, k, target_parallelism)}
         runs: dict[str, list[float]] = {"plain": [], "plain2": [], "held_plain": [], "spec": []}
         order = random.Random(batch)
+        spec_seq_steps = 0
         for _ in range(rounds):
             names = list(runs)
             order.shuffle(names)
@@ -459,10 +464,13 @@ def bench_floor(model_dir, batches, p, k, target_parallelism, prompt_len, new_to
                 engine.proposer = oracle if name in controllers else None
                 if name in controllers:
                     engine.spec_control = controllers[name]
+                before = engine.spec_stats.num_steps
                 elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
                 runs[name].append(tokens / elapsed)
+                spec_seq_steps += engine.spec_stats.num_steps - before if name == "spec" else 0
         plain = np.array(runs["plain"])
-        row = dict(section="floor", batch=batch, draft_p=p, rounds=rounds, plain_tokens_per_s=round(float(np.median(plain)), 1))
+        row = dict(section="floor", batch=batch, draft_p=p, rounds=rounds, plain_tokens_per_s=round(float(np.median(plain)), 1),
+                   spec_steps_per_run=round(spec_seq_steps / batch / rounds, 2))
         for name in ("plain2", "held_plain", "spec"):
             ratios = np.array(runs[name]) / plain
             row[f"{name}_over_plain"] = round(float(np.median(ratios)), 4)

@@ -189,6 +189,10 @@ class LLMEngine:
         self.num_trees_withheld = 0  # sequence-steps whose tree DraftBackoff withheld (drafts that kept missing)
         self._clock = time.perf_counter  # step timing for the controller (tests replace it)
         self._last_step_end: Optional[float] = None  # None: idle since, or nothing ran yet
+        # Whether the caller takes its outputs only once every request is done (`LLM`, not a
+        # server): then a batch with no request waiting drains, and the controller probes
+        # losing speculation more rarely (`SpeculationController.nodes_per_sequence`).
+        self.waits_for_all = False
         self.groups: dict[str, SequenceGroup] = {}
         torch.manual_seed(config.seed)
         self.num_prompt_tokens_total = 0
@@ -411,7 +415,8 @@ class LLMEngine:
         """
         if self.proposer is None:
             return 0
-        per_seq = self.spec_control.nodes_per_sequence(len(decoding), explore=measured)
+        draining = self.waits_for_all and not self.scheduler.waiting
+        per_seq = self.spec_control.nodes_per_sequence(len(decoding), explore=measured, draining=draining)
         if per_seq == 0:
             return 0
         gated = not self.spec_control.always_speculate

@@ -29,6 +29,7 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any):
         config = EngineConfig.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine(config)
+        self.llm_engine.waits_for_all = True  # `generate` returns once every prompt is done
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):

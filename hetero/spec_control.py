@@ -34,6 +34,17 @@ accepted something at a quarter of it; a probe faster than the winner is followe
 another at once, so a verdict that has become wrong is overturned within a few steps
 instead of being locked in.
 
+A probe at the base spacing takes about 1/`probe_interval` of the time, and what it loses
+is the difference in tokens per second: 3 % of a step for speculation that trails by 3 %.
+That holds while finished requests are replaced (a server, a queue of prompts). A batch
+that drains (`draining`: its caller waits for all of it, and no request waits to take a
+finished one's place) ends with its slowest sequence, and a speculative step that accepts
+nothing for some sequence gives it one token, as a plain token-step would, at a
+verification's cost: at batch 32 on the GPU host 3.3 ms of a 9.9 ms step, so probes at the
+base spacing cost closed batches 0.3-0.4 % where speculation did not pay
+(bench/results/gpu_decode-20261123-122150). There, speculation that lost a close call is
+probed at a doubling spacing too. A lone sequence has no slower one to wait for.
+
 How many nodes a speculating step verifies per sequence is the budget's share, cut to the
 size with the most expected tokens per unit of step cost (`TreeSizer`): a node is worth
 the measured probability of getting that far, and a deep node that is rarely reached
@@ -209,21 +220,26 @@ class SpeculationController:
         """
         return 1.0 + self.margin if to_speculation else 1.0 + state.spec.relative_error()
 
-    def nodes_per_sequence(self, num_seqs: int, explore: bool = True) -> int:
+    def nodes_per_sequence(self, num_seqs: int, explore: bool = True, draining: bool = False) -> int:
         """Tree size to grant each decoding sequence this step (0 = plain decoding).
 
         ``explore=False`` is for a step that will not be recorded (one that also prefills):
         it follows the bucket's verdict, or its neighbours', and neither explores nor
         counts toward a probe; with no verdict at all it decodes plainly.
+
+        ``draining``: the caller waits for the whole batch and no request waits to take a
+        finished one's place, so the batch's run ends with its slowest sequence
+        (see the module doc on probes in a draining batch).
         """
         budget = min(self.max_nodes_per_seq, self.target_parallelism // max(num_seqs, 1))
         if budget == 0:
             return 0
         if self.always_speculate:
             return budget
-        return self.tree_sizer.best_size(budget, num_seqs) if self._speculates(num_seqs, explore) else 0
+        speculates = self._speculates(num_seqs, explore, draining and num_seqs > 1)
+        return self.tree_sizer.best_size(budget, num_seqs) if speculates else 0
 
-    def _speculates(self, num_seqs: int, explore: bool) -> bool:
+    def _speculates(self, num_seqs: int, explore: bool, draining: bool) -> bool:
         """Whether this step speculates (see `nodes_per_sequence`); counts down to the next probe."""
         if not explore:
             state = self._buckets.get(self.bucket(num_seqs))
@@ -244,21 +260,26 @@ class SpeculationController:
             return len(state.spec.recent) <= len(state.plain.recent)
         if speculate != state.speculating:  # a new verdict: probe its loser at the base spacing (twice it on solid evidence)
             state.speculating = speculate
-            state.interval = state.countdown = self._probe_spacing(state, speculate, self.probe_interval)
+            state.interval = state.countdown = self._probe_spacing(state, speculate, self.probe_interval, draining)
         if state.countdown > 0:
             return speculate
-        state.interval = state.countdown = self._probe_spacing(state, speculate, state.interval)
+        state.interval = state.countdown = self._probe_spacing(state, speculate, state.interval, draining)
         return not speculate
 
-    def _probe_spacing(self, state: _Bucket, speculate: bool, current: int) -> int:
+    def _probe_spacing(self, state: _Bucket, speculate: bool, current: int, draining: bool) -> int:
         """The loser's next probe spacing: the longest for drafts that accepted nothing, twice
-        `current` on solid evidence (a verdict reached on it starts at twice the base), else the base."""
+        `current` on solid evidence (a verdict reached on it starts at twice the base), a
+        quarter of the base for speculation that lost on a thin window, twice `current` for
+        speculation that lost a close call in a draining batch (the module doc's last
+        paragraph on probes), else the base."""
         if state.spec.accepted_nothing():
             return self.max_probe_interval
         if self._solid(state, speculate):
             return min(2 * current, self.max_probe_interval)
         if not speculate and state.spec.accepted_any() and self._thin(state.spec):
             return max(self.probe_interval // 4, 1)
+        if not speculate and draining:
+            return min(2 * current, self.max_probe_interval)
         return self.probe_interval
 
     def _thin(self, samples: _Samples) -> bool:

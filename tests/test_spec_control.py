@@ -6,14 +6,14 @@ import pytest
 from hetero.spec_control import SpeculationController
 
 
-def drive(controller, num_seqs, spec_tps, plain_tps, steps, spec_tokens_per_seq=2, plain_tokens_per_seq=2):
+def drive(controller, num_seqs, spec_tps, plain_tps, steps, spec_tokens_per_seq=2, plain_tokens_per_seq=2, draining=False):
     """Run `steps` decisions against fixed measured throughputs; return how many speculated.
 
     Each step emits the given tokens per sequence (speculation: 1 if no draft token was
     accepted; plain: a multi-step window's)."""
     speculated = 0
     for _ in range(steps):
-        nodes = controller.nodes_per_sequence(num_seqs)
+        nodes = controller.nodes_per_sequence(num_seqs, draining=draining)
         emitted = num_seqs * (spec_tokens_per_seq if nodes else plain_tokens_per_seq)
         rate = spec_tps if nodes else plain_tps
         controller.record_step(num_seqs, bool(nodes), tokens_emitted=emitted, seconds=emitted / rate)
@@ -96,6 +96,31 @@ def test_a_large_batch_firms_up_the_evidence_in_a_few_steps():
     assert drive(close, 64, spec_tps=980.0, plain_tps=1000.0, steps=100) >= 3 + 13
 
 
+def test_a_draining_batch_probes_speculation_that_lost_a_close_call_ever_more_rarely():
+    """In a batch that drains, a probe costs nearly a whole step (its slowest sequence gains one
+    token from it, as from a plain token-step), not the 2 % by which speculation trails."""
+    close = dict(spec_tps=980.0, plain_tps=1000.0, steps=400)
+    serving = SpeculationController(8, 1024, probe_interval=4, window=16)
+    # Probes every 4 speculative step times (a plain step takes 0.98 of one): one per 6 steps.
+    assert drive(serving, 64, **close) >= 3 + 60
+    draining = SpeculationController(8, 1024, probe_interval=4, window=16)
+    # Probes after 8, 16, 32, 64, 128 and 256 speculative step times: 504 of them by the sixth.
+    assert drive(draining, 64, draining=True, **close) <= 3 + 5
+    assert draining.speculation_pays(64) is False
+    # At batch 8 speculation that lost on a thin window is still probed at once until its
+    # window of 16 is full (3 + 13 steps), draining or not; then more and more rarely.
+    eight = [drive(SpeculationController(8, 1024, probe_interval=4, window=16), 8, draining=d, **close) for d in (False, True)]
+    assert 3 + 13 <= eight[1] <= 3 + 13 + 8 < 3 + 60 <= eight[0]
+    # A lone sequence has no slower one to wait for: it keeps the base spacing.
+    lone = [drive(SpeculationController(8, 1024, probe_interval=4, window=16), 1, draining=d, **close) for d in (False, True)]
+    assert lone[0] == lone[1] >= 3 + 60
+    # A verdict for speculation is not held back: plain decoding is probed as in a server.
+    winning = dict(spec_tps=1030.0, plain_tps=1000.0, steps=400)
+    runs = [drive(SpeculationController(8, 1024, probe_interval=4, window=16, margin=0.02), 64, draining=d, **winning)
+            for d in (False, True)]
+    assert runs[0] == runs[1] <= 400 - 3 - 4
+
+
 def test_speculation_needs_a_lead_to_be_turned_on_but_none_to_be_turned_off():
     """A few percent either way is within a small batch's noise: speculation that is not
     running is turned on past `margin`, and running speculation is turned off as soon as
@@ -169,7 +194,7 @@ def test_always_speculate_skips_the_measurement():
 class _Never:
     """Always decodes plainly: the baseline a controller must not fall behind."""
 
-    def nodes_per_sequence(self, num_seqs, explore=True):
+    def nodes_per_sequence(self, num_seqs, explore=True, draining=False):
         return 0
 
     def record_step(self, *args):
@@ -261,7 +286,7 @@ class _PlainSpy(SpeculationController):
         super().__init__(8, 64)
         self.records = []
 
-    def nodes_per_sequence(self, num_seqs, explore=True):
+    def nodes_per_sequence(self, num_seqs, explore=True, draining=False):
         return 0
 
     def record_step(self, *args):
@@ -321,6 +346,43 @@ def test_engine_counts_the_callers_time_and_leaves_out_windows_cut_short(tiny_ll
     # Caller time up to the step's own counts; a longer gap is idle time and does not.
     assert seconds == [0.013, 0.013, 0.010, 0.013, 0.013]
     assert [(n, speculated, tokens) for n, speculated, tokens, _ in spy.records] == [(1, False, 4)] * 5
+
+
+class _DrainSpy(SpeculationController):
+    """Always chooses plain decoding and keeps each decision's (batch size, draining)."""
+
+    def __init__(self):
+        super().__init__(8, 64)
+        self.asked = []
+
+    def nodes_per_sequence(self, num_seqs, explore=True, draining=False):
+        self.asked.append((num_seqs, draining))
+        return 0
+
+
+def test_offline_generate_drains_its_batch_once_no_request_waits(tiny_llama_dir):
+    """`LLM.generate` returns when its last request is done, so once no request waits for a
+    slot its batch drains; a server's engine (the engine alone) never does."""
+    from hetero import LLM
+    from hetero.sampling_params import SamplingParams
+
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", device="cpu", max_num_seqs=2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    llm.llm_engine.spec_control = spy = _DrainSpy()
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 12, 6)]
+    llm.generate(["Hello, my name is", "The capital of France is", "One, two,"], params, use_tqdm=False)
+    # Two requests decode while the third waits; from the step that admits it, nothing waits.
+    first = [draining for _, draining in spy.asked].index(True)
+    assert first > 0 and spy.asked[:first] == [(2, False)] * first
+    assert all(draining for _, draining in spy.asked[first:])
+
+    engine = llm.llm_engine
+    engine.waits_for_all = False
+    engine.spec_control = spy = _DrainSpy()
+    engine.add_request("alone", "Hello, my name is", params[1])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert spy.asked and not any(draining for _, draining in spy.asked)
 
 
 # --------------------------------------------------------------- per-sequence draft back-off
@@ -391,7 +453,7 @@ class _AlwaysSpeculate(SpeculationController):
     """Grants the node budget at every step, as a measured verdict of "speculate" would,
     without always_speculate (which turns the per-sequence back-off off)."""
 
-    def nodes_per_sequence(self, num_seqs, explore=True):
+    def nodes_per_sequence(self, num_seqs, explore=True, draining=False):
         return min(self.max_nodes_per_seq, self.target_parallelism // max(num_seqs, 1))
 
     def record_step(self, *args):
