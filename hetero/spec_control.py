@@ -268,18 +268,20 @@ class SpeculationController:
 
     def _probe_spacing(self, state: _Bucket, speculate: bool, current: int, draining: bool) -> int:
         """The loser's next probe spacing: the longest for drafts that accepted nothing, twice
-        `current` on solid evidence (a verdict reached on it starts at twice the base), a
+        `current` on solid evidence (a verdict reached on it, or after a thin window's short
+        spacing, starts at twice the base), a
         quarter of the base for speculation that lost on a thin window, twice `current` for
         speculation that lost a close call in a draining batch (the module doc's last
         paragraph on probes), else the base."""
         if state.spec.accepted_nothing():
             return self.max_probe_interval
+        doubled = min(2 * max(current, self.probe_interval), self.max_probe_interval)  # never under twice the base
         if self._solid(state, speculate):
-            return min(2 * current, self.max_probe_interval)
+            return doubled
         if not speculate and state.spec.accepted_any() and self._thin(state.spec):
             return max(self.probe_interval // 4, 1)
         if not speculate and draining:
-            return min(2 * current, self.max_probe_interval)
+            return doubled
         return self.probe_interval
 
     def _thin(self, samples: _Samples) -> bool:

@@ -107,10 +107,11 @@ def test_a_draining_batch_probes_speculation_that_lost_a_close_call_ever_more_ra
     # Probes after 8, 16, 32, 64, 128 and 256 speculative step times: 504 of them by the sixth.
     assert drive(draining, 64, draining=True, **close) <= 3 + 5
     assert draining.speculation_pays(64) is False
-    # At batch 8 speculation that lost on a thin window is still probed at once until its
-    # window of 16 is full (3 + 13 steps), draining or not; then more and more rarely.
+    # At batch 8 speculation that lost on a thin window is still probed every step until its
+    # window of 16 is full (3 + 13 steps), draining or not; then from twice the base spacing
+    # on (8, 16, ..., 256 speculative step times), not from twice the thin window's 1.
     eight = [drive(SpeculationController(8, 1024, probe_interval=4, window=16), 8, draining=d, **close) for d in (False, True)]
-    assert 3 + 13 <= eight[1] <= 3 + 13 + 8 < 3 + 60 <= eight[0]
+    assert 3 + 13 <= eight[1] <= 3 + 13 + 6 < 3 + 60 <= eight[0]
     # A lone sequence has no slower one to wait for: it keeps the base spacing.
     lone = [drive(SpeculationController(8, 1024, probe_interval=4, window=16), 1, draining=d, **close) for d in (False, True)]
     assert lone[0] == lone[1] >= 3 + 60
