@@ -14,8 +14,9 @@ Sections (all in one run, side by side):
            decoding's own run-to-run noise: per round, in shuffled order, two plain runs (no
            proposer), one with the proposer attached and the controller held to plain
            decoding (no node budget), and one speculating as usual; each over the round's
-           first plain run (`plain2` is the A/A); ``spec_steps_per_run``: trees verified
-           per sequence in a speculating run (where speculation does not pay, its probes).
+           first plain run (`plain2` is the A/A); ``spec_steps_per_run`` (and
+           ``spec_steps_by_round``): trees verified per sequence in a speculating run (where
+           speculation does not pay, its probes), so rounds without any can be told apart.
 
 ``--waves W`` runs each batch point as a server would: batch x W requests through `batch`
 slots, a finished request's slot going to the next waiting one (W = 1: one closed batch,
@@ -456,7 +457,7 @@ def bench_floor(model_dir, batches, p, k, target_parallelism, prompt_len, new_to
         controllers = {"held_plain": fresh_controller(engine, k, 0), "spec": fresh_controller(engine, k, target_parallelism)}
         runs: dict[str, list[float]] = {"plain": [], "plain2": [], "held_plain": [], "spec": []}
         order = random.Random(batch)
-        spec_seq_steps = 0
+        spec_steps: list[float] = []  # per round: trees verified per sequence in the speculating run
         for _ in range(rounds):
             names = list(runs)
             order.shuffle(names)
@@ -467,10 +468,12 @@ def bench_floor(model_dir, batches, p, k, target_parallelism, prompt_len, new_to
                 before = engine.spec_stats.num_steps
                 elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
                 runs[name].append(tokens / elapsed)
-                spec_seq_steps += engine.spec_stats.num_steps - before if name == "spec" else 0
+                if name == "spec":
+                    spec_steps.append((engine.spec_stats.num_steps - before) / batch)
         plain = np.array(runs["plain"])
         row = dict(section="floor", batch=batch, draft_p=p, rounds=rounds, plain_tokens_per_s=round(float(np.median(plain)), 1),
-                   spec_steps_per_run=round(spec_seq_steps / batch / rounds, 2))
+                   spec_steps_per_run=round(float(np.mean(spec_steps)), 2),
+                   spec_steps_by_round=",".join(f"{n:.2g}" for n in spec_steps))
         for name in ("plain2", "held_plain", "spec"):
             ratios = np.array(runs[name]) / plain
             row[f"{name}_over_plain"] = round(float(np.median(ratios)), 4)
