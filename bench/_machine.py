@@ -41,9 +41,17 @@ def gpu_names() -> list[str]:
 
 
 def git_commit(directory: Path) -> Optional[str]:
+    """HEAD, with "-dirty" when tracked files differ from it.
+
+    A copy of the tree on another machine (the GPU host) can carry an older repository
+    than its files: the mark keeps a result from claiming a commit it did not run.
+    """
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True,
-                              text=True, timeout=5, check=True).stdout.strip()
+        head = git("rev-parse", "HEAD")
+        return head + "-dirty" if git("status", "--porcelain", "--untracked-files=no") else head
     except (subprocess.SubprocessError, OSError):
         return None
 

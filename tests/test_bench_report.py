@@ -26,3 +26,22 @@ def test_csv_repeats_the_context_on_every_row(tmp_path):
     write_csv_with_context(path, [{"x": 1}, {"x": 2}], {"command": "c", "hostname": "h"})
     with path.open() as f:
         assert list(csv.DictReader(f)) == [{"x": "1", "command": "c", "hostname": "h"}, {"x": "2", "command": "c", "hostname": "h"}]
+
+
+def test_the_recorded_commit_is_marked_dirty_when_tracked_files_differ_from_it(tmp_path):
+    import subprocess
+
+    from bench._machine import git_commit
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("commit", "-qm", "one")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    (tmp_path / "untracked.txt").write_text("results\n")
+    assert git_commit(tmp_path) == head
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert git_commit(tmp_path) == head + "-dirty"
