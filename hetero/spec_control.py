@@ -229,7 +229,7 @@ class SpeculationController:
 
         ``draining``: the caller waits for the whole batch and no request waits to take a
         finished one's place, so the batch's run ends with its slowest sequence
-        (see the module doc on probes in a draining batch).
+        (see the module doc on draining batches).
         """
         budget = min(self.max_nodes_per_seq, self.target_parallelism // max(num_seqs, 1))
         if budget == 0:
@@ -267,12 +267,11 @@ class SpeculationController:
         return not speculate
 
     def _probe_spacing(self, state: _Bucket, speculate: bool, current: int, draining: bool) -> int:
-        """The loser's next probe spacing: the longest for drafts that accepted nothing, twice
-        `current` on solid evidence (a verdict reached on it, or after a thin window's short
-        spacing, starts at twice the base), a
-        quarter of the base for speculation that lost on a thin window, twice `current` for
-        speculation that lost a close call in a draining batch (the module doc's last
-        paragraph on probes), else the base."""
+        """The loser's next probe spacing: the longest for drafts that accepted nothing; twice
+        `current` on solid evidence (a verdict reached on it, or one that follows a thin
+        window's short spacing, starts at twice the base); a quarter of the base for
+        speculation that lost on a thin window; twice `current` for speculation that lost a
+        close call in a draining batch (see the module doc on draining batches); else the base."""
         if state.spec.accepted_nothing():
             return self.max_probe_interval
         doubled = min(2 * max(current, self.probe_interval), self.max_probe_interval)  # never under twice the base
