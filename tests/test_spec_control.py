@@ -281,13 +281,15 @@ def test_noisy_speculation_that_wins_stays_on():
 
 
 class _PlainSpy(SpeculationController):
-    """Always chooses plain decoding and keeps what the engine records."""
+    """Always chooses plain decoding and keeps what the engine asks and records."""
 
     def __init__(self):
         super().__init__(8, 64)
+        self.asked = []  # (batch size, draining) of each decision
         self.records = []
 
     def nodes_per_sequence(self, num_seqs, explore=True, draining=False):
+        self.asked.append((num_seqs, draining))
         return 0
 
     def record_step(self, *args):
@@ -349,18 +351,6 @@ def test_engine_counts_the_callers_time_and_leaves_out_windows_cut_short(tiny_ll
     assert [(n, speculated, tokens) for n, speculated, tokens, _ in spy.records] == [(1, False, 4)] * 5
 
 
-class _DrainSpy(SpeculationController):
-    """Always chooses plain decoding and keeps each decision's (batch size, draining)."""
-
-    def __init__(self):
-        super().__init__(8, 64)
-        self.asked = []
-
-    def nodes_per_sequence(self, num_seqs, explore=True, draining=False):
-        self.asked.append((num_seqs, draining))
-        return 0
-
-
 def test_offline_generate_drains_its_batch_once_no_request_waits(tiny_llama_dir):
     """`LLM.generate` returns when its last request is done, so once no request waits for a
     slot its batch drains; a server's engine (the engine alone) never does."""
@@ -369,7 +359,7 @@ def test_offline_generate_drains_its_batch_once_no_request_waits(tiny_llama_dir)
 
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", device="cpu", max_num_seqs=2,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    llm.llm_engine.spec_control = spy = _DrainSpy()
+    llm.llm_engine.spec_control = spy = _PlainSpy()
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 12, 6)]
     llm.generate(["Hello, my name is", "The capital of France is", "One, two,"], params, use_tqdm=False)
     # Two requests decode while the third waits; from the step that admits it, nothing waits.
@@ -379,7 +369,7 @@ def test_offline_generate_drains_its_batch_once_no_request_waits(tiny_llama_dir)
 
     engine = llm.llm_engine
     engine.waits_for_all = False
-    engine.spec_control = spy = _DrainSpy()
+    engine.spec_control = spy = _PlainSpy()
     engine.add_request("alone", "Hello, my name is", params[1])
     while engine.has_unfinished_requests():
         engine.step()
