@@ -37,7 +37,7 @@ from hetero.proposers import build_proposer
 from hetero.protocols import MAX_TREE_NODES, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict, tree_row_layout
 from hetero.sampling_params import RequestOutputKind, SamplingParams
 from hetero.scheduler import ScheduledSeq, Scheduler, Sequence, SequenceGroup
-from hetero.spec_control import SpeculationController
+from hetero.spec_control import DrainingBatch, SpeculationController
 
 logger = logging.getLogger("hetero")
 
@@ -415,8 +415,7 @@ class LLMEngine:
         """
         if self.proposer is None:
             return 0
-        draining = self.waits_for_all and not self.scheduler.waiting
-        per_seq = self.spec_control.nodes_per_sequence(len(decoding), explore=measured, draining=draining)
+        per_seq = self.spec_control.nodes_per_sequence(len(decoding), explore=measured, draining=self._draining_batch(decoding))
         if per_seq == 0:
             return 0
         gated = not self.spec_control.always_speculate
@@ -451,6 +450,19 @@ class LLMEngine:
             else:
                 self.scheduler.trim_blocks(item.seq, item.seq.num_computed + 1)
         return per_seq
+
+    def _draining_batch(self, decoding: list[ScheduledSeq]) -> Optional[DrainingBatch]:
+        """The decoding sequences' progress when the caller waits for all of them and no
+        request waits to take a finished one's place (the batch's run ends with its slowest
+        sequence); None otherwise."""
+        if not self.waits_for_all or self.scheduler.waiting:
+            return None
+        seqs = [item.seq for item in decoding]
+        return DrainingBatch(
+            remaining=[self._length_room(seq) for seq in seqs],
+            trees=[seq.spec.num_steps for seq in seqs],
+            accepted=[seq.spec.num_accepted_tokens for seq in seqs],
+        )
 
     def _reserve_run_ahead(self, decoding: list[ScheduledSeq]) -> int:
         """How many decode steps to run before the host looks at the tokens (1: a plain step).

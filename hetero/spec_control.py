@@ -37,13 +37,25 @@ instead of being locked in.
 A probe at the base spacing takes about 1/`probe_interval` of the time, and what it loses
 is the difference in tokens per second: 3 % of a step for speculation that trails by 3 %.
 That holds while finished requests are replaced (a server, a queue of prompts). A batch
-that drains (`draining`: its caller waits for all of it, and no request waits to take a
-finished one's place) ends with its slowest sequence, and a speculative step that accepts
-nothing for some sequence gives it one token, as a plain token-step would, at a
-verification's cost: at batch 32 on the GPU host 3.3 ms of a 9.9 ms step, so probes at the
-base spacing cost closed batches 0.3-0.4 % where speculation did not pay
-(bench/results/gpu_decode-20261123-122150). There, speculation that lost a close call is
-probed at a doubling spacing too. A lone sequence has no slower one to wait for.
+that drains (`DrainingBatch`: its caller waits for all of it, and no request waits to take
+a finished one's place) ends with its slowest sequence, and two things change there.
+
+Speculation's tokens per second overstate what it does for such a batch: its sequences
+drift apart as their acceptance draws differ, and a sequence whose drafts fit worse than
+the rest lags for good, so the batch ends later than its mean pace promises. The
+controller scales speculation's measured pace by its reach (`speculation_reach`), the
+share of it that reaches the batch's end, projected from each sequence's remaining tokens
+and its own acceptance. On the GPU host's timings (`bench/spec_control_sim.py`), judging
+by the mean pace alone lost 4-5 % in closed batches of 8-16 sequences where speculation
+led by a few percent, and 10-20 % at batch 16-64 where a quarter of the sequences drafted
+badly.
+
+And a speculative probe costs nearly a whole step: its slowest sequence gets one token
+from it, as from a plain token-step, at a verification's cost (at batch 32 on the GPU
+host 3.3 ms of a 9.9 ms step: closed batches lost 0.3-0.4 % to probes at the base
+spacing where speculation did not pay, bench/results/gpu_decode-20261123-122150). There,
+speculation that lost a close call is probed at a doubling spacing too. A lone sequence
+has no slower one to wait for.
 
 How many nodes a speculating step verifies per sequence is the budget's share, cut to the
 size with the most expected tokens per unit of step cost (`TreeSizer`): a node is worth
@@ -97,6 +109,7 @@ class _Samples:
     window: int
     recent: deque = field(default_factory=deque)
     _sequence_steps: int = 0
+    _tokens_per_sequence_step: float = 0.0
     _mean_tokens: float = 0.0
     _median_seconds: float = 0.0
     _relative_error: float = 0.0
@@ -109,6 +122,7 @@ class _Samples:
         count = len(self.recent)
         self._sequence_steps = sum(n for _, _, n in self.recent)
         self._mean_tokens = sum(t for t, _, _ in self.recent) / count
+        self._tokens_per_sequence_step = self._mean_tokens * count / self._sequence_steps
         self._median_seconds = median(s for _, s, _ in self.recent)
         self._one_token_each = all(t <= n for t, _, n in self.recent)
         variance = sum((t - self._mean_tokens) ** 2 for t, _, _ in self.recent) / max(count - 1, 1)
@@ -116,6 +130,9 @@ class _Samples:
 
     def sequence_steps(self) -> int:
         return self._sequence_steps
+
+    def tokens_per_sequence_step(self) -> float:
+        return self._tokens_per_sequence_step
 
     def accepted_any(self) -> bool:
         """Whether some step emitted more than one token per sequence (a draft token was accepted)."""
@@ -149,6 +166,7 @@ class _Bucket:
     interval: int  # time between probes of the losing option, in its step times
     countdown: float  # time left until the next probe, in the losing option's step times
     speculating: Optional[bool] = None  # the last verdict, None while exploring
+    reach: float = 1.0  # share of speculation's pace that reaches a draining batch's end (`speculation_reach`)
 
 
 class SpeculationController:
@@ -202,10 +220,15 @@ class SpeculationController:
             return False
         if min(len(state.spec.recent), len(state.plain.recent)) < self.min_samples:
             return None
-        spec, plain = state.spec.tokens_per_second(), state.plain.tokens_per_second()
+        spec, plain = self._pace(state, True), self._pace(state, False)
         if state.speculating:
             return plain <= self._lead_to_switch(state, to_speculation=False) * spec
         return spec >= self._lead_to_switch(state, to_speculation=True) * plain
+
+    @staticmethod
+    def _pace(state: _Bucket, speculative: bool) -> float:
+        """An option's measured tokens per second; speculation's times its reach (`speculation_reach`)."""
+        return state.spec.tokens_per_second() * state.reach if speculative else state.plain.tokens_per_second()
 
     def _lead_to_switch(self, state: _Bucket, to_speculation: bool) -> float:
         """How much faster than the current verdict the other option must measure to replace it.
@@ -220,15 +243,15 @@ class SpeculationController:
         """
         return 1.0 + self.margin if to_speculation else 1.0 + state.spec.relative_error()
 
-    def nodes_per_sequence(self, num_seqs: int, explore: bool = True, draining: bool = False) -> int:
+    def nodes_per_sequence(self, num_seqs: int, explore: bool = True, draining: Optional[DrainingBatch] = None) -> int:
         """Tree size to grant each decoding sequence this step (0 = plain decoding).
 
         ``explore=False`` is for a step that will not be recorded (one that also prefills):
         it follows the bucket's verdict, or its neighbours', and neither explores nor
         counts toward a probe; with no verdict at all it decodes plainly.
 
-        ``draining``: the caller waits for the whole batch and no request waits to take a
-        finished one's place, so the batch's run ends with its slowest sequence
+        ``draining``: given when the caller waits for the whole batch and no request waits
+        to take a finished one's place, so the batch's run ends with its slowest sequence
         (see the module doc on draining batches).
         """
         budget = min(self.max_nodes_per_seq, self.target_parallelism // max(num_seqs, 1))
@@ -236,8 +259,13 @@ class SpeculationController:
             return 0
         if self.always_speculate:
             return budget
-        speculates = self._speculates(num_seqs, explore, draining and num_seqs > 1)
-        return self.tree_sizer.best_size(budget, num_seqs) if speculates else 0
+        size = self.tree_sizer.best_size(budget, num_seqs)
+        draining = draining if num_seqs > 1 else None
+        if explore:
+            state = self._state(num_seqs)
+            state.reach = 1.0 if draining is None or not state.spec.recent else speculation_reach(
+                draining, state.spec.tokens_per_sequence_step(), self.tree_sizer.accepted_dispersion(size))
+        return size if self._speculates(num_seqs, explore, draining is not None) else 0
 
     def _speculates(self, num_seqs: int, explore: bool, draining: bool) -> bool:
         """Whether this step speculates (see `nodes_per_sequence`); counts down to the next probe."""
@@ -297,8 +325,8 @@ class SpeculationController:
 
     def _solid(self, state: _Bucket, speculate: bool) -> bool:
         """Whether the losing option trails by more than `margin` over a window that is not thin."""
-        loser, winner = (state.plain, state.spec) if speculate else (state.spec, state.plain)
-        return not self._thin(loser) and winner.tokens_per_second() > (1 + self.margin) * loser.tokens_per_second()
+        loser = state.plain if speculate else state.spec
+        return not self._thin(loser) and self._pace(state, speculate) > (1 + self.margin) * self._pace(state, not speculate)
 
     def _inherited_verdict(self, bucket: int) -> Optional[bool]:
         """The verdict of measured neighbours for a bucket that has none of its own yet.
@@ -323,13 +351,14 @@ class SpeculationController:
         speculate = self._verdict(state)
         if speculate is None:
             return
-        loser, winner = (state.plain, state.spec) if speculate else (state.spec, state.plain)
         if speculated == speculate:
+            loser = state.plain if speculate else state.spec
             state.countdown -= seconds / loser.seconds_per_step()
             return
         if state.spec.accepted_nothing():
             return
-        if tokens_emitted / seconds >= self._lead_to_switch(state, speculated) * winner.tokens_per_second():
+        pace = tokens_emitted / seconds * (state.reach if speculated else 1.0)
+        if pace >= self._lead_to_switch(state, speculated) * self._pace(state, speculate):
             # A probe faster than the winner by what a switch takes: look again at once.
             # Consecutive such probes overturn the verdict; a fluke is outvoted by the probes after it.
             state.interval, state.countdown = self.probe_interval, 0
@@ -409,6 +438,18 @@ class TreeSizer:
         tail = probs[-1] * rate ** np.arange(1, self.max_nodes - depth + 1)
         return np.concatenate([probs, tail])
 
+    def accepted_dispersion(self, nodes: int) -> float:
+        """Variance over mean of the draft tokens a tree of `nodes` nodes accepts (1 before any acceptance).
+
+        E[A] = sum of P(>= i) and E[A^2] = sum of (2i - 1) P(>= i), for i = 1..nodes.
+        """
+        at_least = self.acceptance_at_least()[:nodes]
+        mean = at_least.sum()
+        if mean <= 0:
+            return 1.0
+        second = ((2 * np.arange(1, nodes + 1) - 1) * at_least).sum()
+        return (second - mean * mean) / mean
+
     def best_size(self, budget: int, num_seqs: int) -> int:
         """The node count in 1..budget with the most expected tokens per unit of step cost."""
         if budget <= 1 or self.query_buckets is None:
@@ -432,6 +473,92 @@ class TreeSizer:
     def _rows(self, nodes: int) -> int:
         """Query rows a sequence's tree of `nodes` nodes occupies in the step (root included)."""
         return next((q for q in self.query_buckets if q > nodes), nodes + 1)
+
+
+@dataclass(frozen=True)
+class DrainingBatch:
+    """A batch whose caller waits for all of it, per sequence: the tokens it may still emit
+    (its `max_tokens` left), and its verified trees and their accepted draft tokens so far."""
+
+    remaining: Sequence[int]
+    trees: Sequence[int]
+    accepted: Sequence[int]
+
+
+def speculation_reach(batch: DrainingBatch, tokens_per_step: float, dispersion: float) -> float:
+    """The share of speculation's mean pace that reaches a draining batch's end.
+
+    Plain decoding ends the batch in max R_i token-steps (R_i: tokens sequence i has left).
+    Speculating, sequence i emits a random 1 + A_i tokens a step, so it needs a random
+    number of steps T_i, about normal with mean R_i / mu_i and variance R_i var(A_i) / mu_i^3
+    (renewal theory; mu_i = 1 + E[A_i]), and the batch ends at max T_i. Its expectation
+    exceeds max R_i / mu, which is what the mean pace (mu tokens a sequence-step) promises,
+    for two reasons: sequences that draw fewer accepted tokens fall behind the rest (at
+    batch 8 and p = 0.3, tied sequences of 128 tokens finish about 7 % later than their mean),
+    and sequences whose drafts fit worse lag for good. So the reach is
+    (max R_i / mu) / E[max T_i], at most 1. E[A_i] is the step's mean acceptance times each
+    sequence's own relative to the batch's (`relative_acceptance`); var(A_i) =
+    `dispersion` * E[A_i], the variance over mean of the accepted count at this step's tree size.
+    """
+    remaining = np.asarray(batch.remaining, dtype=np.float64)
+    longest = float(remaining.max(initial=0.0))
+    if longest <= 0 or tokens_per_step <= 1.0:
+        return 1.0
+    accepted = (tokens_per_step - 1.0) * relative_acceptance(batch.trees, batch.accepted, dispersion)
+    rate = 1.0 + accepted
+    means = remaining / rate
+    deviations = np.sqrt(dispersion * accepted * remaining) / rate**1.5
+    finish = min(expected_maximum(means, deviations), longest)  # never under one token a step
+    return float(min(longest / tokens_per_step / finish, 1.0))
+
+
+def relative_acceptance(trees: Sequence[int], accepted: Sequence[int], dispersion: float) -> np.ndarray:
+    """Each sequence's accepted draft tokens per tree over the batch's, shrunk by how much of
+    their spread is noise (empirical Bayes).
+
+    A sequence's rate over n trees has sampling variance `dispersion` * a / n (a: the batch's
+    rate); the spread of the rates beyond that is taken for real differences between the
+    sequences, and each rate is pulled towards the batch's by the share of its deviation
+    that noise would explain. Sequences alike in their drafts then all count as the batch
+    (no lucky or unlucky few taken for laggards), while one whose drafts fit worse is seen
+    for what it is once its trees say so. A sequence with no tree yet counts as the batch.
+    """
+    trees = np.asarray(trees, dtype=np.float64)
+    accepted = np.asarray(accepted, dtype=np.float64)
+    relative = np.ones_like(trees)
+    seen = trees > 0
+    batch_rate = accepted.sum() / trees.sum() if seen.any() else 0.0
+    if seen.sum() < 2 or batch_rate <= 0:
+        return relative
+    rates = accepted[seen] / trees[seen]
+    noise = dispersion * batch_rate / trees[seen]
+    spread = max(float(rates.var()) - float(noise.mean()), 0.0)
+    relative[seen] = 1.0 + spread / (spread + noise) * (rates / batch_rate - 1.0)
+    return relative
+
+
+def expected_maximum(means: np.ndarray, deviations: np.ndarray, points: int = 32) -> float:
+    """E[max X_i] of independent normal X_i: the integral of 1 - prod_i P(X_i <= x) from a point
+    where that product is nought. Variables that cannot reach that point are left out."""
+    top = means.max()
+    low = top - 6.0 * deviations.max()
+    high = (means + 6.0 * deviations).max()
+    if high - low < 1e-9:
+        return float(top)
+    contenders = means + 6.0 * deviations > low
+    x = np.linspace(low, high, points)
+    z = (x[:, None] - means[contenders]) / np.maximum(deviations[contenders], 1e-12)
+    below = np.prod(_normal_cdf(z), axis=1)
+    above = 1.0 - below
+    return float(low + (above[:-1] + above[1:]).sum() * (x[1] - x[0]) / 2)
+
+
+def _normal_cdf(z: np.ndarray) -> np.ndarray:
+    """The standard normal CDF (Abramowitz and Stegun 7.1.26, error under 1e-7): numpy has no erf."""
+    x = np.abs(z) / np.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * x)
+    poly = ((((1.061405429 * t - 1.453152027) * t + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t
+    return 0.5 * (1.0 + np.sign(z) * (1.0 - poly * np.exp(-x * x)))
 
 
 def _at_least_counts(values: np.ndarray, top: int) -> np.ndarray:
