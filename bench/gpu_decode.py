@@ -9,7 +9,8 @@ Sections (all in one run, side by side):
            oracle proposer whose drafts are right with probability p (the acceptance knob);
            ``spec_run_steps`` / ``plain_run_steps`` split each mode's time by step kind (`StepKinds`):
            share of the time @ tokens/s within those steps / mean ms per step; ``pair_ratios``
-           is each speculative run's tokens/s over the plain run just before it;
+           is each speculative run's tokens/s over the plain run just before it; ``--draft-mix``
+           makes a share of the sequences draft worse (prompts unlike their drafter's);
   floor    (only when named in --sections) speculation where it does not pay, against plain
            decoding's own run-to-run noise: per round, in shuffled order, two plain runs (no
            proposer), one with the proposer attached and the controller held to plain
@@ -36,6 +37,7 @@ import random
 import sys
 import tempfile
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -247,17 +249,23 @@ class ChainOracle:
     drafter, drafting from the sequence's own context, would do.
     """
 
-    def __init__(self, successors: list[int], k: int, p: float, vocab: int, target_parallelism: int, seed: int = 0):
+    def __init__(self, successors: list[int], k: int, p: float, vocab: int, target_parallelism: int, seed: int = 0,
+                 mix: tuple[float, float] = (0.0, 1.0)):
         self.successors, self.k, self.p, self.vocab = successors, k, p, vocab
         self.target_parallelism = target_parallelism
+        self.mix = mix  # (share, factor): that share of the sequences (by key) draft right with probability p * factor
         self.rng = random.Random(seed)
+
+    def right(self, request_id: str) -> float:
+        share, factor = self.mix
+        return self.p * factor if zlib.crc32(request_id.encode()) % 1000 < 1000 * share else self.p
 
     def propose(self, batch):
         trees = []
         for request in batch:
-            tokens, last = [], request.token_ids[-1]
+            tokens, last, right = [], request.token_ids[-1], self.right(request.request_id)
             for _ in range(min(self.k, request.max_nodes)):
-                last = self.successors[last] if self.rng.random() < self.p else self.rng.randrange(self.vocab)
+                last = self.successors[last] if self.rng.random() < right else self.rng.randrange(self.vocab)
                 tokens.append(last)
             trees.append(TokenTree.chain(tokens))
         return trees
@@ -396,9 +404,10 @@ def warm_up_speculation(engine: LLMEngine, oracle: ChainOracle, prompts: list[di
     timed_decode(engine, prompts, 16)
 
 
-def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, prompt_len, new_tokens, repeats, rows, waves=1):
+def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, prompt_len, new_tokens, repeats, rows, waves=1,
+               mix=(0.0, 1.0)):
     vocab = LLAMA3_8B["vocab_size"]
-    oracle = ChainOracle([], k=k, p=0.0, vocab=vocab, target_parallelism=target_parallelism)
+    oracle = ChainOracle([], k=k, p=0.0, vocab=vocab, target_parallelism=target_parallelism, mix=mix)
     engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=k)
     engine.waits_for_all = waves == 1
     kinds, plain_kinds = StepKinds(engine), StepKinds(engine)
@@ -430,7 +439,7 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
                 accepted += stats.num_accepted_tokens - before[1]
                 drafted += stats.num_draft_tokens - before[2]
             plain, spec = float(np.median(plain_runs)), float(np.median(spec_runs))
-            rows.append(dict(section="spec", batch=batch, waves=waves, draft_p=p, k=k, repeats=repeats,
+            rows.append(dict(section="spec", batch=batch, waves=waves, draft_p=p, draft_mix=f"{mix[0]:g} at {mix[1]:g}p", k=k, repeats=repeats,
                              spec_seq_steps=steps, mean_tree_nodes=round(drafted / max(steps, 1), 2),
                              mean_accepted_length=round((accepted + steps) / max(steps, 1), 2),
                              same_tokens_as_plain=f"{matching}/{outputs}",
@@ -526,6 +535,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tree-sizes", default="1,4,8,16,32,63")
     parser.add_argument("--verify-batches", default="1,16")
     parser.add_argument("--draft-p", default="0.0,0.5,0.8,0.95")
+    parser.add_argument("--draft-mix", default="0,1",
+                        help="SHARE,FACTOR: that share of the sequences draft right with probability p * FACTOR (spec section)")
     parser.add_argument("--spec-k", type=int, default=8)
     parser.add_argument("--target-parallelism", type=int, default=512,
                         help="tree nodes per step over the batch (default: the lookahead cache's, TACO-LLM's)")
@@ -560,7 +571,8 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
     if "spec" in sections:
         bench_spec(model_dir, truth, batches, [float(p) for p in args.draft_p.split(",")], args.spec_k, args.target_parallelism,
-                   args.prompt_len, args.new_tokens, args.repeats, rows, args.waves)
+                   args.prompt_len, args.new_tokens, args.repeats, rows, args.waves,
+                   tuple(float(x) for x in args.draft_mix.split(",")))
         gc.collect()
         torch.cuda.empty_cache()
     if "floor" in sections:
