@@ -45,10 +45,10 @@ drift apart as their acceptance draws differ, and a sequence whose drafts fit wo
 the rest lags for good, so the batch ends later than its mean pace promises. The
 controller scales speculation's measured pace by its reach (`speculation_reach`), the
 share of it that reaches the batch's end, projected from each sequence's remaining tokens
-and its own acceptance. On the GPU host's timings (`bench/spec_control_sim.py`), judging
-by the mean pace alone lost 4-5 % in closed batches of 8-16 sequences where speculation
-led by a few percent, and 10-20 % at batch 16-64 where a quarter of the sequences drafted
-badly.
+and its own acceptance. On the GPU host's timings (`bench/spec_control_sim.py`, 8 seeds),
+judging by the mean pace alone lost up to 6 % (the worst seed) in closed batches of 4-32
+sequences where speculation led by a few percent, and 11-19 % (the median) at batch 16-64
+where a quarter of the sequences drafted badly; judged by its reach, 1.4 % and 2-4 %.
 
 And a speculative probe costs nearly a whole step: its slowest sequence gets one token
 from it, as from a plain token-step, at a verification's cost (at batch 32 on the GPU
