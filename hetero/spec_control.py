@@ -109,7 +109,6 @@ class _Samples:
     window: int
     recent: deque = field(default_factory=deque)
     _sequence_steps: int = 0
-    _tokens_per_sequence_step: float = 0.0
     _mean_tokens: float = 0.0
     _median_seconds: float = 0.0
     _relative_error: float = 0.0
@@ -122,7 +121,6 @@ class _Samples:
         count = len(self.recent)
         self._sequence_steps = sum(n for _, _, n in self.recent)
         self._mean_tokens = sum(t for t, _, _ in self.recent) / count
-        self._tokens_per_sequence_step = self._mean_tokens * count / self._sequence_steps
         self._median_seconds = median(s for _, s, _ in self.recent)
         self._one_token_each = all(t <= n for t, _, n in self.recent)
         variance = sum((t - self._mean_tokens) ** 2 for t, _, _ in self.recent) / max(count - 1, 1)
@@ -132,7 +130,7 @@ class _Samples:
         return self._sequence_steps
 
     def tokens_per_sequence_step(self) -> float:
-        return self._tokens_per_sequence_step
+        return self._mean_tokens * len(self.recent) / self._sequence_steps
 
     def accepted_any(self) -> bool:
         """Whether some step emitted more than one token per sequence (a draft token was accepted)."""
