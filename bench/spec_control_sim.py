@@ -78,7 +78,7 @@ def closed_batch_ms(controller, batch: int, new_tokens: int, workload: Workload,
                     speculate: bool = True) -> float:
     """Milliseconds to decode one closed batch (every sequence `new_tokens` long, the first from prefill)."""
     rooms = [new_tokens - 1] * batch
-    trees, accepted = [0] * batch, [0] * batch
+    trees, accepted, squared = [0] * batch, [0] * batch, [0] * batch
     backoffs = [DraftBackoff() for _ in range(batch)]
     right = [workload.p * (workload.mixed_factor if rng.random() < workload.mixed_share else 1.0) for _ in range(batch)]
     elapsed = 0.0
@@ -89,7 +89,8 @@ def closed_batch_ms(controller, batch: int, new_tokens: int, workload: Workload,
         room = [rooms[i] for i in active]
         nodes = 0
         if speculate:
-            draining = DrainingBatch(room, [trees[i] for i in active], [accepted[i] for i in active])
+            draining = DrainingBatch(room, [trees[i] for i in active], [accepted[i] for i in active],
+                                     [squared[i] for i in active])
             nodes = controller.nodes_per_sequence(len(active), draining=draining)
         budgets = {}
         for i in active if nodes else ():
@@ -109,6 +110,7 @@ def closed_batch_ms(controller, batch: int, new_tokens: int, workload: Workload,
                     backoffs[i].record(took)
                     trees[i] += 1
                     accepted[i] += took
+                    squared[i] += took * took
                 rooms[i] -= 1 + took
                 emitted += 1 + took
             controller.record_acceptance(sizes, counts)

@@ -462,6 +462,7 @@ class LLMEngine:
             remaining=[self._length_room(seq) for seq in seqs],
             trees=[seq.spec.num_steps for seq in seqs],
             accepted=[seq.spec.num_accepted_tokens for seq in seqs],
+            squared=[seq.spec.sum_squared_accepted for seq in seqs],
         )
 
     def _reserve_run_ahead(self, decoding: list[ScheduledSeq]) -> int:

@@ -123,6 +123,7 @@ class SpecStats:
     num_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    sum_squared_accepted: int = 0  # of each tree's accepted tokens: with the sum, their variance
     accepted_per_position: list[int] = field(default_factory=list)
 
     def record(self, num_draft: int, num_accepted: int) -> None:
@@ -130,6 +131,7 @@ class SpecStats:
         self.num_steps += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
+        self.sum_squared_accepted += num_accepted * num_accepted
         self._count_positions(num_accepted)
 
     def record_batch(self, num_draft: Sequence[int], num_accepted: Sequence[int]) -> None:
@@ -137,6 +139,7 @@ class SpecStats:
         self.num_steps += len(num_draft)
         self.num_draft_tokens += sum(num_draft)
         self.num_accepted_tokens += sum(num_accepted)
+        self.sum_squared_accepted += sum(accepted * accepted for accepted in num_accepted)
         for accepted in num_accepted:
             self._count_positions(accepted)
 

@@ -2,8 +2,8 @@
 
 Two limits apply. The node budget (`target_parallelism`, summed over the batch) shrinks
 trees as the batch grows, because a large batch already fills the GPU. And the
-controller measures, per batch-size bucket (powers of two), the tokens per second that
-engine steps with and without speculation actually deliver (`record_step`; the engine
+controller measures, per batch-size bucket (powers of two), the tokens per second per
+sequence that engine steps with and without speculation actually deliver (`record_step`; the engine
 times a step from the end of the previous one while it is busy, so the caller's work
 between steps counts, and it leaves out steps that the requests' lengths cut short).
 
@@ -45,10 +45,12 @@ drift apart as their acceptance draws differ, and a sequence whose drafts fit wo
 the rest lags for good, so the batch ends later than its mean pace promises. The
 controller scales speculation's measured pace by its reach (`speculation_reach`), the
 share of it that reaches the batch's end, projected from each sequence's remaining tokens
-and its own acceptance. On the GPU host's timings (`bench/spec_control_sim.py`, 8 seeds),
-judging by the mean pace alone lost up to 6 % (the worst seed) in closed batches of 4-32
-sequences where speculation led by a few percent, and 11-19 % (the median) at batch 16-64
-where a quarter of the sequences drafted badly; judged by its reach, 1.4 % and 2-4 %.
+and its own acceptance (`AcceptanceSpread`), and, for sequences with few trees yet, from
+how unevenly drafts fitted earlier batches (`SpreadPrior`). On the GPU host's timings
+(`bench/spec_control_sim.py`, 8 seeds), judging by the mean pace alone lost up to 6 % (the
+worst seed) in closed batches of 4-32 sequences where speculation led by a few percent,
+and 11-19 % (the median) at batch 16-64 where a quarter of the sequences drafted badly;
+judged by its reach, under 2 % and under 2.5 %.
 
 And a speculative probe costs nearly a whole step: its slowest sequence gets one token
 from it, as from a plain token-step, at a verification's cost (at batch 32 on the GPU
@@ -141,13 +143,16 @@ class _Samples:
         `NOTHING_ACCEPTED_SEQUENCE_STEPS` sequence-steps."""
         return self._sequence_steps >= NOTHING_ACCEPTED_SEQUENCE_STEPS and self._one_token_each
 
-    def tokens_per_second(self) -> float:
-        """Mean tokens per step over median seconds per step.
+    def pace(self) -> float:
+        """Tokens per sequence-step over median seconds per step: tokens per second per sequence.
 
         Tokens vary from step to step for real (acceptance), and their mean is what a step
         delivers; a slow step (a pause, a cold start) is noise, which the median ignores.
+        Per sequence, because a bucket spans batch sizes up to twice apart: a draining batch
+        that speculated at 32 sequences and decoded plainly at 20 would otherwise credit
+        speculation with the 12 sequences that had left.
         """
-        return self._mean_tokens / self._median_seconds
+        return self.tokens_per_sequence_step() / self._median_seconds
 
     def seconds_per_step(self) -> float:
         return self._median_seconds
@@ -165,9 +170,13 @@ class _Bucket:
     countdown: float  # time left until the next probe, in the losing option's step times
     speculating: Optional[bool] = None  # the last verdict, None while exploring
     reach: float = 1.0  # share of speculation's pace that reaches a draining batch's end (`speculation_reach`)
+    reach_age: int = 0  # steps since the reach was projected
+    reach_seqs: int = 0  # sequences it was projected for
 
 
 class SpeculationController:
+    REACH_REFRESH_STEPS = 4  # see `_refresh_reach`
+
     def __init__(
         self,
         max_nodes_per_seq: int,
@@ -192,6 +201,7 @@ class SpeculationController:
         self.always_speculate = always_speculate  # skip the measurement (tests, cost benchmarks)
         self.tree_sizer = TreeSizer(max_nodes_per_seq, query_buckets)
         self._buckets: dict[int, _Bucket] = {}
+        self.spread_prior = SpreadPrior()
 
     @staticmethod
     def bucket(num_seqs: int) -> int:
@@ -225,8 +235,8 @@ class SpeculationController:
 
     @staticmethod
     def _pace(state: _Bucket, speculative: bool) -> float:
-        """An option's measured tokens per second; speculation's times its reach (`speculation_reach`)."""
-        return state.spec.tokens_per_second() * state.reach if speculative else state.plain.tokens_per_second()
+        """An option's measured pace (`_Samples.pace`); speculation's times its reach (`speculation_reach`)."""
+        return state.spec.pace() * state.reach if speculative else state.plain.pace()
 
     def _lead_to_switch(self, state: _Bucket, to_speculation: bool) -> float:
         """How much faster than the current verdict the other option must measure to replace it.
@@ -261,9 +271,30 @@ class SpeculationController:
         draining = draining if num_seqs > 1 else None
         if explore:
             state = self._state(num_seqs)
-            state.reach = 1.0 if draining is None or not state.spec.recent else speculation_reach(
-                draining, state.spec.tokens_per_sequence_step(), self.tree_sizer.accepted_dispersion(size))
+            if draining is None:
+                state.reach = 1.0
+            else:
+                self._refresh_reach(state, draining, size)
         return size if self._speculates(num_seqs, explore, draining is not None) else 0
+
+    def _refresh_reach(self, state: _Bucket, draining: DrainingBatch, size: int) -> None:
+        """Projects speculation's reach (`speculation_reach`) afresh every `REACH_REFRESH_STEPS`
+        steps, and whenever a batch starts or a sequence leaves it.
+
+        It moves slowly within a batch (it depends on trees and tokens left, summed over the
+        run so far), and costs 0.1-0.3 ms of numpy per projection: a few percent of a
+        speculative step at batch 8 if made at every step.
+        """
+        new_batch = not any(draining.trees)
+        state.reach_age += 1
+        if not (new_batch or len(draining.trees) != state.reach_seqs or state.reach_age >= self.REACH_REFRESH_STEPS):
+            return
+        state.reach_age, state.reach_seqs = 0, len(draining.trees)
+        spread = AcceptanceSpread.of(draining, self.tree_sizer.accepted_dispersion(size), self.spread_prior.value)
+        self.spread_prior.observe(draining, spread)
+        if state.spec.recent and (not state.plain.recent or state.spec.pace() > state.plain.pace()):
+            # (speculation slower than plain decoding at its whole pace loses at any reach)
+            state.reach = speculation_reach(draining.remaining, state.spec.tokens_per_sequence_step(), spread)
 
     def _speculates(self, num_seqs: int, explore: bool, draining: bool) -> bool:
         """Whether this step speculates (see `nodes_per_sequence`); counts down to the next probe."""
@@ -355,7 +386,7 @@ class SpeculationController:
             return
         if state.spec.accepted_nothing():
             return
-        pace = tokens_emitted / seconds * (state.reach if speculated else 1.0)
+        pace = tokens_emitted / num_seqs / seconds * (state.reach if speculated else 1.0)
         if pace >= self._lead_to_switch(state, speculated) * self._pace(state, speculate):
             # A probe faster than the winner by what a switch takes: look again at once.
             # Consecutive such probes overturn the verdict; a fluke is outvoted by the probes after it.
@@ -364,6 +395,7 @@ class SpeculationController:
     def record_acceptance(self, num_nodes: Sequence[int], num_accepted: Sequence[int]) -> None:
         """One step's verified trees: each one's node count and accepted draft tokens."""
         self.tree_sizer.record(num_nodes, num_accepted)
+        self.spread_prior.trees_verified()
 
     def speculation_pays(self, num_seqs: int) -> bool | None:
         """Whether speculation measured faster at this batch size (None before both were measured)."""
@@ -413,6 +445,7 @@ class TreeSizer:
         self.offered = np.zeros(max_nodes + 1)  # [i]: decayed count of trees with >= i nodes
         self.reached = np.zeros(max_nodes + 1)  # [i]: of those, trees with >= i accepted tokens
         self._best: dict[tuple[int, int], int] = {}  # (budget, num_seqs) -> best_size, until the next record
+        self._dispersion: dict[int, float] = {}  # nodes -> accepted_dispersion, until the next record
 
     def record(self, num_nodes: Sequence[int], num_accepted: Sequence[int]) -> None:
         if not len(num_nodes):
@@ -423,6 +456,7 @@ class TreeSizer:
         self.offered = self.offered * decay + _at_least_counts(nodes, self.max_nodes)
         self.reached = self.reached * decay + _at_least_counts(accepted, self.max_nodes)
         self._best.clear()
+        self._dispersion.clear()
 
     def acceptance_at_least(self) -> np.ndarray:
         """P(>= i) for i = 1..max_nodes (index i - 1); `PRIOR_ACCEPTANCE` ** i before any position is measured."""
@@ -441,12 +475,13 @@ class TreeSizer:
 
         E[A] = sum of P(>= i) and E[A^2] = sum of (2i - 1) P(>= i), for i = 1..nodes.
         """
-        at_least = self.acceptance_at_least()[:nodes]
-        mean = at_least.sum()
-        if mean <= 0:
-            return 1.0
-        second = ((2 * np.arange(1, nodes + 1) - 1) * at_least).sum()
-        return (second - mean * mean) / mean
+        dispersion = self._dispersion.get(nodes)
+        if dispersion is None:
+            at_least = self.acceptance_at_least()[:nodes]
+            mean = at_least.sum()
+            second = ((2 * np.arange(1, nodes + 1) - 1) * at_least).sum()
+            dispersion = self._dispersion[nodes] = float((second - mean * mean) / mean) if mean > 0 else 1.0
+        return dispersion
 
     def best_size(self, budget: int, num_seqs: int) -> int:
         """The node count in 1..budget with the most expected tokens per unit of step cost."""
@@ -476,14 +511,16 @@ class TreeSizer:
 @dataclass(frozen=True)
 class DrainingBatch:
     """A batch whose caller waits for all of it, per sequence: the tokens it may still emit
-    (its `max_tokens` left), and its verified trees and their accepted draft tokens so far."""
+    (its `max_tokens` left), its verified trees, their accepted draft tokens so far and the
+    sum of their squares."""
 
     remaining: Sequence[int]
     trees: Sequence[int]
     accepted: Sequence[int]
+    squared: Sequence[int]
 
 
-def speculation_reach(batch: DrainingBatch, tokens_per_step: float, dispersion: float) -> float:
+def speculation_reach(remaining: Sequence[int], tokens_per_step: float, spread: AcceptanceSpread) -> float:
     """The share of speculation's mean pace that reaches a draining batch's end.
 
     Plain decoding ends the batch in max R_i token-steps (R_i: tokens sequence i has left).
@@ -495,59 +532,177 @@ def speculation_reach(batch: DrainingBatch, tokens_per_step: float, dispersion: 
     batch 8 and p = 0.3, tied sequences of 128 tokens finish about 7 % later than their mean),
     and sequences whose drafts fit worse lag for good. So the reach is
     (max R_i / mu) / E[max T_i], at most 1. E[A_i] is the step's mean acceptance times each
-    sequence's own relative to the batch's (`relative_acceptance`); var(A_i) =
-    `dispersion` * E[A_i], the variance over mean of the accepted count at this step's tree size.
+    sequence's own relative to the batch's, var(A_i) the variance within a sequence at that
+    mean (`AcceptanceSpread`), and T_i is a mixture over how uncertain mu_i still is (three
+    points, `_HERMITE_POINTS`): a sequence with few trees may yet turn out a laggard.
     """
-    remaining = np.asarray(batch.remaining, dtype=np.float64)
+    remaining = np.asarray(remaining, dtype=np.float64)
     longest = float(remaining.max(initial=0.0))
     if longest <= 0 or tokens_per_step <= 1.0:
         return 1.0
-    accepted = (tokens_per_step - 1.0) * relative_acceptance(batch.trees, batch.accepted, dispersion)
+    if spread.relative_variance.any():
+        relative = spread.relative[:, None] + np.sqrt(spread.relative_variance)[:, None] * _HERMITE_POINTS
+        weights = _HERMITE_WEIGHTS
+    else:
+        relative, weights = spread.relative[:, None], None
+    accepted = (tokens_per_step - 1.0) * np.maximum(relative, 0.0)
     rate = 1.0 + accepted
-    means = remaining / rate
-    deviations = np.sqrt(dispersion * accepted * remaining) / rate**1.5
-    finish = min(expected_maximum(means, deviations), longest)  # never under one token a step
+    means = remaining[:, None] / rate
+    deviations = np.sqrt(spread.within_dispersion * accepted * remaining[:, None]) / rate**1.5
+    finish = min(expected_maximum(means, deviations, weights), longest)  # never under one token a step
     return float(min(longest / tokens_per_step / finish, 1.0))
 
 
-def relative_acceptance(trees: Sequence[int], accepted: Sequence[int], dispersion: float) -> np.ndarray:
-    """Each sequence's accepted draft tokens per tree over the batch's, shrunk by how much of
-    their spread is noise (empirical Bayes).
+# Three-point Gauss-Hermite rule for a normal's mean and variance: how uncertain a sequence's
+# rate still is enters its finishing time through 1 / rate, which is convex, so a rate that
+# may be low weighs more than its symmetric chance of being high.
+_HERMITE_POINTS = np.array([-np.sqrt(3.0), 0.0, np.sqrt(3.0)])
+_HERMITE_WEIGHTS = np.array([1.0, 4.0, 1.0]) / 6.0
 
-    A sequence's rate over n trees has sampling variance `dispersion` * a / n (a: the batch's
-    rate); the spread of the rates beyond that is taken for real differences between the
-    sequences, and each rate is pulled towards the batch's by the share of its deviation
-    that noise would explain. Sequences alike in their drafts then all count as the batch
+
+@dataclass(frozen=True)
+class AcceptanceSpread:
+    """How a draining batch's sequences differ in their accepted draft tokens per tree.
+
+    A sequence's rate over n trees has sampling variance w / n, w the variance of a tree's
+    accepted count within a sequence; the spread of the rates beyond that, s, is taken for
+    real differences between the sequences (empirical Bayes). Each sequence's rate is then
+    the batch's plus the share s / (s + w / n) of its deviation (`relative`, over the
+    batch's rate), and it is still uncertain by s (w / n) / (s + w / n) (`relative_variance`,
+    over the batch's rate squared): sequences alike in their drafts all count as the batch
     (no lucky or unlucky few taken for laggards), while one whose drafts fit worse is seen
-    for what it is once its trees say so. A sequence with no tree yet counts as the batch.
+    for what it is once its trees say so. A sequence with no tree yet counts as the batch,
+    uncertain by all of s.
+
+    s is what earlier batches measured (the prior, over the rate squared), or what this
+    batch's rates show beyond doubt (`_lower_bound`) where that is more: a batch whose
+    sequences have few trees yet expects the spread its predecessors had. `measured` is
+    this batch's own estimate, not clipped at zero (so that averaging estimates of a spread
+    of zero gives zero), once its sequences have two trees each on average; None before.
+
+    `within_dispersion`: w over the batch's rate. w is pooled from each sequence's own trees
+    (their sums of squares), not taken from every tree's spread around the batch's rate:
+    that spread includes the differences between sequences, and where a quarter of them
+    drafted at a third of the rest's rate it read as noise and hid the laggards for dozens
+    of steps. Before any sequence has two trees, `dispersion`, the variance over mean of
+    the accepted count over every recent tree, stands in.
     """
-    trees = np.asarray(trees, dtype=np.float64)
-    accepted = np.asarray(accepted, dtype=np.float64)
-    relative = np.ones_like(trees)
-    seen = trees > 0
-    batch_rate = accepted.sum() / trees.sum() if seen.any() else 0.0
-    if seen.sum() < 2 or batch_rate <= 0:
-        return relative
-    rates = accepted[seen] / trees[seen]
-    noise = dispersion * batch_rate / trees[seen]
-    spread = max(float(rates.var()) - float(noise.mean()), 0.0)
-    relative[seen] = 1.0 + spread / (spread + noise) * (rates / batch_rate - 1.0)
-    return relative
+
+    relative: np.ndarray
+    relative_variance: np.ndarray
+    within_dispersion: float
+    measured: Optional[float] = None
+    measured_error: float = 0.0  # the standard error of `measured`
+
+    @classmethod
+    def of(cls, batch: DrainingBatch, dispersion: float, prior: float = 0.0) -> AcceptanceSpread:
+        trees = np.asarray(batch.trees, dtype=np.float64)
+        accepted = np.asarray(batch.accepted, dtype=np.float64)
+        prior = max(prior, 0.0)
+        seen = trees > 0
+        if not seen.any() or accepted.sum() <= 0:
+            return cls(np.ones_like(trees), np.full_like(trees, prior), dispersion)
+        batch_rate = accepted.sum() / trees.sum()
+        seen_trees, seen_accepted = trees[seen], accepted[seen]
+        squared = np.asarray(batch.squared, dtype=np.float64)[seen]
+        degrees = seen_trees.sum() - len(seen_trees)
+        if degrees < len(seen_trees):  # under two trees a sequence on average: w is not the batch's own yet
+            within = dispersion * batch_rate
+            relative, uncertain = _shrunk(seen, seen_accepted / seen_trees / batch_rate, within / seen_trees / batch_rate**2, prior)
+            return cls(relative, uncertain, dispersion)
+        within = max((squared - seen_accepted**2 / seen_trees).sum() / degrees, 1e-9)
+        rates = seen_accepted / seen_trees / batch_rate
+        noise = within / seen_trees / batch_rate**2
+        # The spread this batch's rates show beyond doubt: their estimate less a standard error,
+        # from the rates' own fourth moment (a sequence's rate over a few trees is far from
+        # normal). A batch of 8 alike sequences with 3 trees each shows a spread by chance often
+        # enough that believing it turned speculation that paid 1.65x off for a whole batch.
+        deviations = (rates - rates.mean()) ** 2
+        measured = float(deviations.mean() - noise.mean())
+        error = float(deviations.var() / (len(rates) - 1)) ** 0.5
+        relative, uncertain = _shrunk(seen, rates, noise, max(prior, measured - error))
+        return cls(relative, uncertain, within / batch_rate, measured, error)
 
 
-def expected_maximum(means: np.ndarray, deviations: np.ndarray, points: int = 32) -> float:
-    """E[max X_i] of independent normal X_i: the integral of 1 - prod_i P(X_i <= x) from a point
-    where that product is nought. Variables that cannot reach that point are left out."""
-    top = means.max()
-    low = top - 6.0 * deviations.max()
-    high = (means + 6.0 * deviations).max()
+def _shrunk(seen: np.ndarray, rates: np.ndarray, noise: np.ndarray, spread: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each sequence's rate relative to the batch's, pulled towards 1 by the share of its
+    deviation that `noise` (its sampling variance) explains given a real `spread`, and the
+    variance left in it; for sequences not `seen` (no tree yet), 1 and all of the spread.
+    Everything over the batch's rate (squared)."""
+    spread = max(spread, 0.0)
+    relative, uncertain = np.ones(len(seen)), np.full(len(seen), spread)
+    share = spread / (spread + noise)
+    relative[seen] = 1.0 + share * (rates - 1.0)
+    uncertain[seen] = share * noise
+    return relative, uncertain
+
+
+class SpreadPrior:
+    """How unevenly drafts fit a draining batch's sequences, carried from batch to batch.
+
+    Each batch starts with no tree of its own, so without it the first steps of every batch
+    took its sequences for alike: where a quarter of them drafted at a tenth of the rest's
+    rate, batches speculated for a dozen steps before their laggards showed.
+
+    One estimate per batch (the last one measured while at least three quarters of its
+    sequences were still decoding: the tail is its laggards, alike among themselves), since
+    a batch's estimates from step to step share most of their trees. `value` is the mean of
+    the last `MEMORY_BATCHES` estimates less two standard errors of that mean, so that a
+    spread that a single batch of 8 shows by chance is not carried into the next ones.
+    """
+
+    MEMORY_BATCHES = 4
+
+    def __init__(self) -> None:
+        self.value = 0.0  # the spread to expect, over the batch's rate squared (`AcceptanceSpread`)
+        self._mean = self._error = 0.0  # running means of the batches' estimates and of their standard errors
+        self._batches = 0
+        self._estimate: Optional[tuple[float, float]] = None  # this batch's latest (estimate, standard error)
+        self._batch_size = 0  # decoding sequences this batch started with
+        self._fresh = False  # trees verified since the last observation
+
+    def trees_verified(self) -> None:
+        self._fresh = True
+
+    def observe(self, batch: DrainingBatch, spread: AcceptanceSpread) -> None:
+        """One draining step's view; a step whose sequences have verified no tree starts a new batch."""
+        num_seqs = len(batch.trees)
+        if not any(batch.trees):
+            self._close_batch()
+            self._batch_size = num_seqs
+            return
+        self._batch_size = max(self._batch_size, num_seqs)
+        if self._fresh and spread.measured is not None and num_seqs >= 0.75 * self._batch_size:
+            self._estimate = (spread.measured, spread.measured_error)
+        self._fresh = False
+
+    def _close_batch(self) -> None:
+        if self._estimate is None:
+            return
+        self._batches += 1
+        count = min(self._batches, self.MEMORY_BATCHES)
+        estimate, error = self._estimate
+        self._mean += (estimate - self._mean) / count
+        self._error += (error - self._error) / count
+        self.value = self._mean - 2.0 * self._error / count**0.5
+        self._estimate = None
+
+
+def expected_maximum(means: np.ndarray, deviations: np.ndarray, weights: Optional[np.ndarray] = None, points: int = 24) -> float:
+    """E[max X_i] of independent X_i, each normal (`means`, `deviations` of shape (n, 1)) or a
+    mixture of normals (shape (n, k), component weights `weights` of shape (k,)): the integral
+    of 1 - prod_i P(X_i <= x) from a point where that product is nought (four deviations under
+    some variable's every component: 3e-5) to where it is one (four over every variable's:
+    under 1 - 3e-5 n). Variables that cannot reach the lower point are left out."""
+    low = (means - 4.0 * deviations).min(axis=1).max()
+    high = (means + 4.0 * deviations).max()
     if high - low < 1e-9:
-        return float(top)
-    contenders = means + 6.0 * deviations > low
+        return float(means.max())
+    contenders = (means + 4.0 * deviations).max(axis=1) > low
     x = np.linspace(low, high, points)
-    z = (x[:, None] - means[contenders]) / np.maximum(deviations[contenders], 1e-12)
-    below = np.prod(_normal_cdf(z), axis=1)
-    above = 1.0 - below
+    z = (x[:, None, None] - means[contenders]) / np.maximum(deviations[contenders], 1e-12)
+    cdf = _normal_cdf(z)[..., 0] if weights is None else (_normal_cdf(z) * weights).sum(axis=2)  # no matmul: BLAS threads cost more than they save here
+    above = 1.0 - np.prod(cdf, axis=1)
     return float(low + (above[:-1] + above[1:]).sum() * (x[1] - x[0]) / 2)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bench.spec_control_sim import Workload, speedups
-from hetero.spec_control import DrainingBatch, SpeculationController, TreeSizer, relative_acceptance, speculation_reach
+from hetero.spec_control import AcceptanceSpread, DrainingBatch, SpeculationController, TreeSizer, speculation_reach
 
 
 def drive(controller, num_seqs, spec_tps, plain_tps, steps, spec_tokens_per_seq=2, plain_tokens_per_seq=2, draining=False):
@@ -15,7 +15,7 @@ def drive(controller, num_seqs, spec_tps, plain_tps, steps, spec_tokens_per_seq=
     Each step emits the given tokens per sequence (speculation: 1 if no draft token was
     accepted; plain: a multi-step window's). ``draining``: the batch drains, one sequence far
     behind the rest, so that speculation's whole pace reaches its end (reach 1)."""
-    batch = DrainingBatch([1000] + [10] * (num_seqs - 1), [0] * num_seqs, [0] * num_seqs) if draining else None
+    batch = DrainingBatch([1000] + [10] * (num_seqs - 1), [0] * num_seqs, [0] * num_seqs, [0] * num_seqs) if draining else None
     speculated = 0
     for _ in range(steps):
         nodes = controller.nodes_per_sequence(num_seqs, draining=batch)
@@ -279,34 +279,156 @@ def _steps_to_finish(num_seqs, remaining, p, nodes, trials, seed=0):
     return steps / trials
 
 
+def _trees(rng, num_trees, p, nodes):
+    """Accepted draft tokens of `num_trees` chains of `nodes` tokens, each right with probability p."""
+    counts = []
+    for _ in range(num_trees):
+        accepted = 0
+        while accepted < nodes and rng.random() < p:
+            accepted += 1
+        counts.append(accepted)
+    return counts
+
+
+def _draining(remaining, per_sequence_trees):
+    """A draining batch whose sequences verified the given trees (lists of accepted counts)."""
+    return DrainingBatch(remaining, [len(t) for t in per_sequence_trees], [sum(t) for t in per_sequence_trees],
+                         [sum(a * a for a in t) for t in per_sequence_trees])
+
+
 @pytest.mark.parametrize("num_seqs,remaining,p,nodes", [(8, 127, 0.3, 3), (64, 127, 0.6, 3), (16, 40, 0.4, 3), (4, 64, 0.3, 3)])
 def test_reach_matches_a_simulated_closed_batch(num_seqs, remaining, p, nodes):
     """Sequences alike in their drafts drift apart: the batch ends 3-16 % later than its mean
     pace says (the reach is that ratio), and the model says how much to within 3 %."""
     tokens_per_step = 1 + sum(p**i for i in range(1, nodes + 1))
-    batch = DrainingBatch([remaining] * num_seqs, [0] * num_seqs, [0] * num_seqs)
-    reach = speculation_reach(batch, tokens_per_step, _chain_dispersion(p, nodes))
+    batch = DrainingBatch([remaining] * num_seqs, [0] * num_seqs, [0] * num_seqs, [0] * num_seqs)
+    reach = speculation_reach(batch.remaining, tokens_per_step, AcceptanceSpread.of(batch, _chain_dispersion(p, nodes)))
     true_reach = remaining / tokens_per_step / _steps_to_finish(num_seqs, remaining, p, nodes, trials=400)
     assert true_reach < 0.97
     assert reach == pytest.approx(true_reach, rel=0.03)
 
 
-def test_a_sequence_whose_drafts_fit_worse_is_seen_once_its_trees_say_so():
+def test_sequences_whose_drafts_fit_worse_are_seen_once_their_trees_say_so():
     rng = random.Random(0)
-    alike = [sum(rng.random() < 0.3 for _ in range(40)) for _ in range(8)]
+    alike = [_trees(rng, 40, 0.3, 1) for _ in range(8)]
     # Eight alike sequences: 40 one-node trees each leave their raw rates up to 50 % off the
     # batch's; shrunk, they count as the batch give or take the noise of estimating the spread.
-    raw = np.array(alike) / np.mean(alike)
+    # The spread counts once it stands a standard error clear of nought: two of eight drafting
+    # at a quarter of the rest's rate show after 160 trees each (a lone one among 8 does not).
+    raw = np.array([sum(t) for t in alike]) / np.mean([sum(t) for t in alike])
     assert np.abs(raw - 1).max() > 0.4
-    assert np.allclose(relative_acceptance([40] * 8, alike, _chain_dispersion(0.3, 1)), 1.0, atol=0.12)
-    worse = alike[:7] + [sum(rng.random() < 0.075 for _ in range(40))]
-    relative = relative_acceptance([40] * 8, worse, _chain_dispersion(0.3, 1))
-    assert relative[-1] < 0.6 and relative[-1] < relative[:-1].min() - 0.2
-    # The batch waits for it: little of speculation's mean pace reaches the end.
-    batch = DrainingBatch([100] * 8, [40] * 8, worse)
-    assert speculation_reach(batch, 1.3, _chain_dispersion(0.3, 1)) < 0.9
+    spread = AcceptanceSpread.of(_draining([100] * 8, alike), _chain_dispersion(0.3, 1))
+    assert np.allclose(spread.relative, 1.0, atol=0.12)
+    assert spread.within_dispersion == pytest.approx(0.7, abs=0.1)  # Bernoulli: 1 - p
+    rng = random.Random(0)
+    worse = [_trees(rng, 160, 0.3, 1) for _ in range(6)] + [_trees(rng, 160, 0.075, 1) for _ in range(2)]
+    spread = AcceptanceSpread.of(_draining([100] * 8, worse), _chain_dispersion(0.3, 1))
+    assert spread.relative[-2:].max() < 0.7 and spread.relative[-2:].max() < spread.relative[:-2].min() - 0.2
+    # The batch waits for them: little of speculation's mean pace reaches the end.
+    assert speculation_reach([100] * 8, 1.3, spread) < 0.9
     # Before any tree, or for one sequence far behind the rest, speculation's pace all counts.
-    assert speculation_reach(DrainingBatch([1000] + [10] * 7, [0] * 8, [0] * 8), 1.3, 1.0) == pytest.approx(1.0, abs=0.01)
+    fresh = DrainingBatch([1000] + [10] * 7, [0] * 8, [0] * 8, [0] * 8)
+    assert speculation_reach(fresh.remaining, 1.3, AcceptanceSpread.of(fresh, 1.0)) == pytest.approx(1.0, abs=0.01)
+
+
+def test_the_noise_within_a_sequence_is_told_from_the_spread_between_sequences():
+    """A quarter of the sequences draft at 0.27 and the rest at 0.9, 8-node chains, 6 trees
+    each. Every tree's spread around the batch's rate (the recent trees' dispersion) mostly
+    measures that difference; taken for noise, it hid the laggards. Each sequence's own trees
+    tell the noise within a sequence apart from the spread between them, and both come out
+    near their true values."""
+    good, bad = (sum(p**i for i in range(1, 9)) for p in (0.9, 0.27))
+    batch_rate = 0.75 * good + 0.25 * bad
+    true_within = (0.75 * _chain_dispersion(0.9, 8) * good + 0.25 * _chain_dispersion(0.27, 8) * bad) / batch_rate
+    true_spread = 0.75 * 0.25 * (good - bad) ** 2 / batch_rate**2
+    for seed in range(4):
+        rng = random.Random(seed)
+        trees = [_trees(rng, 6, 0.27 if i % 4 == 0 else 0.9, 8) for i in range(32)]
+        pooled = [a for t in trees for a in t]
+        pooled_dispersion = np.var(pooled) / np.mean(pooled)
+        spread = AcceptanceSpread.of(_draining([120] * 32, trees), pooled_dispersion)
+        assert pooled_dispersion > 1.4 * true_within
+        assert spread.within_dispersion == pytest.approx(true_within, rel=0.25)
+        assert spread.measured == pytest.approx(true_spread, abs=0.1)
+        assert spread.relative[::4].max() < 0.6  # shrunk halfway to the batch at most, with no prior yet
+
+
+def test_a_batch_with_no_trees_yet_expects_the_spread_earlier_batches_had():
+    """Without a prior every fresh batch counts its sequences alike, and a quarter of laggards
+    went unseen for its first dozen steps; the spread carried over (relative variance 0.28
+    for 25 % of the sequences at a tenth of the rest's rate) makes the reach that of a batch
+    with laggards in it from the first step."""
+    fresh = DrainingBatch([127] * 32, [0] * 32, [0] * 32, [0] * 32)
+    alike = speculation_reach(fresh.remaining, 4.9, AcceptanceSpread.of(fresh, 1.0))
+    expected = speculation_reach(fresh.remaining, 4.9, AcceptanceSpread.of(fresh, 1.0, prior=0.28))
+    true_reach = (127 / 4.9) / (127 / (1 + 3.9 * 0.1))  # the laggards' pace sets the end
+    assert alike > 0.8
+    assert expected == pytest.approx(true_reach, abs=0.08)
+
+
+def _closed_batches(controller, num_batches, steps, right, seed=2):
+    """Feed the controller's draining view `num_batches` closed batches of 32 sequences that
+    speculate `steps` steps with 8-node chains, sequence i's drafts right with probability right(i)."""
+    rng = random.Random(seed)
+    for _ in range(num_batches):
+        trees = [[] for _ in range(32)]
+        controller.nodes_per_sequence(32, draining=_draining([128] * 32, trees))
+        for _ in range(steps):
+            for i, t in enumerate(trees):
+                t.extend(_trees(rng, 1, right(i), 8))
+            controller.record_acceptance([8] * 32, [t[-1] for t in trees])
+            controller.record_step(32, True, 32 * 4, 0.012)
+            controller.nodes_per_sequence(32, draining=_draining([100] * 32, trees))
+    return trees
+
+
+def test_the_controller_carries_the_spread_from_batch_to_batch():
+    """Learned once per batch, from its last estimate while three quarters of it decode. A
+    quarter of the sequences at a tenth of the rest's rate: relative variance 0.28, expected
+    once a few batches have shown it. Alike sequences teach nothing: the estimates' noise
+    is taken off."""
+    uneven = SpeculationController(8, 512)
+    _closed_batches(uneven, 5, 12, lambda i: 0.27 if i % 4 == 0 else 0.9)
+    assert uneven.spread_prior.value == pytest.approx(0.28, abs=0.1)
+    alike = SpeculationController(8, 512)
+    _closed_batches(alike, 5, 12, lambda i: 0.6)
+    assert alike.spread_prior.value <= 0.0
+
+
+def test_plain_steps_do_not_teach_the_spread_again():
+    """A batch that turned speculation off after a few trees verifies none after them: its
+    last estimate is learned once, when the next batch starts, however long it runs plainly."""
+    controller = SpeculationController(8, 512)
+    trees = _closed_batches(controller, 1, 6, lambda i: 0.27 if i % 4 == 0 else 0.9)
+    for _ in range(40):
+        controller.nodes_per_sequence(32, draining=_draining([90] * 32, trees))
+    assert controller.spread_prior.value == 0.0  # nothing learned before the batch ends
+    controller.nodes_per_sequence(32, draining=_draining([128] * 32, [[] for _ in range(32)]))
+    once = controller.spread_prior.value
+    assert once > 0.0
+    controller.nodes_per_sequence(32, draining=_draining([128] * 32, [[] for _ in range(32)]))
+    assert controller.spread_prior.value == once
+
+
+def test_a_bucket_judges_its_options_per_sequence():
+    """A bucket spans batch sizes up to twice apart. Speculation measured at 32 sequences and
+    plain decoding at 20 (the batch had drained) compare per sequence: plain decoding's
+    3200 tokens a second would have lost to speculation's 4000, although each sequence got
+    160 a second from it against 125."""
+    controller = SpeculationController(8, 512, min_samples=3)
+    for _ in range(4):
+        controller.record_step(32, True, 48, 0.012)
+        controller.record_step(20, False, 160, 0.050)
+    assert controller.speculation_pays(32) is False
+
+
+def test_spec_stats_keep_the_sum_of_squared_accepted_tokens():
+    from hetero.protocols import SpecStats
+
+    stats = SpecStats()
+    stats.record(4, 3)
+    stats.record_batch([4, 4], [0, 2])
+    assert (stats.num_accepted_tokens, stats.sum_squared_accepted) == (5, 13)
 
 
 def test_accepted_dispersion_follows_the_measured_acceptance():
