@@ -575,10 +575,11 @@ class AcceptanceSpread:
     uncertain by all of s.
 
     s is what earlier batches measured (the prior, over the rate squared), or what this
-    batch's rates show beyond doubt (`_lower_bound`) where that is more: a batch whose
-    sequences have few trees yet expects the spread its predecessors had. `measured` is
-    this batch's own estimate, not clipped at zero (so that averaging estimates of a spread
-    of zero gives zero), once its sequences have two trees each on average; None before.
+    batch's rates show beyond doubt (their estimate less a standard error) where that is
+    more: a batch whose sequences have few trees yet expects the spread its predecessors
+    had. `measured` is this batch's own estimate, not clipped at zero (so that averaging
+    estimates of a spread of zero gives zero), once its sequences have two trees each on
+    average; None before.
 
     `within_dispersion`: w over the batch's rate. w is pooled from each sequence's own trees
     (their sums of squares), not taken from every tree's spread around the batch's rate:
@@ -646,9 +647,10 @@ class SpreadPrior:
 
     One estimate per batch (the last one measured while at least three quarters of its
     sequences were still decoding: the tail is its laggards, alike among themselves), since
-    a batch's estimates from step to step share most of their trees. `value` is the mean of
-    the last `MEMORY_BATCHES` estimates less two standard errors of that mean, so that a
-    spread that a single batch of 8 shows by chance is not carried into the next ones.
+    a batch's estimates from step to step share most of their trees. `value` is a running
+    mean of the estimates (the first `MEMORY_BATCHES` alike, then each new one at that share)
+    less two standard errors of such a mean, so that a spread that a single batch of 8 shows
+    by chance is not carried into the next ones.
     """
 
     MEMORY_BATCHES = 4
