@@ -22,7 +22,9 @@ Sections (all in one run, side by side):
 ``--waves W`` runs each batch point as a server would: batch x W requests through `batch`
 slots, a finished request's slot going to the next waiting one (W = 1: one closed batch,
 whose requests all start and end together, run as `LLM.generate` runs one: the engine
-knows its caller waits for all of them, `LLMEngine.waits_for_all`).
+knows its caller waits for all of them, `LLMEngine.waits_for_all`). With ``--offline`` the
+waves run as `LLM.generate` runs more prompts than slots: once no prompt waits, the engine
+knows the rest is a closed batch draining.
 
     python -m bench.gpu_decode --out bench/results
 """
@@ -93,6 +95,13 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(1000, vocab) for _ in range(length)]} for _ in range(count)]
+
+
+def request_lengths(count: int, longest: int, shortest: int, seed: int) -> list[int]:
+    """Each request's max_tokens, uniform in [shortest, longest]: real requests end at
+    different steps (EOS), which keeps plain decoding from running them in lockstep."""
+    rng = random.Random(seed)
+    return [rng.randint(shortest, longest) for _ in range(count)]
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -167,14 +176,16 @@ class StepKinds:
                         + (f"+compiled:{','.join(self.compiles[kind])}" if kind in self.compiles else "") for kind in sorted(self.seconds))
 
 
-def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int, kinds: StepKinds | None = None) -> tuple[float, int, dict]:
+def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int | list[int], kinds: StepKinds | None = None) -> tuple[float, int, dict]:
     """Prefill the first batch of prompts (as many as the engine runs at once), then time the
     steps until every prompt is done, later ones prefilled as slots free up: (seconds, tokens, outputs).
-    With `kinds`, each timed step's seconds and tokens are added under its label."""
+    `max_tokens`: one length for all, or each prompt's. With `kinds`, each timed step's
+    seconds and tokens are added under its label."""
+    lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
     ids = []
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, length) in enumerate(zip(prompts, lengths)):
         rid = f"r{time.monotonic_ns()}-{i}"
-        engine.add_request(rid, prompt, greedy(max_tokens))
+        engine.add_request(rid, prompt, greedy(length))
         ids.append(rid)
     first_batch = ids[: engine.scheduler.max_num_seqs]
     outputs: dict[str, list[int]] = {}
@@ -405,11 +416,11 @@ def warm_up_speculation(engine: LLMEngine, oracle: ChainOracle, prompts: list[di
 
 
 def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, prompt_len, new_tokens, repeats, rows, waves=1,
-               mix=(0.0, 1.0)):
+               mix=(0.0, 1.0), offline=False, min_new_tokens=None):
     vocab = LLAMA3_8B["vocab_size"]
     oracle = ChainOracle([], k=k, p=0.0, vocab=vocab, target_parallelism=target_parallelism, mix=mix)
     engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=k)
-    engine.waits_for_all = waves == 1
+    engine.waits_for_all = waves == 1 or offline
     kinds, plain_kinds = StepKinds(engine), StepKinds(engine)
     oracle.successors = greedy_successors(engine.model)
     rows.append(dict(section="startup", what="oracle_successor_agreement", value=round(successor_agreement(oracle.successors, truth), 4)))
@@ -417,6 +428,7 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
     for batch in batches:
         engine.scheduler.max_num_seqs = batch
         prompts = random_prompts(batch * waves, prompt_len, vocab, seed=batch)
+        lengths = request_lengths(len(prompts), new_tokens, min_new_tokens or new_tokens, seed=batch)
         warm_up_speculation(engine, oracle, prompts, k, target_parallelism)
         for p in probabilities:
             oracle.p = p
@@ -426,20 +438,21 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
             plain_kinds.reset()
             for _ in range(repeats):  # alternate, so drift hits both alike; medians below
                 engine.proposer = None  # the same engine, graphs and KV pool, decoding plainly
-                elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens, plain_kinds)
+                elapsed, tokens, _ = timed_decode(engine, prompts, lengths, plain_kinds)
                 plain_runs.append(tokens / elapsed)
                 engine.proposer = oracle
                 stats = engine.spec_stats
                 before = (stats.num_steps, stats.num_accepted_tokens, stats.num_draft_tokens)
-                elapsed, tokens, spec_out = timed_decode(engine, prompts, new_tokens, kinds)
+                elapsed, tokens, spec_out = timed_decode(engine, prompts, lengths, kinds)
                 spec_runs.append(tokens / elapsed)
-                matching += sum(truth.get(prompt) == out for prompt, out in spec_out.items())
+                matching += sum(truth.get(prompt, [])[: len(out)] == out for prompt, out in spec_out.items())
                 outputs += len(spec_out)
                 steps += stats.num_steps - before[0]
                 accepted += stats.num_accepted_tokens - before[1]
                 drafted += stats.num_draft_tokens - before[2]
             plain, spec = float(np.median(plain_runs)), float(np.median(spec_runs))
-            rows.append(dict(section="spec", batch=batch, waves=waves, draft_p=p, draft_mix=f"{mix[0]:g} at {mix[1]:g}p", k=k, repeats=repeats,
+            rows.append(dict(section="spec", batch=batch, waves=waves, caller="generate" if engine.waits_for_all else "server",
+                             new_tokens=f"{min(lengths)}-{max(lengths)}", draft_p=p, draft_mix=f"{mix[0]:g} at {mix[1]:g}p", k=k, repeats=repeats,
                              spec_seq_steps=steps, mean_tree_nodes=round(drafted / max(steps, 1), 2),
                              mean_accepted_length=round((accepted + steps) / max(steps, 1), 2),
                              same_tokens_as_plain=f"{matching}/{outputs}",
@@ -543,6 +556,10 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="alternating plain/speculative runs per spec point; rounds of 32 timed steps per verify point")
     parser.add_argument("--waves", type=int, default=1, help="requests per slot in the decode and spec sections (1: a closed batch)")
+    parser.add_argument("--offline", action="store_true",
+                        help="spec section: run the waves as `LLM.generate` does (the caller waits for every request)")
+    parser.add_argument("--min-new-tokens", type=int, default=None,
+                        help="spec section: each request's max_tokens uniform in [this, --new-tokens] (default: all --new-tokens)")
     parser.add_argument("--floor-batches", default="32,64")
     parser.add_argument("--floor-p", type=float, default=0.3, help="the floor section's draft acceptance: one where speculation does not pay")
     parser.add_argument("--floor-rounds", type=int, default=8)
@@ -572,7 +589,7 @@ def main(argv=None) -> None:
     if "spec" in sections:
         bench_spec(model_dir, truth, batches, [float(p) for p in args.draft_p.split(",")], args.spec_k, args.target_parallelism,
                    args.prompt_len, args.new_tokens, args.repeats, rows, args.waves,
-                   tuple(float(x) for x in args.draft_mix.split(",")))
+                   tuple(float(x) for x in args.draft_mix.split(",")), args.offline, args.min_new_tokens)
         gc.collect()
         torch.cuda.empty_cache()
     if "floor" in sections:

@@ -1,10 +1,10 @@
-"""bench.gpu_decode's step labels, on the CPU: a server-style run splits into the step kinds it ran."""
+"""bench.gpu_decode on the CPU: a server-style run splits into the step kinds it ran; requests end at their own lengths."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench.gpu_decode import ChainOracle, StepKinds, greedy_successors, stabilise_greedy, timed_decode
+from bench.gpu_decode import ChainOracle, StepKinds, greedy_successors, request_lengths, stabilise_greedy, timed_decode
 from hetero.config import EngineConfig
 from hetero.engine import LLMEngine
 
@@ -31,3 +31,17 @@ def test_step_kinds_split_a_server_run_by_what_each_step_ran(tiny_llama_dir, mon
     assert step_ms == pytest.approx({kind: 1e3 * kinds.seconds[kind] / kinds.steps[kind] for kind in kinds.seconds}, abs=0.06)
     assert set(shares) == set(kinds.seconds)
     assert abs(sum(shares.values()) - 1.0) < 0.02
+
+
+def test_requests_of_several_lengths_each_end_at_their_own(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    lengths = request_lengths(8, longest=20, shortest=4, seed=3)
+    assert min(lengths) >= 4 and max(lengths) <= 20 and len(set(lengths)) > 2
+    assert lengths == request_lengths(8, longest=20, shortest=4, seed=3)  # plain and speculative runs get the same
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=128, dtype="float32", max_num_seqs=3)
+    engine = LLMEngine(config)
+    prompts = [{"prompt_token_ids": [7 * i + j for j in range(6)]} for i in range(8)]
+    _, tokens, outputs = timed_decode(engine, prompts, lengths)
+    by_prompt = {tuple(prompt["prompt_token_ids"]): length for prompt, length in zip(prompts, lengths)}
+    assert {prompt: len(out) for prompt, out in outputs.items()} == by_prompt
+    assert tokens <= sum(lengths)  # less what the first batch decoded before the clock started
