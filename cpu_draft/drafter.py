@@ -146,9 +146,6 @@ class Drafter:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    def has(self, seq_id: SeqId) -> bool:
-        return seq_id in self._seqs
-
     def context(self, seq_id: SeqId) -> list[int]:
         return self._seqs[seq_id].context
 

@@ -114,10 +114,6 @@ class EngineConfig:
     def uses_ngram(self) -> bool:
         return bool(self.speculative_config) and self.speculative_config.get("method") == "ngram"
 
-    @property
-    def speculation_enabled(self) -> bool:
-        return bool(self.speculative_model or self.lookahead_cache_config_dir or self.uses_ngram)
-
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
