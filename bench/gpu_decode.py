@@ -24,7 +24,9 @@ slots, a finished request's slot going to the next waiting one (W = 1: one close
 whose requests all start and end together, run as `LLM.generate` runs one: the engine
 knows its caller waits for all of them, `LLMEngine.waits_for_all`). With ``--offline`` the
 waves run as `LLM.generate` runs more prompts than slots: once no prompt waits, the engine
-knows the rest is a closed batch draining.
+knows the rest is a closed batch draining. ``--min-new-tokens M`` gives each request its own
+max_tokens, uniform in [M, --new-tokens], as requests that end at EOS have: requests of one
+length let plain decoding run every wave in lockstep, with no partly drained batch at all.
 
     python -m bench.gpu_decode --out bench/results
 """
@@ -564,6 +566,8 @@ def main(argv=None) -> None:
     parser.add_argument("--floor-p", type=float, default=0.3, help="the floor section's draft acceptance: one where speculation does not pay")
     parser.add_argument("--floor-rounds", type=int, default=8)
     args = parser.parse_args(argv)
+    if args.min_new_tokens is not None and not 1 <= args.min_new_tokens <= args.new_tokens:
+        parser.error(f"--min-new-tokens must be in [1, --new-tokens={args.new_tokens}], got {args.min_new_tokens}")
     sections = set(args.sections.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     os.makedirs(args.out, exist_ok=True)
