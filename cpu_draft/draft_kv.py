@@ -13,7 +13,8 @@ memory a token holds). The paged layout keeps the model's dtype: its pool is the
 
 Both take, per forward, each sequence's handle, its cached length and the tokens to append
 (their K/V land right after the cached ones; positions are storage indices), and return
-the float32 logits of every feed's last token. Rollback is `truncate`, a length change.
+the float32 logits of every feed's last token over the head's ids (the whole vocabulary, or
+the reduced one of `cpu_draft.draft_vocab`). Rollback is `truncate`, a length change.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from gpu_target.runner import ModelRunner, SequenceChunk
 
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DRAFT_GRAPH_TOKENS = 256  # catch-up feeds up to this many tokens replay a graph; longer ones (prompts) run eagerly
 
 
 def slot_kv_dtype(requested: Optional[str]) -> torch.dtype:
@@ -53,10 +55,10 @@ def slot_kv_dtype(requested: Optional[str]) -> torch.dtype:
 class SlotDraftKV:
     def __init__(self, model: CausalLM, dtype: torch.dtype, budget_bytes: int, max_positions: int,
                  pack_linears: bool = True, int8_weights: bool = False, native_kernels: bool = True,
-                 kv_dtype: Optional[str] = None):
-        native = NativeDraftModel.build(model, dtype, int8_weights) if native_kernels else None
+                 kv_dtype: Optional[str] = None, head_ids: Optional[torch.Tensor] = None):
+        native = NativeDraftModel.build(model, dtype, int8_weights, head_ids=head_ids) if native_kernels else None
         self.native = native is not None
-        self.model = native if native is not None else LeanDraftModel(model, dtype, int8_weights, pack_linears)
+        self.model = native if native is not None else LeanDraftModel(model, dtype, int8_weights, pack_linears, head_ids)
         self.cache = SlotKVCache(model.config, slot_kv_dtype(kv_dtype), budget_bytes, max_positions)
 
     new_handle = SlotHandle
@@ -102,8 +104,11 @@ class SlotDraftKV:
 
 
 class PagedDraftKV:
+    """The target's paged pool and runner; on CUDA, with CUDA graphs for the one-token
+    drafting forwards (vLLM's draft-model runner) unless ``cuda_graphs`` is off."""
+
     def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, budget_bytes: int, max_num_seqs: int, block_size: int,
-                 max_positions: int, kv_dtype: Optional[str] = None):
+                 max_positions: int, kv_dtype: Optional[str] = None, cuda_graphs: bool = True):
         if kv_dtype is not None and KV_DTYPES.get(kv_dtype) != dtype:
             raise ValueError(f"the paged draft KV layout stores K/V in the model's dtype ({dtype}), not {kv_dtype!r}: "
                              "its pool is the target's, written by CausalLM in the compute dtype")
@@ -111,10 +116,18 @@ class PagedDraftKV:
         per_block = KVCachePool.bytes_per_block(config, block_size, dtype)
         blocks_per_seq = -(-max_positions // block_size)
         num_blocks = max(blocks_per_seq, min(budget_bytes // per_block, max_num_seqs * blocks_per_seq))
+        graphed = cuda_graphs and torch.device(device).type == "cuda"
+        reserved = 1 if graphed else 0  # the graphs' padding writes into block 0
         self.block_size = block_size
-        self.pool = KVCachePool(config, num_blocks, block_size, dtype, device)
-        self.allocator = BlockAllocator(num_blocks, block_size)
-        self.runner = ModelRunner(model, self.pool, device, _paged_attention_for(device))
+        self.pool = KVCachePool(config, num_blocks + reserved, block_size, dtype, device)
+        self.allocator = BlockAllocator(num_blocks, block_size, first_block=reserved)
+        graph_runner = None
+        if graphed:
+            from gpu_target.cuda_graphs import CudaGraphRunner
+
+            graph_runner = CudaGraphRunner(model, self.pool, max_num_seqs, 1, max_positions, max_step_tokens=DRAFT_GRAPH_TOKENS)
+            graph_runner.capture_all()
+        self.runner = ModelRunner(model, self.pool, device, _paged_attention_for(device), graph_runner)
 
     def new_handle(self) -> list[int]:
         return []

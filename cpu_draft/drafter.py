@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from cpu_draft.draft_kv import PagedDraftKV, SlotDraftKV, default_layout
+from cpu_draft.draft_vocab import draft_head_ids
 from gpu_target.loader import load_config, load_state_dict, resolve_model_path
 from gpu_target.model import CausalLM, build_model
 from hetero.protocols import TokenTree
@@ -50,6 +51,11 @@ class DraftModelOptions:
     pack_linears: bool = True  # slots layout, torch forward: oneDNN-packed projections and logits head
     native_kernels: bool = True  # slots layout: the native forward (cpu_draft.native_model) where it builds, else the torch one
     kv_dtype: Optional[str] = None  # "float32" | "bfloat16"; None: float32 (paged: the model's dtype)
+    draft_vocab_size: Optional[int] = None  # the head scores this many frequent tokens (cpu_draft.draft_vocab); None: all
+    token_map: Optional[str] = None  # a file of token ids, most frequent first (SGLang's speculative_token_map)
+    keep_token_ids: tuple[int, ...] = ()  # ids the reduced head always scores (special tokens)
+    max_model_len: Optional[int] = None  # the longest context drafted; None: the draft's max_position_embeddings
+    cuda_graphs: bool = True  # paged layout on CUDA: replay CUDA graphs for the drafting forwards
 
 
 def tree_levels(max_nodes: int, width: int) -> list[int]:
@@ -121,14 +127,20 @@ class Drafter:
         self.config = model.config  # the model itself lives in the KV layout (the slots one keeps only its lean copy)
         self.options = options
         self.device = torch.device(options.device)
-        self.max_positions = model.config.max_position_embeddings
+        self.max_positions = min(model.config.max_position_embeddings, options.max_model_len or model.config.max_position_embeddings)
         self.kv_layout = default_layout(self.device, options.kv_layout)
+        ids = draft_head_ids(model.config.vocab_size, options.draft_vocab_size, options.token_map, options.keep_token_ids)
+        head_ids = None if ids is None else torch.from_numpy(ids)
+        # Head column -> token id (None: the head scores the whole vocabulary, column = id).
+        self.head_ids = None if head_ids is None else head_ids.to(self.device)
         if self.kv_layout == "slots":
             self.kv = SlotDraftKV(model, options.dtype, options.kv_cache_bytes, self.max_positions, options.pack_linears, options.int8_weights,
-                                  options.native_kernels, options.kv_dtype)
+                                  options.native_kernels, options.kv_dtype, head_ids)
         else:
+            if head_ids is not None:
+                restrict_head(model, head_ids)
             self.kv = PagedDraftKV(_paged_layout_model(model, options), options.dtype, self.device, options.kv_cache_bytes, options.max_num_seqs,
-                                   options.block_size, self.max_positions, options.kv_dtype)
+                                   options.block_size, self.max_positions, options.kv_dtype, options.cuda_graphs)
         self._seqs: dict[SeqId, _SeqState] = {}
 
     @classmethod
@@ -259,16 +271,21 @@ class Drafter:
         if not states:
             return []
         logits = self._forward([s for _, s in states], [[s.chain[-1]] for _, s in states])
-        guesses = logits.argmax(dim=-1).tolist()
+        guesses = self._token_ids(logits.argmax(dim=-1)).tolist()
         for (_, state), guess in zip(states, guesses):
             state.context = state.context + state.chain + [guess]
             state.chain = []
         return [seq_id for seq_id, _ in states]
 
     # -------------------------------------------------------------- internals
+    def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Token ids of head columns (the reduced head scores a subset of the vocabulary)."""
+        return columns if self.head_ids is None else self.head_ids[columns]
+
     def _add_levels(self, work: list[_Work], logits: torch.Tensor) -> None:
         width = max(w.builder.levels[len(w.builder.chain)] for w in work)
-        top_logits, top_tokens = torch.topk(logits, width, dim=-1)
+        top_logits, top_columns = torch.topk(logits, width, dim=-1)
+        top_tokens = self._token_ids(top_columns)
         top_probs = torch.exp(top_logits - torch.logsumexp(logits, dim=-1, keepdim=True))
         for w, tokens, probs in zip(work, top_tokens.tolist(), top_probs.tolist()):
             w.builder.add_level(tokens, probs)
@@ -318,6 +335,15 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
         return n
     diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
     return int(diff[0])
+
+
+def restrict_head(model: CausalLM, head_ids: torch.Tensor) -> None:
+    """Give ``model`` a logits head over ``head_ids`` only (its columns in that order); embeddings stay whole."""
+    weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    head = torch.nn.Linear(weight.shape[1], head_ids.numel(), bias=False, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        head.weight.copy_(weight[head_ids.to(weight.device)])
+    model.lm_head = head.requires_grad_(False)
 
 
 def _paged_layout_model(model: CausalLM, options: DraftModelOptions) -> CausalLM:

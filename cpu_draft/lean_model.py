@@ -103,7 +103,9 @@ class LeanLayer(nn.Module):
 
 
 class LeanDraftModel(nn.Module):
-    def __init__(self, model: CausalLM, dtype: torch.dtype, int8_weights: bool = False, pack_linears: bool = True):
+    def __init__(self, model: CausalLM, dtype: torch.dtype, int8_weights: bool = False, pack_linears: bool = True,
+                 head_ids: Optional[torch.Tensor] = None):
+        """``head_ids``: the token ids the logits head scores, in order (`cpu_draft.draft_vocab`); None: all."""
         super().__init__()
         c = self.config = model.config
         if c.head_dim % 2:
@@ -114,13 +116,15 @@ class LeanDraftModel(nn.Module):
         self.embed_tokens = model.embed_tokens.weight.detach()
         self.layers = nn.ModuleList(LeanLayer(layer, c, dtype, int8_weights, pack_linears, order) for layer in model.layers)
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        if head_ids is not None:
+            head = head[head_ids]
         self.lm_head = projection(head.float() * model.norm.weight.float()[None, :], None, dtype, False, pack_linears)
         self.final_eps = model.norm.eps
         self.register_buffer("rotary", torch.complex(model.rotary.cos.float(), model.rotary.sin.float()), persistent=False)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: SlotMetadata, last_rows: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of the rows ``last_rows`` [N, vocab]; K/V of every token lands in the cache."""
+        """Float32 logits of the rows ``last_rows`` [N, head ids]; K/V of every token lands in the cache."""
         residual = F.embedding(input_ids, self.embed_tokens).float()
         rotary = self.rotary[positions].unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -129,6 +129,7 @@ class NativeDraftModel:
         self._layers = layers
         self._eps = torch.tensor(eps + [lean.final_eps], dtype=torch.float32)
         head = matrix(lean.lm_head, head_format)
+        self.head_size = head.n
         embed = lean.embed_tokens if lean.embed_tokens.dtype in (torch.float32, torch.bfloat16) else lean.embed_tokens.float()
         self.embed_tokens = embed.contiguous()
         self._cos = lean.rotary.real.contiguous()
@@ -142,8 +143,11 @@ class NativeDraftModel:
 
     @classmethod
     def build(cls, model: CausalLM, dtype: torch.dtype, int8_weights: bool = False,
-              extra_flags: Sequence[str] = ()) -> Optional["NativeDraftModel"]:
-        """The native forward of ``model`` in ``dtype``; None where the kernel cannot be built or has no such format."""
+              extra_flags: Sequence[str] = (), head_ids: Optional[torch.Tensor] = None) -> Optional["NativeDraftModel"]:
+        """The native forward of ``model`` in ``dtype``; None where the kernel cannot be built or has no such format.
+
+        ``head_ids``: the token ids the logits head scores (`cpu_draft.draft_vocab`); None: the whole vocabulary.
+        """
         formats = weight_formats(dtype, int8_weights)
         if formats is None:
             logger.info("no native draft forward for %s weights; using the torch forward", dtype)
@@ -151,7 +155,7 @@ class NativeDraftModel:
         library = native.load_library(extra_flags)
         if library is None:
             return None
-        lean = LeanDraftModel(model, torch.float32, int8_weights=False, pack_linears=False)
+        lean = LeanDraftModel(model, torch.float32, int8_weights=False, pack_linears=False, head_ids=head_ids)
         return cls(lean, *formats, library, quantize_from=dtype)
 
     def _matrix(self, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: str, quantize_from: torch.dtype,
@@ -202,7 +206,7 @@ class NativeDraftModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, last_rows: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of the rows ``last_rows`` [N, vocab]; K/V of every token lands in the cache.
+        """Float32 logits of the rows ``last_rows`` [N, head ids]; K/V of every token lands in the cache.
 
         ``kv_caches``: per layer (K, V), each [slots, kv_heads, capacity, head_dim] float32 or bfloat16
         and contiguous, or the whole `SlotKVCache.storage` [layers, 2, slots, kv_heads, capacity, head_dim].
@@ -213,7 +217,7 @@ class NativeDraftModel:
         if not (positions.shape[0] == slots.shape[0] == kv_positions.shape[0] == T):
             raise ValueError(f"input_ids, positions, write_slots and write_positions must have one entry per token ({T})")
         k_ptrs, v_ptrs, kv_format, num_slots, capacity = self._cache_pointers(kv_caches)
-        logits = torch.empty(rows.shape[0], self.config.vocab_size, dtype=torch.float32)
+        logits = torch.empty(rows.shape[0], self.head_size, dtype=torch.float32)
         code = self.library.draft_forward(
             ctypes.byref(self._model), T, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), kv_positions.data_ptr(),
             rows.shape[0], rows.data_ptr(), k_ptrs, v_ptrs, kv_format, num_slots, capacity, torch.get_num_threads(), logits.data_ptr())

@@ -112,19 +112,30 @@ def build_draft_proposer(config: EngineConfig, target_config: ModelConfig, token
     draft_path = resolve_model_path(config.speculative_model)
     check_vocabularies_match(target_config, tokenizer, load_config(draft_path), load_tokenizer(draft_path))
     settings = DraftSettings.from_config(config)
+    keep = _special_token_ids(tokenizer)
     if config.cpu_draft_worker:
         cpus = tuple(default_draft_cpus(settings.cpus))
         options = WorkerOptions(
             model=str(draft_path),
-            draft=_model_options(config, settings, torch.device("cpu"), resolve_cpu_dtype(settings.cpu_dtype)),
+            draft=_model_options(config, settings, torch.device("cpu"), resolve_cpu_dtype(settings.cpu_dtype), keep),
             cpus=cpus,
             num_threads=settings.num_threads,
             overlap=settings.overlap,
         )
         return WorkerDraftProposer(options, settings.reply_timeout_s, settings.start_timeout_s)
     device = config.resolve_device()
-    options = _model_options(config, settings, device, config.resolve_dtype(device))
+    options = _model_options(config, settings, device, config.resolve_dtype(device), keep)
     return InProcessDraftProposer(Drafter.load(str(draft_path), options))
+
+
+def _special_token_ids(tokenizer) -> tuple[int, ...]:
+    """Ids a reduced draft head always scores: the tokenizer's special tokens (EOS, chat markers)."""
+    if tokenizer is None:
+        return ()
+    ids = set(tokenizer.all_special_ids)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(int(i) for i, token in added.items() if getattr(token, "special", False))
+    return tuple(sorted(ids))
 
 
 def cpu_dtype(requested: str) -> Optional[torch.dtype]:
@@ -160,7 +171,8 @@ def resolve_cpu_dtype(requested: Optional[torch.dtype]) -> torch.dtype:
     return dtype
 
 
-def _model_options(config: EngineConfig, settings: DraftSettings, device: torch.device, dtype: torch.dtype) -> DraftModelOptions:
+def _model_options(config: EngineConfig, settings: DraftSettings, device: torch.device, dtype: torch.dtype,
+                   keep_token_ids: tuple[int, ...]) -> DraftModelOptions:
     return DraftModelOptions(
         dtype=dtype,
         device=str(device),
@@ -169,6 +181,11 @@ def _model_options(config: EngineConfig, settings: DraftSettings, device: torch.
         kv_cache_bytes=int(settings.kv_cache_gib * 2**30),
         max_num_seqs=config.max_num_seqs,
         block_size=config.block_size,
+        draft_vocab_size=config.speculative_draft_vocab_size,
+        token_map=config.speculative_token_map,
+        keep_token_ids=keep_token_ids,
+        max_model_len=config.max_model_len,
+        cuda_graphs=not config.enforce_eager,
     )
 
 

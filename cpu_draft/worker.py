@@ -54,7 +54,8 @@ class WorkerOptions:
     @classmethod
     def from_json(cls, text: str) -> "WorkerOptions":
         data = json.loads(text)
-        draft = DraftModelOptions(**dict(data["draft"], dtype=getattr(torch, data["draft"]["dtype"])))
+        draft = DraftModelOptions(**dict(data["draft"], dtype=getattr(torch, data["draft"]["dtype"]),
+                                         keep_token_ids=tuple(data["draft"]["keep_token_ids"])))
         return cls(data["model"], draft, tuple(data["cpus"]), data["num_threads"], data["overlap"])
 
 

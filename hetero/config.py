@@ -50,6 +50,10 @@ class EngineConfig:
     num_speculative_tokens: Optional[int] = None
     speculative_config: Optional[dict[str, Any]] = None
     cpu_draft_worker: bool = False
+    # The draft's logits head over the most frequent tokens only (FR-Spec; cpu_draft/draft_vocab.py):
+    # how many, and optionally SGLang's speculative_token_map file ranking them. None: the whole vocabulary.
+    speculative_draft_vocab_size: Optional[int] = None
+    speculative_token_map: Optional[str] = None
     lookahead_cache_config_dir: Optional[str] = None
     cpu_decoding_memory_utilization: float = 0.15
     ignore_prompt_for_lookahead_cache: bool = False
@@ -86,6 +90,12 @@ class EngineConfig:
         if self.num_speculative_tokens is not None:
             _check(1 <= self.num_speculative_tokens <= 63, "num_speculative_tokens", self.num_speculative_tokens, "must be in [1, 63]")
         self._merge_speculative_config()
+        if self.speculative_draft_vocab_size is not None:
+            _check(isinstance(self.speculative_draft_vocab_size, int) and self.speculative_draft_vocab_size >= 1,
+                   "speculative_draft_vocab_size", self.speculative_draft_vocab_size, "must be a positive int")
+        if self.speculative_token_map is not None:
+            _check(os.path.isfile(self.speculative_token_map), "speculative_token_map", self.speculative_token_map,
+                   "must be a file of token ids (.npy, .pt, .json or whitespace-separated text)")
 
     def _merge_speculative_config(self) -> None:
         """Fold vLLM's `speculative_config` dict into the flat TACO-LLM fields."""
@@ -94,17 +104,22 @@ class EngineConfig:
             return
         if not isinstance(spec, dict):
             raise ValueError("speculative_config must be a dict")
-        known = {"model", "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"model", "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_vocab_size",
+                 "speculative_token_map"}
         unknown = set(spec) - known
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        method = spec.get("method", "draft_model" if "model" in spec else None)
+        method = spec.get("method", "draft_model" if "model" in spec or self.speculative_model else None)
         if method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {method!r}")
         if method == "draft_model":
-            if not spec.get("model"):
+            if not spec.get("model") and not self.speculative_model:
                 raise ValueError("speculative_config.model is required for a draft model")
-            self.speculative_model = spec["model"]
+            self.speculative_model = spec.get("model") or self.speculative_model
+        if "draft_vocab_size" in spec:
+            self.speculative_draft_vocab_size = spec["draft_vocab_size"]
+        if "speculative_token_map" in spec:
+            self.speculative_token_map = spec["speculative_token_map"]
         if "num_speculative_tokens" in spec:
             k = spec["num_speculative_tokens"]
             _check(isinstance(k, int) and 1 <= k <= 63, "speculative_config.num_speculative_tokens", k, "must be an int in [1, 63]")

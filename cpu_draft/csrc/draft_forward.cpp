@@ -1190,7 +1190,7 @@ int64_t draft_set_amx(int64_t on) {
 // storage index kv_pos[t] of slot slots[t] and attends to indices 0..kv_pos[t] of that slot.
 // K/V of layer l: k_cache[l], v_cache[l], each [num_slots][kv_heads][capacity][head_dim] in kv_format
 // (F32, or BF16: stored rounded to nearest even, widened to float32 when read).
-// logits [n_out][vocab] (float32) are those of rows out_rows. Returns 0, or a code naming a bad input:
+// logits [n_out][head.n] (float32: the head's rows, the whole vocabulary or a subset of it) are those of rows out_rows. Returns 0, or a code naming a bad input:
 // 1 token id, 2 position, 3 slot, 4 output row, 5 vector width, 6 K/V format.
 int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64_t* rot_pos, const int64_t* slots,
                   const int64_t* kv_pos, int64_t n_out, const int64_t* out_rows, void* const* k_cache,
@@ -1442,10 +1442,10 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
         inverse_rms(partial.get(), HP, H, md.eps[2 * md.num_layers], out_rows, n_out, inv.get());
         matmul(md.head, head_rows.get(), inv.get(), n_out, tid, nt, 1, out.get(), [&](int64_t m0, int mt, int64_t p, int np, const float* o) {
             for (int pi = 0; pi < np; ++pi) {
-                const int64_t c0 = (p + pi) * VW, width = std::min<int64_t>(VW, md.vocab - c0);
+                const int64_t c0 = (p + pi) * VW, width = std::min<int64_t>(VW, md.head.n - c0);
                 for (int mi = 0; mi < mt; ++mi) {
                     const float* a = o + (pi * mt + mi) * VW;
-                    float* y = logits + (m0 + mi) * md.vocab + c0;
+                    float* y = logits + (m0 + mi) * md.head.n + c0;
                     std::memcpy(y, a, sizeof(float) * width);
                 }
             }
