@@ -1,15 +1,20 @@
 """End-to-end decode throughput of every proposer on an 8B Llama-3-shaped target (GPU host).
 
 Configurations, side by side in one run: plain decoding, the lookahead cache, a draft
-model on the CPU in its own worker process (AMX BF16), and the same draft on the GPU (as
-vLLM runs it). Reports tokens/s, tokens per verification step and, for the CPU worker,
+model on the CPU in its own worker process, the same draft on the GPU (in the engine's
+process, CUDA graphs, as vLLM runs a draft model), and the CPU draft merged with the
+lookahead cache (hybrid). Reports tokens/s, tokens per verification step, the time the
+engine waited for drafts (per step and as a share of the run) and, for the CPU worker,
 the share of drafting hidden behind the GPU's verification.
 
 Random weights cannot agree by chance, so agreement is built in: the target's embedding
 and LM head carry the draft's in their first `draft_hidden` columns (zero elsewhere) and
 every layer's output projections are damped, which makes the target's greedy next token
-the draft's. `--head-noise` adds noise to the target's other LM-head columns to lower the
-agreement. The bytes and FLOPs per step are those of the real shapes.
+the draft's. Text has a frequency structure the draft's reduced head (`--draft-vocab`,
+FR-Spec) relies on: the head rows of tokens beyond the `--hot-tokens` most frequent are
+scaled by `--cold-scale` in both models, so greedy tokens are mostly frequent ones.
+`--head-noise` adds noise to the target's other LM-head columns to lower the agreement.
+The bytes and FLOPs per step are those of the real shapes.
 
     python -m bench.e2e_speculation --out bench/results
 """
@@ -57,12 +62,14 @@ def write_model_dir(config: dict) -> str:
     return directory
 
 
-def draft_weights(draft_dir: str, seed: int) -> dict[str, torch.Tensor]:
-    """Random draft weights (the loader's dummy format) with its layers' outputs damped like the target's."""
+def draft_weights(draft_dir: str, seed: int, hot_tokens: int, cold_scale: float) -> dict[str, torch.Tensor]:
+    """Random draft weights (the loader's dummy format) with its layers' outputs damped like the target's,
+    and the head rows of the tokens past the ``hot_tokens`` most frequent (the lowest ids) scaled by ``cold_scale``."""
     weights = random_state_dict(load_config(draft_dir, require_weights=False), torch.bfloat16, "cpu", seed)
     for name, tensor in weights.items():
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             tensor.mul_(DAMPING)
+    weights["lm_head.weight"][hot_tokens:].mul_(cold_scale)
     return weights
 
 
@@ -83,7 +90,7 @@ def graft_draft_into_target(model, draft: dict[str, torch.Tensor], head_noise: f
 
 def build_engine(target_dir: str, draft: dict, args, **speculation) -> LLMEngine:
     config = EngineConfig(
-        model=target_dir, load_format="dummy", dtype="bfloat16", max_model_len=1024,
+        model=target_dir, load_format="dummy", dtype="bfloat16", max_model_len=args.prompt_len + args.new_tokens + 64,
         max_num_seqs=max(args.batches), gpu_memory_utilization=0.5, **speculation,
     )
     engine = LLMEngine(config)
@@ -96,27 +103,34 @@ def build_engine(target_dir: str, draft: dict, args, **speculation) -> LLMEngine
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8, 32])
+    parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8, 32, 64])
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per step (the tree's node budget)")
+    parser.add_argument("--draft-vocab", type=int, default=32768, help="the drafts' reduced head (FR-Spec); 0: the whole vocabulary")
+    parser.add_argument("--hot-tokens", type=int, default=32768, help="the text's most frequent tokens (the lowest ids)")
+    parser.add_argument("--cold-scale", type=float, default=0.8, help="scale of the other tokens' head rows in both models")
     parser.add_argument("--head-noise", type=float, default=0.0)
-    parser.add_argument("--configs", default="plain,lookahead,cpu-draft,gpu-draft")
+    parser.add_argument("--configs", default="plain,lookahead,cpu-draft,gpu-draft,hybrid")
     parser.add_argument("--always-speculate", action="store_true", help="keep the controller from switching speculation off")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     target_dir = write_model_dir(LLAMA3_8B)
     draft_dir = write_model_dir(DRAFT)
-    draft = draft_weights(draft_dir, seed=7)
+    draft = draft_weights(draft_dir, seed=7, hot_tokens=args.hot_tokens, cold_scale=args.cold_scale)
     save_file(draft, os.path.join(draft_dir, "model.safetensors"))
     lookahead_dir = tempfile.mkdtemp(prefix="lookahead-")
     with open(os.path.join(lookahead_dir, "lookahead_cache_config.json"), "w") as f:
         json.dump({"is_debug": False, "copy_length": args.k}, f)
+    draft_model = dict(speculative_model=draft_dir, num_speculative_tokens=args.k,
+                       speculative_draft_vocab_size=args.draft_vocab or None)
+    lookahead = dict(lookahead_cache_config_dir=lookahead_dir, num_speculative_tokens=args.k)
     speculation = {
         "plain": {},
-        "lookahead": dict(lookahead_cache_config_dir=lookahead_dir, num_speculative_tokens=args.k),
-        "cpu-draft": dict(speculative_model=draft_dir, num_speculative_tokens=args.k, cpu_draft_worker=True),
-        "gpu-draft": dict(speculative_model=draft_dir, num_speculative_tokens=args.k, cpu_draft_worker=False),
+        "lookahead": lookahead,
+        "cpu-draft": dict(draft_model, cpu_draft_worker=True),
+        "gpu-draft": dict(draft_model, cpu_draft_worker=False),
+        "hybrid": dict(draft_model, cpu_draft_worker=True, lookahead_cache_config_dir=lookahead_dir),
     }
     rows = []
     for name in args.configs.split(","):
@@ -124,17 +138,25 @@ def main(argv=None) -> None:
         for batch in args.batches:
             prompts = random_prompts(batch, args.prompt_len, LLAMA3_8B["vocab_size"], seed=batch)
             timed_decode(engine, prompts[:1], 8)
-            before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens, engine.spec_stats.num_draft_tokens)
+            before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens, engine.spec_stats.num_draft_tokens,
+                      engine.draft_wait_seconds, _worker_stats(engine))
             elapsed, tokens, _ = timed_decode(engine, prompts, args.new_tokens)
             steps = engine.spec_stats.num_steps - before[0]
             accepted = engine.spec_stats.num_accepted_tokens - before[1]
             drafted = engine.spec_stats.num_draft_tokens - before[2]
+            waited = engine.draft_wait_seconds - before[3]
+            spec_steps = steps / batch  # engine steps that verified trees (one tree per sequence each)
             row = dict(config=name, batch=batch, tokens_per_s=round(tokens / elapsed, 1),
                        spec_seq_steps=steps, draft_tokens=drafted,
-                       mean_accepted_length=round((accepted + steps) / steps, 2) if steps else "")
-            stats = getattr(engine.proposer, "stats", None)
-            if callable(stats):
-                row["overlap_share"] = round(stats().get("overlap_share", 0.0), 3)
+                       mean_accepted_length=round((accepted + steps) / steps, 2) if steps else "",
+                       wait_ms_per_spec_step=round(1e3 * waited / spec_steps, 2) if steps else "",
+                       wait_share=round(waited / elapsed, 3))
+            after = _worker_stats(engine)
+            if after is not None:
+                hidden, exposed = (after[n] - before[4][n] for n in ("hidden_s", "exposed_s"))
+                hits, misses = (after[n] - before[4][n] for n in ("predraft_hits", "predraft_misses"))
+                row["hidden_share"] = round(hidden / (hidden + exposed), 3) if hidden + exposed else ""
+                row["predraft_hit_rate"] = round(hits / (hits + misses), 3) if hits + misses else ""
             rows.append(row)
             print(row, flush=True)
         close = getattr(engine.proposer, "close", None)
@@ -148,6 +170,13 @@ def main(argv=None) -> None:
         if row["batch"] in plain:
             row["speedup_vs_plain"] = round(row["tokens_per_s"] / plain[row["batch"]], 2)
     write(args, rows)
+
+
+def _worker_stats(engine: LLMEngine):
+    """The CPU draft worker's cumulative counters (drafting hidden / exposed, draft-ahead hits), if it has one."""
+    proposer = getattr(engine.proposer, "draft", engine.proposer)
+    stats = getattr(proposer, "stats", None)
+    return dict(stats()) if callable(stats) else None
 
 
 def write(args, rows) -> None:

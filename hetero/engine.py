@@ -187,6 +187,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_pool, self.device, self._attention_fn(), graph_runner)
         self.spec_stats = SpecStats()
         self.num_trees_withheld = 0  # sequence-steps whose tree DraftBackoff withheld (drafts that kept missing)
+        self.draft_wait_seconds = 0.0  # time the engine waited for the proposer's trees
         self._clock = time.perf_counter  # step timing for the controller (tests replace it)
         self._last_step_end: Optional[float] = None  # None: idle since, or nothing ran yet
         # Whether the caller takes its outputs only once every request is done (`LLM`, not a
@@ -433,7 +434,9 @@ class LLMEngine:
         self.num_trees_withheld += withheld
         if not granted:
             return 0
+        asked = time.perf_counter()
         trees = self.proposer.propose(requests)
+        self.draft_wait_seconds += time.perf_counter() - asked
         vocab = self.model_config.vocab_size
         # One range check over every node of the step; per tree only when something is out.
         nonempty = [tree.tokens for tree in trees if len(tree)]

@@ -10,13 +10,18 @@ from hetero.protocols import Proposer
 
 
 def build_proposer(config: EngineConfig, target_config: ModelConfig, tokenizer) -> Optional[Proposer]:
+    """A draft model and a lookahead cache both configured: their trees merged (`HybridProposer`)."""
+    lookahead = _build_lookahead(config) if config.lookahead_cache_config_dir or config.uses_ngram else None
     if config.speculative_model:
         from cpu_draft.proposer import build_draft_proposer
 
-        return build_draft_proposer(config, target_config, tokenizer)
-    if config.lookahead_cache_config_dir or config.uses_ngram:
-        return _build_lookahead(config)
-    return None
+        draft = build_draft_proposer(config, target_config, tokenizer)
+        if lookahead is None:
+            return draft
+        from hetero.hybrid_proposer import HybridProposer
+
+        return HybridProposer(draft, lookahead)
+    return lookahead
 
 
 def _build_lookahead(config: EngineConfig) -> Proposer:
