@@ -1,8 +1,10 @@
 """Which CPU cores the draft runs on, and pinning the current process to them.
 
-The GPU process keeps the first core(s) for its own Python loop and kernel launches, so
-the draft worker defaults to every other core it may use. ``HETERO_DRAFT_CPUS`` (a
-Linux cpulist such as ``"4-15"`` or ``"2,4-7"``) overrides the default.
+The GPU process keeps the first cores (one in eight, at least one) for its own Python loop,
+kernel launches and server threads, and pins itself there (`pin_coordinator`), so the
+draft worker's spinning threads and the coordinator never take each other's cores; the
+worker defaults to every other core it may use. ``HETERO_DRAFT_CPUS`` (a Linux cpulist
+such as ``"4-15"`` or ``"2,4-7"``) overrides the default.
 """
 from __future__ import annotations
 
@@ -44,7 +46,17 @@ def default_draft_cpus(spec: Optional[str] = None) -> list[int]:
         if unusable:
             raise ValueError(f"draft CPUs {unusable} are not usable by this process (usable: {usable})")
         return cpus
-    return usable[1:] if len(usable) > 1 else usable
+    keep = max(1, len(usable) // 8)
+    return usable[keep:] if len(usable) > keep else usable
+
+
+def pin_coordinator(draft_cpus: Sequence[int]) -> list[int]:
+    """Bind the calling thread (and the threads it starts later) to the usable cores the draft
+    does not use; returns them (empty, and nothing changed, when the draft uses them all)."""
+    rest = sorted(set(os.sched_getaffinity(0)) - set(draft_cpus))
+    if rest:
+        os.sched_setaffinity(0, rest)
+    return rest
 
 
 def pin_current_process(cpus: Sequence[int], num_threads: Optional[int] = None) -> int:

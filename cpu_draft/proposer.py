@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from cpu_draft.affinity import default_draft_cpus
+from cpu_draft.affinity import default_draft_cpus, pin_coordinator
 from cpu_draft.drafter import DraftModelOptions, Drafter, common_prefix_length
 from cpu_draft.messages import (
     PROPOSE,
@@ -64,6 +64,7 @@ NUM_SLOTS = 4
 HEARTBEAT_TIMEOUT_S = 10.0
 MAX_CONSECUTIVE_FAILURES = 5
 _VOCAB_SAMPLE = 512
+INITIAL_AHEAD_NODES = 4  # tree size drafted ahead before the engine first asks for one (then: its last budget)
 
 
 @dataclass(frozen=True)
@@ -115,12 +116,15 @@ def build_draft_proposer(config: EngineConfig, target_config: ModelConfig, token
     keep = _special_token_ids(tokenizer)
     if config.cpu_draft_worker:
         cpus = tuple(default_draft_cpus(settings.cpus))
+        if config.resolve_device().type == "cuda":  # a CPU target computes on every core it has
+            logger.info("coordinator pinned to cpus %s, the draft worker to %s", pin_coordinator(cpus), list(cpus))
         options = WorkerOptions(
             model=str(draft_path),
             draft=_model_options(config, settings, torch.device("cpu"), resolve_cpu_dtype(settings.cpu_dtype), keep),
             cpus=cpus,
             num_threads=settings.num_threads,
             overlap=settings.overlap,
+            budget=min(config.num_speculative_tokens or INITIAL_AHEAD_NODES, INITIAL_AHEAD_NODES),
         )
         return WorkerDraftProposer(options, settings.reply_timeout_s, settings.start_timeout_s)
     device = config.resolve_device()
@@ -351,6 +355,23 @@ class WorkerDraftProposer:
         return values
 
     # ------------------------------------------------------------- protocol
+    def observe(self, batch: Sequence[ProposalRequest]) -> None:
+        """Send the sequences' new tokens (SYNC, no reply): the worker catches its KV up and drafts
+        their next trees while the GPU runs plain steps, so the next `propose` finds them ready."""
+        if not batch or not self._ensure_ready():
+            return
+        seq_ids = [self._seq_id(r.request_id) for r in batch]
+        updates = [u for u in (self._update(s, r.token_ids) for s, r in zip(seq_ids, batch)) if u is not None]
+        if not updates and not self._released:
+            return
+        try:
+            for index, group in enumerate(split_updates(updates, max_update_tokens(SLOT_BYTES, len(batch)))):
+                self._slot.worker.channel.send(SYNC, update_arrays(group, self._released if index == 0 else ()),
+                                               timeout=self.reply_timeout_s)
+            self._released = []
+        except Exception as exc:  # noqa: BLE001 - a dead or hung worker must never stop the engine
+            self._fail(exc)
+
     def propose(self, batch: Sequence[ProposalRequest]) -> list[TokenTree]:
         empty = [TokenTree.empty() for _ in batch]
         if not batch or not self._ensure_ready():

@@ -11,6 +11,10 @@ the guessed one gets the tree drafted ahead as it is; any other sequence has its
 back to the longest prefix it shares with the real context (the accepted part of the
 chain is usually still there) and is drafted again. Drafting ahead stops at the next
 depth level once a message is waiting, so it delays a request by at most one forward.
+Sequences the coordinator decodes without trees (prefill, plain steps) arrive as SYNC
+updates; the worker feeds their new tokens and drafts their next trees between messages
+(`DraftService.catch_up`), so a prompt's draft prefill and a return to speculation after
+plain steps cost the coordinator nothing.
 
 Stats: ``exposed_s`` is draft time between receiving PROPOSE and replying (the
 coordinator waits for it); ``hidden_s`` is drafting-ahead time between replying and
@@ -46,17 +50,19 @@ class WorkerOptions:
     cpus: tuple[int, ...]
     num_threads: Optional[int] = None
     overlap: bool = True
+    budget: int = 0  # nodes drafted ahead for sequences decoded without trees (`DraftService.catch_up`)
 
     def to_json(self) -> str:
         draft = dict(vars(self.draft), dtype=str(self.draft.dtype).removeprefix("torch."))
-        return json.dumps(dict(model=self.model, draft=draft, cpus=list(self.cpus), num_threads=self.num_threads, overlap=self.overlap))
+        return json.dumps(dict(model=self.model, draft=draft, cpus=list(self.cpus), num_threads=self.num_threads, overlap=self.overlap,
+                               budget=self.budget))
 
     @classmethod
     def from_json(cls, text: str) -> "WorkerOptions":
         data = json.loads(text)
         draft = DraftModelOptions(**dict(data["draft"], dtype=getattr(torch, data["draft"]["dtype"]),
                                          keep_token_ids=tuple(data["draft"]["keep_token_ids"])))
-        return cls(data["model"], draft, tuple(data["cpus"]), data["num_threads"], data["overlap"])
+        return cls(data["model"], draft, tuple(data["cpus"]), data["num_threads"], data["overlap"], data["budget"])
 
 
 @dataclass
@@ -83,25 +89,46 @@ class DraftService:
 
     drafter: Drafter
     overlap: bool = True
+    budget: int = 0  # nodes of a tree drafted ahead for a sequence the coordinator only told of (SYNC)
     contexts: dict[int, list[int]] = field(default_factory=dict)
     predrafted: dict[int, _Predrafted] = field(default_factory=dict)
     stats: WorkerStats = field(default_factory=WorkerStats)
+    stale: set[int] = field(default_factory=set)  # sequences told of new tokens, with no tree drafted from them yet
 
     def apply_updates(self, arrays) -> None:
         for seq_id in arrays["released"].tolist():
             self.contexts.pop(seq_id, None)
             self.predrafted.pop(seq_id, None)
+            self.stale.discard(seq_id)
             self.drafter.release(seq_id)
         for update in read_updates(arrays):
             context = self.contexts.get(update.seq_id, [])
             if update.keep > len(context):
                 raise RuntimeError(f"sequence {update.seq_id}: told to keep {update.keep} tokens of {len(context)}")
             self.contexts[update.seq_id] = context[: update.keep] + update.new_tokens
+            self.stale.add(update.seq_id)
+
+    def catch_up(self, message_waiting) -> None:
+        """Between messages: feed the stale sequences' new tokens and draft their next trees
+        (``budget`` nodes, or the last budget asked), until done or a message is waiting."""
+        if not self.overlap or not self.budget or message_waiting():
+            return
+        requests = [(seq_id, self.budget) for seq_id in sorted(self.stale)]
+        for seq_id, _ in requests:
+            self.drafter.set_context(seq_id, self.contexts[seq_id])
+        trees = self.drafter.draft(requests, interrupt=message_waiting) if requests else None
+        if trees is None:
+            return
+        for (seq_id, max_nodes), tree in zip(requests, trees):
+            self.predrafted[seq_id] = _Predrafted(list(self.contexts[seq_id]), max_nodes, tree)
+        self.stale.clear()
 
     def propose(self, batch: list[tuple[int, int]]) -> list[TokenTree]:
         """Trees for (seq_id, max_nodes): drafted ahead where the guess held, else drafted now."""
         trees: dict[int, TokenTree] = {}
         to_draft = []
+        self.stale.difference_update(seq_id for seq_id, _ in batch)
+        self.budget = max((max_nodes for _, max_nodes in batch), default=self.budget) or self.budget
         for seq_id, max_nodes in batch:
             context = self.contexts[seq_id]
             ahead = self.predrafted.pop(seq_id, None)
@@ -161,6 +188,8 @@ class _Loop:
             started = time.perf_counter()
             self.service.apply_updates(message.arrays)
             if message.kind == SYNC:
+                self.service.catch_up(self.message_waiting)
+                self.service.stats.hidden_s += time.perf_counter() - started
                 continue
             batch = list(zip(message.arrays["batch"].tolist(), message.arrays["max_nodes"].tolist()))
             trees = self.service.propose(batch)
@@ -186,7 +215,7 @@ def worker_main(spec: dict, options: WorkerOptions) -> None:
     logger.info("pid %d drafting with %s on cpus %s, %d threads", os.getpid(), options.model, list(options.cpus), threads)
     try:
         channel.send(READY, {"pid": np.asarray([os.getpid()], np.int64)})
-        _Loop(DraftService(drafter, options.overlap), channel).run()
+        _Loop(DraftService(drafter, options.overlap, options.budget), channel).run()
     except PeerDeadError:
         logger.info("the coordinator is gone; exiting")
     finally:

@@ -34,7 +34,7 @@ from hetero.config import EngineConfig
 from hetero.detokenizer import decode_new_text, find_stop_string
 from hetero.outputs import CompletionOutput, Logprob, RequestOutput
 from hetero.proposers import build_proposer
-from hetero.protocols import MAX_TREE_NODES, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict, tree_row_layout
+from hetero.protocols import MAX_TREE_NODES, DraftsAhead, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict, tree_row_layout
 from hetero.sampling_params import RequestOutputKind, SamplingParams
 from hetero.scheduler import ScheduledSeq, Scheduler, Sequence, SequenceGroup
 from hetero.spec_control import DrainingBatch, SpeculationController
@@ -175,6 +175,8 @@ class LLMEngine:
         max_batched = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
         self.scheduler = Scheduler(allocator, config.max_num_seqs, max_batched)
         self.proposer = proposer if proposer is not None else build_proposer(config, self.model_config, self.tokenizer)
+        # Told of the tokens of steps without trees, so that it drafts the next tree meanwhile.
+        self._observer = self.proposer if isinstance(self.proposer, DraftsAhead) else None
         max_tree_nodes = min(config.num_speculative_tokens or _DEFAULT_TREE_NODES, MAX_TREE_NODES)
         self.num_scheduler_steps = config.resolve_scheduler_steps(self.device)
         target_parallelism = getattr(self.proposer, "target_parallelism", _DEFAULT_TARGET_PARALLELISM)
@@ -364,6 +366,9 @@ class LLMEngine:
             chunks, layout = self._build_chunks(scheduled)
             logits = self.runner.forward(chunks)
             touched = self._consume_logits(scheduled, layout, logits)
+        if not speculated and self._observer is not None:
+            self._observer.observe([ProposalRequest(item.seq.seq_key, item.seq.token_ids, item.seq.num_prompt_tokens, 0)
+                                    for item in scheduled if item.seq.num_output_tokens and not item.seq.is_finished])
         outputs = [
             self._request_output(group)
             for group in touched

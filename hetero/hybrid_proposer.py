@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hetero.protocols import ProposalRequest, Proposer, TokenTree, Verdict
+from hetero.protocols import DraftsAhead, ProposalRequest, Proposer, TokenTree, Verdict
 
 
 def merge_trees(first: TokenTree, second: TokenTree, max_nodes: int) -> TokenTree:
@@ -51,6 +51,10 @@ class HybridProposer:
             first, second = (from_cache, from_draft) if _depth(from_cache) > _depth(from_draft) else (from_draft, from_cache)
             trees.append(merge_trees(first, second, request.max_nodes))
         return trees
+
+    def observe(self, batch: Sequence[ProposalRequest]) -> None:
+        if isinstance(self.draft, DraftsAhead):
+            self.draft.observe(batch)
 
     def commit(self, verdicts: Sequence[Verdict]) -> None:
         self.lookahead.commit(verdicts)

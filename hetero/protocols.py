@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -167,3 +167,11 @@ class Proposer(Protocol):
 
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request."""
+
+
+@runtime_checkable
+class DraftsAhead(Protocol):
+    """A proposer that works between steps (the CPU draft worker) and is told of tokens decoded without it."""
+
+    def observe(self, batch: Sequence[ProposalRequest]) -> None:
+        """The sequences' tokens after a step that verified no tree (prefill, plain decoding); never waits."""

@@ -1,0 +1,96 @@
+"""The draft worker's pipeline: sequences decoded without trees are caught up and drafted
+between messages, so the next proposal is ready; outputs stay those of plain decoding."""
+from __future__ import annotations
+
+import torch
+
+from cpu_draft.drafter import DraftModelOptions, Drafter
+from cpu_draft.messages import ContextUpdate, update_arrays
+from cpu_draft.worker import DraftService
+from hetero import LLM, SamplingParams
+from tiny_models import PROMPTS
+
+PROMPT = list(range(40, 90))
+
+
+def _service(model_dir, budget: int = 4) -> DraftService:
+    return DraftService(Drafter.load(str(model_dir), DraftModelOptions(dtype=torch.float32)), overlap=True, budget=budget)
+
+
+def _sync(service: DraftService, seq_id: int, keep: int, tokens: list[int]) -> None:
+    service.apply_updates(update_arrays([ContextUpdate(seq_id, keep, tokens)]))
+
+
+def test_a_synced_sequence_is_drafted_between_messages_and_its_proposal_is_ready(tiny_llama_dir):
+    service = _service(tiny_llama_dir)
+    _sync(service, 1, 0, PROMPT)
+    service.catch_up(lambda: False)
+    assert service.predrafted[1].context == PROMPT and not service.stale
+    tree = service.propose([(1, 3)])[0]
+    assert service.stats.predraft_hits == 1 and service.stats.predraft_misses == 0
+
+    fresh = Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32))
+    fresh.set_context(1, PROMPT)
+    expected = fresh.draft([(1, 3)])[0]
+    assert tree.tokens.tolist() == expected.tokens.tolist() and tree.parents.tolist() == expected.parents.tolist()
+
+
+def test_tokens_synced_after_the_draft_ahead_are_drafted_again(tiny_llama_dir):
+    service = _service(tiny_llama_dir)
+    _sync(service, 1, 0, PROMPT)
+    service.catch_up(lambda: False)
+    _sync(service, 1, len(PROMPT), [7, 8])  # two plain steps later
+    assert service.stale == {1}
+    service.catch_up(lambda: False)
+    assert service.predrafted[1].context == PROMPT + [7, 8]
+    service.propose([(1, 4)])
+    assert service.stats.predraft_hits == 1
+
+
+def test_a_waiting_message_interrupts_the_catch_up_and_it_resumes_later(tiny_llama_dir):
+    service = _service(tiny_llama_dir)
+    _sync(service, 1, 0, PROMPT)
+    polls = iter([False, True])  # a message arrives after the first depth level
+    service.catch_up(lambda: next(polls, True))
+    assert 1 not in service.predrafted and service.stale == {1}
+    service.catch_up(lambda: False)
+    assert service.predrafted[1].context == PROMPT
+
+
+def test_no_budget_means_no_drafting_ahead(tiny_llama_dir):
+    service = _service(tiny_llama_dir, budget=0)
+    _sync(service, 1, 0, PROMPT)
+    service.catch_up(lambda: False)
+    assert not service.predrafted
+
+
+def test_the_engine_tells_the_worker_of_plain_steps_and_outputs_stay_plain(tiny_llama_dir):
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(device="cpu", model=str(tiny_llama_dir), dtype="float32")
+    expected = [list(o.outputs[0].token_ids) for o in plain.generate(PROMPTS, greedy, use_tqdm=False)]
+    llm = LLM(device="cpu", model=str(tiny_llama_dir), dtype="float32", speculative_model=str(tiny_llama_dir),
+              num_speculative_tokens=4, cpu_draft_worker=True)
+    engine = llm.llm_engine
+    told = []
+    observe = engine.proposer.observe
+    engine._observer.observe = lambda batch: (told.append(len(batch)), observe(batch))
+    try:
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    finally:
+        engine.proposer.close()
+    assert got == expected
+    assert told  # prefill and plain steps reached the worker (the controller decides between them and trees)
+
+
+def test_the_coordinator_keeps_one_core_in_eight_and_pins_itself_off_the_draft(monkeypatch):
+    from cpu_draft import affinity
+
+    pinned = []
+    monkeypatch.delenv(affinity.DRAFT_CPUS_ENV, raising=False)
+    monkeypatch.setattr(affinity.os, "sched_setaffinity", lambda pid, cpus: pinned.append(sorted(cpus)))
+    for usable, draft in [(range(16), list(range(2, 16))), (range(2), [1]), (range(1), [0]), (range(4, 12), list(range(5, 12)))]:
+        monkeypatch.setattr(affinity.os, "sched_getaffinity", lambda pid, usable=usable: set(usable))
+        assert affinity.default_draft_cpus() == draft
+    monkeypatch.setattr(affinity.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert affinity.pin_coordinator(range(2, 16)) == [0, 1] and pinned == [[0, 1]]
+    assert affinity.pin_coordinator(range(16)) == [] and pinned == [[0, 1]]  # nothing left: not pinned
