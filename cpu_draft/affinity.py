@@ -36,10 +36,22 @@ def parse_cpu_list(text: str) -> list[int]:
     return sorted(cpus)
 
 
+_process_cpus: Optional[frozenset[int]] = None
+
+
+def usable_cpus() -> list[int]:
+    """The cores this process may use, as first read: `pin_coordinator` narrows the calling
+    thread's own set later, which must not shrink the next engine's draft."""
+    global _process_cpus
+    if _process_cpus is None:
+        _process_cpus = frozenset(os.sched_getaffinity(0))
+    return sorted(_process_cpus)
+
+
 def default_draft_cpus(spec: Optional[str] = None) -> list[int]:
-    """The cores for the draft: ``spec``, else $HETERO_DRAFT_CPUS, else all usable cores but the first."""
+    """The cores for the draft: ``spec``, else $HETERO_DRAFT_CPUS, else the usable cores but one in eight (at least one)."""
     spec = spec if spec is not None else os.environ.get(DRAFT_CPUS_ENV)
-    usable = sorted(os.sched_getaffinity(0))
+    usable = usable_cpus()
     if spec:
         cpus = parse_cpu_list(spec)
         unusable = sorted(set(cpus) - set(usable))
@@ -53,7 +65,7 @@ def default_draft_cpus(spec: Optional[str] = None) -> list[int]:
 def pin_coordinator(draft_cpus: Sequence[int]) -> list[int]:
     """Bind the calling thread (and the threads it starts later) to the usable cores the draft
     does not use; returns them (empty, and nothing changed, when the draft uses them all)."""
-    rest = sorted(set(os.sched_getaffinity(0)) - set(draft_cpus))
+    rest = sorted(set(usable_cpus()) - set(draft_cpus))
     if rest:
         os.sched_setaffinity(0, rest)
     return rest

@@ -35,7 +35,8 @@ from hetero.protocols import TokenTree
 logger = logging.getLogger("hetero.cpu_draft")
 
 SeqId = Hashable
-SHORT_FEED_TOKENS = 16  # catch-up feeds up to this long share one forward; longer ones (prompts) run alone
+SHORT_FEED_TOKENS = 16  # catch-up feeds up to this long are fed with the tree's first level
+FEED_FORWARD_TOKENS = 256  # longer feeds (prompts) go in forwards of up to this many tokens
 
 
 @dataclass(frozen=True)
@@ -290,19 +291,44 @@ class Drafter:
         for w, tokens, probs in zip(work, top_tokens.tolist(), top_probs.tolist()):
             w.builder.add_level(tokens, probs)
 
+    def uncached(self, seq_id: SeqId) -> int:
+        """Context tokens whose K/V the sequence's next draft must compute first (its root at least)."""
+        state = self._seqs[seq_id]
+        return len(state.context) - len(state.kv_tokens)
+
+    def prefill(self, seq_ids: Sequence[SeqId], interrupt: Optional[Callable[[], bool]] = None) -> bool:
+        """Compute the K/V of each sequence's context but its root, in forwards of up to
+        `FEED_FORWARD_TOKENS` tokens; polls ``interrupt`` between them. True once done."""
+        states = [self._seqs[s] for s in seq_ids]
+        for state in states:
+            if not self._reserve(state, len(state.context), set(seq_ids)):
+                return False
+        return self._prefill(states, interrupt)
+
+    def _prefill(self, states: list[_SeqState], interrupt: Optional[Callable[[], bool]] = None) -> bool:
+        while True:
+            pending = [s for s in states if len(s.context) - 1 > len(s.kv_tokens)]
+            if not pending:
+                return True
+            if interrupt is not None and interrupt():
+                return False
+            batch, feeds, room = [], [], FEED_FORWARD_TOKENS
+            for state in pending:
+                take = min(len(state.context) - 1 - len(state.kv_tokens), room)
+                if take <= 0:
+                    break
+                batch.append(state)
+                feeds.append(state.context[len(state.kv_tokens) : len(state.kv_tokens) + take])
+                room -= take
+            self._forward(batch, feeds)
+
     def _catch_up(self, states: list[_SeqState]) -> torch.Tensor:
-        """Feed every sequence's uncached context (at least its root); logits at each root, in order."""
-        feeds = [s.context[len(s.kv_tokens) :] for s in states]
-        short = [i for i, f in enumerate(feeds) if len(f) <= SHORT_FEED_TOKENS]
-        rows: list[Optional[torch.Tensor]] = [None] * len(states)
-        if short:
-            logits = self._forward([states[i] for i in short], [feeds[i] for i in short])
-            for row, i in enumerate(short):
-                rows[i] = logits[row]
-        for i, feed in enumerate(feeds):
-            if rows[i] is None:
-                rows[i] = self._forward([states[i]], [feed])[0]
-        return torch.stack(rows)
+        """Feed every sequence's uncached context (at least its root); logits at each root, in order.
+
+        Feeds up to `SHORT_FEED_TOKENS` share one forward; longer ones (prompts) are prefilled
+        first in forwards of up to `FEED_FORWARD_TOKENS` tokens, leaving their roots to it."""
+        self._prefill([s for s in states if len(s.context) - len(s.kv_tokens) > SHORT_FEED_TOKENS])
+        return self._forward(states, [s.context[len(s.kv_tokens) :] for s in states])
 
     def _forward(self, states: list[_SeqState], feeds: list[list[int]]) -> torch.Tensor:
         """Append ``feeds`` to the sequences' KV (room already reserved); logits of each feed's last token."""

@@ -358,8 +358,8 @@ class WorkerDraftProposer:
     def observe(self, batch: Sequence[ProposalRequest]) -> None:
         """Send the sequences' new tokens (SYNC, no reply): the worker catches its KV up and drafts
         their next trees while the GPU runs plain steps, so the next `propose` finds them ready."""
-        if not batch or not self._ensure_ready():
-            return
+        if not batch or not self._ensure_ready() or not self._slot.worker.channel.can_send():
+            return  # a busy worker gets the tokens with a later message (`_sent` still holds what it has)
         seq_ids = [self._seq_id(r.request_id) for r in batch]
         updates = [u for u in (self._update(s, r.token_ids) for s, r in zip(seq_ids, batch)) if u is not None]
         if not updates and not self._released:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from cpu_draft.affinity import pin_current_process
-from cpu_draft.drafter import DraftModelOptions, Drafter
+from cpu_draft.drafter import SHORT_FEED_TOKENS, DraftModelOptions, Drafter
 from cpu_draft.messages import PROPOSE, READY, SHUTDOWN, STAT_NAMES, SYNC, TREES, read_updates, tree_arrays
 from hetero.protocols import TokenTree
 from ipc import Channel, Message, PeerDeadError
@@ -116,7 +116,9 @@ class DraftService:
         requests = [(seq_id, self.budget) for seq_id in sorted(self.stale)]
         for seq_id, _ in requests:
             self.drafter.set_context(seq_id, self.contexts[seq_id])
-        trees = self.drafter.draft(requests, interrupt=message_waiting) if requests else None
+        if not requests or not self.drafter.prefill([s for s, _ in requests], interrupt=message_waiting):
+            return
+        trees = self.drafter.draft(requests, interrupt=message_waiting)
         if trees is None:
             return
         for (seq_id, max_nodes), tree in zip(requests, trees):
@@ -139,9 +141,12 @@ class DraftService:
             if ahead is not None:
                 self.stats.predraft_misses += 1
             self.drafter.set_context(seq_id, context)
+            if self.overlap and self.drafter.uncached(seq_id) > SHORT_FEED_TOKENS:
+                self.stale.add(seq_id)  # a prompt to prefill: no tree now, `catch_up` drafts one after the reply
+                continue
             to_draft.append((seq_id, max_nodes))
         trees.update(zip((s for s, _ in to_draft), self.drafter.draft(to_draft)))
-        return [trees[seq_id] for seq_id, _ in batch]
+        return [trees.get(seq_id, TokenTree.empty()) for seq_id, _ in batch]
 
     def draft_ahead(self, batch: list[tuple[int, int]], message_waiting) -> None:
         """Draft the next step assuming full acceptance, until done or a message is waiting."""
@@ -198,6 +203,7 @@ class _Loop:
             self.channel.send(TREES, tree_arrays(trees, stats.as_list()))
             ahead_started = time.perf_counter()
             self.service.draft_ahead(batch, self.message_waiting)
+            self.service.catch_up(self.message_waiting)
             stats.hidden_s += time.perf_counter() - ahead_started
 
 

@@ -207,6 +207,11 @@ class Channel:
         if self._writer.consumer_waiting():
             self._data_sender.ring()
 
+    def can_send(self) -> bool:
+        """Whether a slot is free now (a `send` would not wait)."""
+        self._require_open()
+        return self._writer.has_space()
+
     def recv(self, timeout: float | None = None) -> Message:
         """Release the previous message and return the next one, waiting up to ``timeout`` s (None: forever).
 

@@ -89,8 +89,41 @@ def test_the_coordinator_keeps_one_core_in_eight_and_pins_itself_off_the_draft(m
     monkeypatch.delenv(affinity.DRAFT_CPUS_ENV, raising=False)
     monkeypatch.setattr(affinity.os, "sched_setaffinity", lambda pid, cpus: pinned.append(sorted(cpus)))
     for usable, draft in [(range(16), list(range(2, 16))), (range(2), [1]), (range(1), [0]), (range(4, 12), list(range(5, 12)))]:
+        monkeypatch.setattr(affinity, "_process_cpus", None)
         monkeypatch.setattr(affinity.os, "sched_getaffinity", lambda pid, usable=usable: set(usable))
         assert affinity.default_draft_cpus() == draft
+    monkeypatch.setattr(affinity, "_process_cpus", None)
     monkeypatch.setattr(affinity.os, "sched_getaffinity", lambda pid: set(range(16)))
     assert affinity.pin_coordinator(range(2, 16)) == [0, 1] and pinned == [[0, 1]]
+    monkeypatch.setattr(affinity.os, "sched_getaffinity", lambda pid: {0, 1})  # the pinned thread's own set now
+    assert affinity.default_draft_cpus() == list(range(2, 16))  # a second engine's draft is not shrunk by the pin
     assert affinity.pin_coordinator(range(16)) == [] and pinned == [[0, 1]]  # nothing left: not pinned
+
+
+def test_a_prompt_to_prefill_gets_no_tree_now_and_is_drafted_after_the_reply(tiny_llama_dir):
+    service = _service(tiny_llama_dir)
+    service.apply_updates(update_arrays([ContextUpdate(1, 0, PROMPT), ContextUpdate(2, 0, PROMPT[:5])]))
+    trees = service.propose([(1, 4), (2, 4)])
+    assert len(trees[0]) == 0 and len(trees[1]) == 4  # the long prompt waits for its prefill; the short one is drafted
+    assert service.stale == {1}
+    service.catch_up(lambda: False)
+    assert service.predrafted[1].context == PROMPT
+    assert len(service.propose([(1, 4)])[0]) == 4 and service.stats.predraft_hits == 1
+
+
+def test_prefill_in_several_forwards_leaves_the_kv_of_one_prefill(tiny_llama_dir, monkeypatch):
+    from cpu_draft import drafter as drafter_module
+
+    whole = Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32))
+    whole.set_context(1, PROMPT)
+    assert whole.prefill([1])
+    monkeypatch.setattr(drafter_module, "FEED_FORWARD_TOKENS", 7)
+    chunked = Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32))
+    chunked.set_context(1, PROMPT)
+    polls = iter([False, True])
+    assert not chunked.prefill([1], interrupt=lambda: next(polls, False))  # stopped after one forward of 7
+    assert chunked.kv_length(1) == 7
+    assert chunked.prefill([1])
+    assert chunked.kv_length(1) == whole.kv_length(1) == len(PROMPT) - 1
+    assert torch.allclose(chunked.kv_snapshot(1), whole.kv_snapshot(1), atol=1e-5)
+    assert chunked.draft([(1, 4)])[0].tokens.tolist() == whole.draft([(1, 4)])[0].tokens.tolist()
