@@ -111,6 +111,8 @@ def main(argv=None) -> None:
     parser.add_argument("--hot-tokens", type=int, default=32768, help="the text's most frequent tokens (the lowest ids)")
     parser.add_argument("--cold-scale", type=float, default=0.8, help="scale of the other tokens' head rows in both models")
     parser.add_argument("--head-noise", type=float, default=0.0)
+    parser.add_argument("--cpu-draft-quantization", choices=["none", "int8"], default="int8",
+                        help="the CPU worker's weights (HETERO_DRAFT_QUANTIZATION); the GPU draft stays in bf16")
     parser.add_argument("--configs", default="plain,lookahead,cpu-draft,gpu-draft,hybrid")
     parser.add_argument("--always-speculate", action="store_true", help="keep the controller from switching speculation off")
     args = parser.parse_args(argv)
@@ -128,9 +130,10 @@ def main(argv=None) -> None:
     speculation = {
         "plain": {},
         "lookahead": lookahead,
-        "cpu-draft": dict(draft_model, cpu_draft_worker=True),
+        "cpu-draft": dict(draft_model, cpu_draft_worker=True, extra={"draft_quantization": args.cpu_draft_quantization}),
         "gpu-draft": dict(draft_model, cpu_draft_worker=False),
-        "hybrid": dict(draft_model, cpu_draft_worker=True, lookahead_cache_config_dir=lookahead_dir),
+        "hybrid": dict(draft_model, cpu_draft_worker=True, lookahead_cache_config_dir=lookahead_dir,
+                       extra={"draft_quantization": args.cpu_draft_quantization}),
     }
     rows = []
     for name in args.configs.split(","):

@@ -36,7 +36,9 @@ logger = logging.getLogger("hetero.cpu_draft")
 
 SeqId = Hashable
 SHORT_FEED_TOKENS = 16  # catch-up feeds up to this long are fed with the tree's first level
-FEED_FORWARD_TOKENS = 256  # longer feeds (prompts) go in forwards of up to this many tokens
+# Longer feeds (prompts) are prefilled in forwards of up to this many tokens: on the CPU a short
+# forward, so the worker answers a proposal within one; on a GPU, whole prompts at once.
+PREFILL_FORWARD_TOKENS = {"cpu": 32, "cuda": 2048}
 
 
 @dataclass(frozen=True)
@@ -298,7 +300,7 @@ class Drafter:
 
     def prefill(self, seq_ids: Sequence[SeqId], interrupt: Optional[Callable[[], bool]] = None) -> bool:
         """Compute the K/V of each sequence's context but its root, in forwards of up to
-        `FEED_FORWARD_TOKENS` tokens; polls ``interrupt`` between them. True once done."""
+        `PREFILL_FORWARD_TOKENS` tokens; polls ``interrupt`` between them. True once done."""
         states = [self._seqs[s] for s in seq_ids]
         for state in states:
             if not self._reserve(state, len(state.context), set(seq_ids)):
@@ -312,7 +314,7 @@ class Drafter:
                 return True
             if interrupt is not None and interrupt():
                 return False
-            batch, feeds, room = [], [], FEED_FORWARD_TOKENS
+            batch, feeds, room = [], [], PREFILL_FORWARD_TOKENS.get(self.device.type, PREFILL_FORWARD_TOKENS["cuda"])
             for state in pending:
                 take = min(len(state.context) - 1 - len(state.kv_tokens), room)
                 if take <= 0:
@@ -326,7 +328,7 @@ class Drafter:
         """Feed every sequence's uncached context (at least its root); logits at each root, in order.
 
         Feeds up to `SHORT_FEED_TOKENS` share one forward; longer ones (prompts) are prefilled
-        first in forwards of up to `FEED_FORWARD_TOKENS` tokens, leaving their roots to it."""
+        first (`prefill`), leaving their roots to it."""
         self._prefill([s for s in states if len(s.context) - len(s.kv_tokens) > SHORT_FEED_TOKENS])
         return self._forward(states, [s.context[len(s.kv_tokens) :] for s in states])
 

@@ -117,7 +117,7 @@ def test_prefill_in_several_forwards_leaves_the_kv_of_one_prefill(tiny_llama_dir
     whole = Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32))
     whole.set_context(1, PROMPT)
     assert whole.prefill([1])
-    monkeypatch.setattr(drafter_module, "FEED_FORWARD_TOKENS", 7)
+    monkeypatch.setitem(drafter_module.PREFILL_FORWARD_TOKENS, "cpu", 7)
     chunked = Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32))
     chunked.set_context(1, PROMPT)
     polls = iter([False, True])
