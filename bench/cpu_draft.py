@@ -99,7 +99,7 @@ def load_drafter(args, dtype: torch.dtype, int8: bool, max_num_seqs: int, kv_lay
                  kv_dtype: Optional[str] = None) -> Drafter:
     options = DraftModelOptions(dtype=dtype, int8_weights=int8, kv_cache_bytes=int(args.kv_cache_gib * 2**30), max_num_seqs=max_num_seqs,
                                 kv_layout=kv_layout, pack_linears=args.pack_linears, native_kernels=kernels == "native",
-                                kv_dtype=kv_dtype)
+                                kv_dtype=kv_dtype, draft_vocab_size=args.draft_vocab)
     if args.random_shape is None:
         return Drafter.load(args.model, options)
     config = random_config(args.random_shape)
@@ -126,13 +126,15 @@ def read_bandwidth(num_bytes: int = 2**30, repeats: int = 5) -> float:
     return num_bytes / best
 
 
-def bytes_per_forward(config: ModelConfig, precision: str, kv_dtype: str, batch_size: int, mean_context: float) -> float:
+def bytes_per_forward(config: ModelConfig, precision: str, kv_dtype: str, batch_size: int, mean_context: float,
+                      head_rows: int | None = None) -> float:
     """Bytes one batched single-token forward must read: every projection and the logits head
-    once, at the precision's width (the embedding: only the batch's rows, left out), and the
-    batch's cached K/V at `mean_context` tokens."""
+    (``head_rows`` of it: a reduced draft vocabulary; None: all) once, at the precision's width
+    (the embedding: only the batch's rows, left out), and the batch's cached K/V at `mean_context` tokens."""
     width = WEIGHT_BYTES[precision]
-    head = [(config.vocab_size, config.hidden_size)] if config.tie_word_embeddings else []
-    matrices = [shape for name, shape in parameter_shapes(config).items() if len(shape) == 2 and "embed_tokens" not in name] + head
+    head = [(min(head_rows or config.vocab_size, config.vocab_size), config.hidden_size)]
+    matrices = [shape for name, shape in parameter_shapes(config).items()
+                if len(shape) == 2 and "embed_tokens" not in name and "lm_head" not in name] + head
     weights = sum(rows * cols * width + (4 * rows if precision == "int8" else 0) for rows, cols in matrices)
     kv = config.num_layers * batch_size * mean_context * 2 * config.kv_size * KV_BYTES[kv_dtype]
     return weights + kv
@@ -191,7 +193,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="native rows: time each phase of the forward and print ms per forward per phase")
     parser.add_argument("--amx", nargs="+", default=None, choices=["on", "off"],
                         help="native rows: with the AMX kernels and/or without (default: as loaded, on where available)")
-    parser.add_argument("--out", type=Path, default=None, help="CSV path (default bench/results/cpu_draft-<hostname>.csv)")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="the head over this many of the most frequent tokens (speculative_draft_vocab_size); default: all")
+    parser.add_argument("--out", type=Path, default=None, help="CSV path, or a directory for cpu_draft-<hostname>.csv in it (default bench/results)")
     return parser.parse_args(argv)
 
 
@@ -241,7 +245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             p50, p90 = np.percentile(times, 50) * 1e3, np.percentile(times, 90) * 1e3
             # Each step appends the accepted chain and a bonus token: the measured steps' mean context.
             mean_context = args.context + (args.draft_tokens + 1) * (args.warmup + 1 + args.steps / 2) + args.draft_tokens / 2
-            roofline_ms = 1e3 * bytes_per_forward(config, precision, kv_name, batch_size, mean_context) / bandwidth
+            roofline_ms = 1e3 * bytes_per_forward(config, precision, kv_name, batch_size, mean_context, args.draft_vocab) / bandwidth
             row = {
                 "kv_layout": layout,
                 "kernels": kernels,
@@ -288,7 +292,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "hetero_commit": machine["hetero_commit"],
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    out = args.out or RESULTS_DIR / f"cpu_draft-{machine['hostname']}.csv"
+    out = args.out or RESULTS_DIR
+    if out.is_dir():  # a directory, as the other benches take
+        out = out / f"cpu_draft-{machine['hostname']}.csv"
     write_csv_with_context(out, rows, extra)
     if profile_rows:
         names = [k for k in profile_rows[0] if k.endswith("_ms")]

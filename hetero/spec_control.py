@@ -620,7 +620,7 @@ class AcceptanceSpread:
         # enough that believing it turned speculation that paid 1.65x off for a whole batch.
         deviations = (rates - rates.mean()) ** 2
         measured = float(deviations.mean() - noise.mean())
-        error = float(deviations.var() / (len(rates) - 1)) ** 0.5
+        error = float(deviations.var() / (len(rates) - 1)) ** 0.5 if len(rates) > 1 else float("inf")  # one rate: no spread to see
         relative, uncertain = _shrunk(seen, rates, noise, max(prior, measured - error))
         return cls(relative, uncertain, within / batch_rate, measured, error)
 

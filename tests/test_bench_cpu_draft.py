@@ -12,3 +12,10 @@ def test_bytes_per_forward_counts_projections_head_and_cached_kv():
     assert bytes_per_forward(config, "bf16", "bf16", 3, 10) == 2 * weights + 2 * kv_elements
     untied = random_config("64,2,4,2,128,1000,untied")
     assert bytes_per_forward(untied, "fp32", "fp32", 0, 0) == 4 * weights
+
+
+def test_a_reduced_head_reads_only_its_rows():
+    untied = random_config("64,2,4,2,128,1000,untied")
+    full = bytes_per_forward(untied, "fp32", "fp32", 0, 0)
+    assert bytes_per_forward(untied, "fp32", "fp32", 0, 0, head_rows=100) == full - 4 * 900 * 64
+    assert bytes_per_forward(untied, "fp32", "fp32", 0, 0, head_rows=5000) == full  # no more rows than the vocabulary
