@@ -13,7 +13,8 @@ every layer's output projections are damped, which makes the target's greedy nex
 the draft's. Text has a frequency structure the draft's reduced head (`--draft-vocab`,
 FR-Spec) relies on: the head rows of tokens beyond the `--hot-tokens` most frequent are
 scaled by `--cold-scale` in both models, so greedy tokens are mostly frequent ones.
-`--head-noise` adds noise to the target's other LM-head columns to lower the agreement.
+`--head-noise` adds noise to the target's other LM-head columns to lower the agreement, and
+`--trace` caps each tree at the accepted length a real draft got on real text (`TraceReplay`).
 The bytes and FLOPs per step are those of the real shapes.
 
     python -m bench.e2e_speculation --out bench/results
@@ -24,6 +25,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import sys
 import tempfile
 import time
@@ -35,9 +37,11 @@ from tokenizers import Tokenizer, models
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from bench.gpu_decode import DAMPING, LLAMA3_8B, random_prompts, stabilise_greedy, timed_decode
-from gpu_target.loader import load_config, random_state_dict
+from gpu_target.loader import load_config, load_tokenizer, random_state_dict
 from hetero.config import EngineConfig
 from hetero.engine import LLMEngine
+from hetero.proposers import build_proposer
+from hetero.protocols import DraftsAhead, Proposer, TokenTree
 
 DRAFT = dict(LLAMA3_8B, hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
              num_attention_heads=9, num_key_value_heads=3, torch_dtype="bfloat16")
@@ -88,12 +92,66 @@ def graft_draft_into_target(model, draft: dict[str, torch.Tensor], head_noise: f
     stabilise_greedy(model, DAMPING)
 
 
+class TraceReplay:
+    """A draft proposer whose trees are cut to the accepted length a real-text trace draws (`bench.traces`).
+
+    The real proposer drafts (and pays for) every tree; each tree's chain is then kept up to a
+    length drawn from the trace for its depth, and the next node is replaced by a token the
+    target rejects (agreement is built in, so the draft's own token there is the target's),
+    which makes the target accept at most what real text would. The worker still drafts
+    ahead on its own guess, so its misses are those real acceptance causes.
+    """
+
+    def __init__(self, draft: Proposer, trace, vocab_size: int, seed: int = 0):
+        self.draft, self.trace, self.vocab_size = draft, trace, vocab_size
+        self.rng = random.Random(seed)
+
+    def propose(self, batch):
+        return [self._cut(tree) for tree in self.draft.propose(batch)]
+
+    def _cut(self, tree: TokenTree) -> TokenTree:
+        chain = []  # the first child at every depth: the draft's greedy chain (siblings follow it)
+        for i, parent in enumerate(tree.parent_list):
+            if parent == (chain[-1] if chain else -1):
+                chain.append(i)
+        if not chain:
+            return tree
+        keep = self.trace.sample_accepted(len(chain), self.rng)
+        if keep == len(chain):
+            return tree
+        tokens = tree.token_list[: chain[keep] + 1]
+        tokens[chain[keep]] = (tokens[chain[keep]] + 1) % self.vocab_size
+        return TokenTree(tokens, tree.parent_list[: chain[keep] + 1])
+
+    def observe(self, batch):
+        if isinstance(self.draft, DraftsAhead):
+            self.draft.observe(batch)
+
+    def commit(self, verdicts):
+        self.draft.commit(verdicts)
+
+    def release(self, request_id):
+        self.draft.release(request_id)
+
+    def close(self):
+        close = getattr(self.draft, "close", None)
+        if callable(close):
+            close()
+
+
 def build_engine(target_dir: str, draft: dict, args, **speculation) -> LLMEngine:
     config = EngineConfig(
         model=target_dir, load_format="dummy", dtype="bfloat16", max_model_len=args.prompt_len + args.new_tokens + 64,
         max_num_seqs=max(args.batches), gpu_memory_utilization=0.5, **speculation,
     )
-    engine = LLMEngine(config)
+    proposer = None
+    if args.trace and config.speculative_model:
+        from bench.traces import load_trace
+
+        model_config = load_config(target_dir, require_weights=False)
+        inner = build_proposer(config, model_config, load_tokenizer(target_dir))
+        proposer = TraceReplay(inner, load_trace(args.trace), model_config.vocab_size)
+    engine = LLMEngine(config, proposer)
     graft_draft_into_target(engine.model, draft, args.head_noise, seed=1)
     if engine.proposer is not None and args.always_speculate:
         engine.spec_control.always_speculate = True
@@ -115,6 +173,9 @@ def main(argv=None) -> None:
                         help="the CPU worker's weights (HETERO_DRAFT_QUANTIZATION); the GPU draft stays in bf16")
     parser.add_argument("--configs", default="plain,lookahead,cpu-draft,gpu-draft,hybrid")
     parser.add_argument("--always-speculate", action="store_true", help="keep the controller from switching speculation off")
+    parser.add_argument("--trace", default=None,
+                        help="replay a real-text acceptance trace (bench/data/traces: e.g. chat, code/draft-chain-4) "
+                             "on the draft models' trees instead of the built-in agreement alone")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     target_dir = write_model_dir(LLAMA3_8B)
@@ -149,7 +210,7 @@ def main(argv=None) -> None:
             drafted = engine.spec_stats.num_draft_tokens - before[2]
             waited = engine.draft_wait_seconds - before[3]
             spec_steps = steps / batch  # engine steps that verified trees (one tree per sequence each)
-            row = dict(config=name, batch=batch, tokens_per_s=round(tokens / elapsed, 1),
+            row = dict(config=name, trace=args.trace or "", batch=batch, tokens_per_s=round(tokens / elapsed, 1),
                        spec_seq_steps=steps, draft_tokens=drafted,
                        mean_accepted_length=round((accepted + steps) / steps, 2) if steps else "",
                        wait_ms_per_spec_step=round(1e3 * waited / spec_steps, 2) if steps else "",

@@ -10,7 +10,9 @@ GPU verifies step t. When the next PROPOSE arrives, a sequence whose real contex
 the guessed one gets the tree drafted ahead as it is; any other sequence has its KV cut
 back to the longest prefix it shares with the real context (the accepted part of the
 chain is usually still there) and is drafted again. Drafting ahead stops at the next
-depth level once a message is waiting, so it delays a request by at most one forward.
+depth level once a message is waiting, so it delays a request by at most one forward,
+unless that message asks for the very trees being drafted (the guess held): then they are
+finished, since drafting them again would cost more.
 Sequences the coordinator decodes without trees (prefill, plain steps) arrive as SYNC
 updates; the worker feeds their new tokens and drafts their next trees between messages
 (`DraftService.catch_up`), so a prompt's draft prefill and a return to speculation after
@@ -29,7 +31,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -108,17 +110,34 @@ class DraftService:
             self.contexts[update.seq_id] = context[: update.keep] + update.new_tokens
             self.stale.add(update.seq_id)
 
-    def catch_up(self, message_waiting) -> None:
+    def needed_by(self, message: Optional[Message], seq_ids: Sequence[int]) -> bool:
+        """Whether ``message`` asks for trees of exactly the contexts the drafter is drafting
+        ``seq_ids`` from (its guess held): then drafting goes on instead of stopping for it."""
+        if message is None or message.kind != PROPOSE or set(message.arrays["released"].tolist()) & set(seq_ids):
+            return False
+        contexts = {seq_id: self.contexts[seq_id] for seq_id in seq_ids}
+        for update in read_updates(message.arrays):
+            if update.seq_id in contexts:
+                contexts[update.seq_id] = contexts[update.seq_id][: update.keep] + update.new_tokens
+        return all(contexts[seq_id] == self.drafter.context(seq_id) for seq_id in seq_ids)
+
+    def _interrupt(self, pending, seq_ids: Sequence[int]):
+        """Stop drafting ahead for a waiting message, unless it asks for what is being drafted."""
+        return lambda: pending() is not None and not self.needed_by(pending(), seq_ids)
+
+    def catch_up(self, pending) -> None:
         """Between messages: feed the stale sequences' new tokens and draft their next trees
-        (``budget`` nodes, or the last budget asked), until done or a message is waiting."""
-        if not self.overlap or not self.budget or message_waiting():
+        (``budget`` nodes, or the last budget asked), until done or a message is waiting
+        (``pending()``: the waiting message, or None)."""
+        if not self.overlap or not self.budget or pending() is not None:
             return
         requests = [(seq_id, self.budget) for seq_id in sorted(self.stale)]
         for seq_id, _ in requests:
             self.drafter.set_context(seq_id, self.contexts[seq_id])
-        if not requests or not self.drafter.prefill([s for s, _ in requests], interrupt=message_waiting):
+        prompts = [seq_id for seq_id, _ in requests if self.drafter.uncached(seq_id) > SHORT_FEED_TOKENS]  # the rest: fed with the first level
+        if not requests or not self.drafter.prefill(prompts, interrupt=lambda: pending() is not None):
             return
-        trees = self.drafter.draft(requests, interrupt=message_waiting)
+        trees = self.drafter.draft(requests, interrupt=self._interrupt(pending, [s for s, _ in requests]))
         if trees is None:
             return
         for (seq_id, max_nodes), tree in zip(requests, trees):
@@ -148,16 +167,17 @@ class DraftService:
         trees.update(zip((s for s, _ in to_draft), self.drafter.draft(to_draft)))
         return [trees.get(seq_id, TokenTree.empty()) for seq_id, _ in batch]
 
-    def draft_ahead(self, batch: list[tuple[int, int]], message_waiting) -> None:
-        """Draft the next step assuming full acceptance, until done or a message is waiting."""
-        if not self.overlap or message_waiting():
+    def draft_ahead(self, batch: list[tuple[int, int]], pending) -> None:
+        """Draft the next step assuming full acceptance, until done or a message is waiting
+        that does not ask for these trees (``pending()``: the waiting message, or None)."""
+        if not self.overlap or pending() is not None:
             return
         budgets = dict(batch)
         extended = self.drafter.assume_accepted([s for s, n in batch if n > 0])
-        if not extended or message_waiting():
+        if not extended or pending() is not None and not self.needed_by(pending(), extended):
             return
         requests = [(seq_id, budgets[seq_id]) for seq_id in extended]
-        trees = self.drafter.draft(requests, interrupt=message_waiting)
+        trees = self.drafter.draft(requests, interrupt=self._interrupt(pending, extended))
         if trees is None:
             return
         for (seq_id, max_nodes), tree in zip(requests, trees):
@@ -170,12 +190,13 @@ class _Loop:
         self.channel = channel
         self._pending: Optional[Message] = None
 
-    def message_waiting(self) -> bool:
+    def pending(self) -> Optional[Message]:
+        """The next message if one is waiting (kept for `next_message`), else None; never waits."""
         if self._pending is None:
             message = self.channel.try_recv()
             if message is not None:
                 self._pending = message.copy()
-        return self._pending is not None
+        return self._pending
 
     def next_message(self) -> Message:
         if self._pending is not None:
@@ -193,7 +214,7 @@ class _Loop:
             started = time.perf_counter()
             self.service.apply_updates(message.arrays)
             if message.kind == SYNC:
-                self.service.catch_up(self.message_waiting)
+                self.service.catch_up(self.pending)
                 self.service.stats.hidden_s += time.perf_counter() - started
                 continue
             batch = list(zip(message.arrays["batch"].tolist(), message.arrays["max_nodes"].tolist()))
@@ -202,8 +223,8 @@ class _Loop:
             stats.exposed_s += time.perf_counter() - started
             self.channel.send(TREES, tree_arrays(trees, stats.as_list()))
             ahead_started = time.perf_counter()
-            self.service.draft_ahead(batch, self.message_waiting)
-            self.service.catch_up(self.message_waiting)
+            self.service.draft_ahead(batch, self.pending)
+            self.service.catch_up(self.pending)
             stats.hidden_s += time.perf_counter() - ahead_started
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from cpu_draft.drafter import DraftModelOptions, Drafter
-from cpu_draft.messages import ContextUpdate, update_arrays
+from types import SimpleNamespace
+
+from cpu_draft.messages import PROPOSE, SYNC, ContextUpdate, update_arrays
 from cpu_draft.worker import DraftService
 from hetero import LLM, SamplingParams
 from tiny_models import PROMPTS
@@ -24,7 +26,7 @@ def _sync(service: DraftService, seq_id: int, keep: int, tokens: list[int]) -> N
 def test_a_synced_sequence_is_drafted_between_messages_and_its_proposal_is_ready(tiny_llama_dir):
     service = _service(tiny_llama_dir)
     _sync(service, 1, 0, PROMPT)
-    service.catch_up(lambda: False)
+    service.catch_up(lambda: None)
     assert service.predrafted[1].context == PROMPT and not service.stale
     tree = service.propose([(1, 3)])[0]
     assert service.stats.predraft_hits == 1 and service.stats.predraft_misses == 0
@@ -38,10 +40,10 @@ def test_a_synced_sequence_is_drafted_between_messages_and_its_proposal_is_ready
 def test_tokens_synced_after_the_draft_ahead_are_drafted_again(tiny_llama_dir):
     service = _service(tiny_llama_dir)
     _sync(service, 1, 0, PROMPT)
-    service.catch_up(lambda: False)
+    service.catch_up(lambda: None)
     _sync(service, 1, len(PROMPT), [7, 8])  # two plain steps later
     assert service.stale == {1}
-    service.catch_up(lambda: False)
+    service.catch_up(lambda: None)
     assert service.predrafted[1].context == PROMPT + [7, 8]
     service.propose([(1, 4)])
     assert service.stats.predraft_hits == 1
@@ -50,17 +52,18 @@ def test_tokens_synced_after_the_draft_ahead_are_drafted_again(tiny_llama_dir):
 def test_a_waiting_message_interrupts_the_catch_up_and_it_resumes_later(tiny_llama_dir):
     service = _service(tiny_llama_dir)
     _sync(service, 1, 0, PROMPT)
-    polls = iter([False, True])  # a message arrives after the first depth level
-    service.catch_up(lambda: next(polls, True))
+    other = SimpleNamespace(kind=SYNC, arrays=update_arrays([ContextUpdate(2, 0, [5, 6])]))
+    polls = iter([None, None])  # a message arrives after the first checks
+    service.catch_up(lambda: next(polls, other))
     assert 1 not in service.predrafted and service.stale == {1}
-    service.catch_up(lambda: False)
+    service.catch_up(lambda: None)
     assert service.predrafted[1].context == PROMPT
 
 
 def test_no_budget_means_no_drafting_ahead(tiny_llama_dir):
     service = _service(tiny_llama_dir, budget=0)
     _sync(service, 1, 0, PROMPT)
-    service.catch_up(lambda: False)
+    service.catch_up(lambda: None)
     assert not service.predrafted
 
 
@@ -106,7 +109,7 @@ def test_a_prompt_to_prefill_gets_no_tree_now_and_is_drafted_after_the_reply(tin
     trees = service.propose([(1, 4), (2, 4)])
     assert len(trees[0]) == 0 and len(trees[1]) == 4  # the long prompt waits for its prefill; the short one is drafted
     assert service.stale == {1}
-    service.catch_up(lambda: False)
+    service.catch_up(lambda: None)
     assert service.predrafted[1].context == PROMPT
     assert len(service.propose([(1, 4)])[0]) == 4 and service.stats.predraft_hits == 1
 
@@ -127,3 +130,45 @@ def test_prefill_in_several_forwards_leaves_the_kv_of_one_prefill(tiny_llama_dir
     assert chunked.kv_length(1) == whole.kv_length(1) == len(PROMPT) - 1
     assert torch.allclose(chunked.kv_snapshot(1), whole.kv_snapshot(1), atol=1e-5)
     assert chunked.draft([(1, 4)])[0].tokens.tolist() == whole.draft([(1, 4)])[0].tokens.tolist()
+
+
+def _propose_message(updates, batch):
+    arrays = update_arrays(updates)
+    arrays["batch"] = [seq_id for seq_id, _ in batch]
+    return SimpleNamespace(kind=PROPOSE, arrays=arrays)
+
+
+def _proposed_chain(service: DraftService) -> list[int]:
+    _sync(service, 1, 0, PROMPT)
+    service.catch_up(lambda: None)
+    return service.propose([(1, 4)])[0].tokens.tolist()
+
+
+def test_drafting_ahead_goes_on_for_a_proposal_that_asks_for_the_guessed_context(tiny_llama_dir):
+    service = _service(tiny_llama_dir)
+    chain = _proposed_chain(service)
+    polls = []
+
+    def pending():  # nothing waits at first; from the first depth level on, the proposal that confirms the guess
+        polls.append(1)
+        if len(polls) <= 2:
+            return None
+        guessed = service.drafter.context(1)[len(PROMPT):]
+        return _propose_message([ContextUpdate(1, len(PROMPT), guessed)], [(1, 4)])
+
+    service.draft_ahead([(1, 4)], pending)
+    assert len(polls) > 3  # the message was seen while drafting ahead
+    guessed = service.predrafted[1].context[len(PROMPT):]  # finished, not dropped
+    assert guessed[: len(chain)] == chain and len(guessed) == len(chain) + 1  # the chain and the bonus guess
+    service.apply_updates(pending().arrays)
+    service.propose([(1, 4)])
+    assert service.stats.predraft_hits == 2
+
+
+def test_drafting_ahead_stops_for_a_proposal_of_another_context(tiny_llama_dir):
+    service = _service(tiny_llama_dir)
+    chain = _proposed_chain(service)
+    rejected = _propose_message([ContextUpdate(1, len(PROMPT), [chain[0], (chain[1] + 1) % 320])], [(1, 4)])
+    calls = iter([None, None])
+    service.draft_ahead([(1, 4)], lambda: next(calls, rejected))
+    assert 1 not in service.predrafted
