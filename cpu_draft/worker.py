@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from cpu_draft.affinity import pin_current_process
-from cpu_draft.drafter import SHORT_FEED_TOKENS, DraftModelOptions, Drafter
+from cpu_draft.draft_capacity import DraftCapacity
+from cpu_draft.drafter import SHORT_FEED_TOKENS, DraftModelOptions, Drafter, common_prefix_length, tree_levels
 from cpu_draft.messages import PROPOSE, READY, SHUTDOWN, STAT_NAMES, SYNC, TREES, read_updates, tree_arrays
 from hetero.protocols import TokenTree
 from ipc import Channel, Message, PeerDeadError
@@ -96,19 +97,27 @@ class DraftService:
     predrafted: dict[int, _Predrafted] = field(default_factory=dict)
     stats: WorkerStats = field(default_factory=WorkerStats)
     stale: set[int] = field(default_factory=set)  # sequences told of new tokens, with no tree drafted from them yet
+    capacity: DraftCapacity = field(default_factory=DraftCapacity)
+    offered: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # per sequence: (context length, chain) last proposed
 
     def apply_updates(self, arrays) -> None:
         for seq_id in arrays["released"].tolist():
             self.contexts.pop(seq_id, None)
             self.predrafted.pop(seq_id, None)
+            self.offered.pop(seq_id, None)
+            self.capacity.forget(seq_id)
             self.stale.discard(seq_id)
             self.drafter.release(seq_id)
         for update in read_updates(arrays):
             context = self.contexts.get(update.seq_id, [])
             if update.keep > len(context):
                 raise RuntimeError(f"sequence {update.seq_id}: told to keep {update.keep} tokens of {len(context)}")
-            self.contexts[update.seq_id] = context[: update.keep] + update.new_tokens
+            context = self.contexts[update.seq_id] = context[: update.keep] + update.new_tokens
             self.stale.add(update.seq_id)
+            offered = self.offered.pop(update.seq_id, None)
+            if offered is not None and len(context) > offered[0]:  # the tree was verified: how much of its chain held
+                start, chain = offered
+                self.capacity.observe_accepted(update.seq_id, common_prefix_length(context[start:], chain) / len(chain))
 
     def needed_by(self, message: Optional[Message], seq_ids: Sequence[int]) -> bool:
         """Whether ``message`` asks for trees of exactly the contexts the drafter is drafting
@@ -145,12 +154,18 @@ class DraftService:
         self.stale.clear()
 
     def propose(self, batch: list[tuple[int, int]]) -> list[TokenTree]:
-        """Trees for (seq_id, max_nodes): drafted ahead where the guess held, else drafted now."""
+        """Trees for (seq_id, max_nodes): drafted ahead where the guess held, else drafted now;
+        none for sequences beyond what the cores can draft within a step (`DraftCapacity`)."""
         trees: dict[int, TokenTree] = {}
         to_draft = []
         self.stale.difference_update(seq_id for seq_id, _ in batch)
         self.budget = max((max_nodes for _, max_nodes in batch), default=self.budget) or self.budget
+        depth = len(tree_levels(self.budget, self.drafter.options.tree_width))
+        chosen = self.capacity.select([seq_id for seq_id, max_nodes in batch if max_nodes > 0], depth)
         for seq_id, max_nodes in batch:
+            if seq_id not in chosen:
+                self.predrafted.pop(seq_id, None)
+                continue
             context = self.contexts[seq_id]
             ahead = self.predrafted.pop(seq_id, None)
             if ahead is not None and max_nodes <= ahead.max_nodes and ahead.context == context:
@@ -165,6 +180,10 @@ class DraftService:
                 continue
             to_draft.append((seq_id, max_nodes))
         trees.update(zip((s for s, _ in to_draft), self.drafter.draft(to_draft)))
+        for seq_id, tree in trees.items():
+            chain = self.drafter.last_chain(seq_id)
+            if len(tree) and chain:
+                self.offered[seq_id] = (len(self.contexts[seq_id]), list(chain))
         return [trees.get(seq_id, TokenTree.empty()) for seq_id, _ in batch]
 
     def draft_ahead(self, batch: list[tuple[int, int]], pending) -> None:
@@ -173,13 +192,16 @@ class DraftService:
         if not self.overlap or pending() is not None:
             return
         budgets = dict(batch)
-        extended = self.drafter.assume_accepted([s for s, n in batch if n > 0])
+        started = time.perf_counter()
+        extended = self.drafter.assume_accepted([s for s, n in batch if n > 0 and s in self.offered])
         if not extended or pending() is not None and not self.needed_by(pending(), extended):
             return
         requests = [(seq_id, budgets[seq_id]) for seq_id in extended]
         trees = self.drafter.draft(requests, interrupt=self._interrupt(pending, extended))
         if trees is None:
             return
+        levels = max(len(tree_levels(n, self.drafter.options.tree_width)) for _, n in requests)
+        self.capacity.observe_levels(time.perf_counter() - started, levels + 1, len(requests))
         for (seq_id, max_nodes), tree in zip(requests, trees):
             self.predrafted[seq_id] = _Predrafted(list(self.drafter.context(seq_id)), max_nodes, tree)
 
@@ -189,24 +211,28 @@ class _Loop:
         self.service = service
         self.channel = channel
         self._pending: Optional[Message] = None
+        self._arrived = 0.0
 
     def pending(self) -> Optional[Message]:
         """The next message if one is waiting (kept for `next_message`), else None; never waits."""
         if self._pending is None:
             message = self.channel.try_recv()
             if message is not None:
-                self._pending = message.copy()
+                self._pending, self._arrived = message.copy(), time.perf_counter()
         return self._pending
 
-    def next_message(self) -> Message:
+    def next_message(self) -> tuple[Message, float]:
+        """The next message and when it was first seen."""
         if self._pending is not None:
             message, self._pending = self._pending, None
-            return message
-        return self.channel.recv()
+            return message, self._arrived
+        message = self.channel.recv()
+        return message, time.perf_counter()
 
     def run(self) -> None:
+        answered: Optional[float] = None  # when the last proposal was answered, while no SYNC came since
         while True:
-            message = self.next_message()
+            message, arrived = self.next_message()
             if message.kind == SHUTDOWN:
                 return
             if message.kind not in (SYNC, PROPOSE):
@@ -214,15 +240,18 @@ class _Loop:
             started = time.perf_counter()
             self.service.apply_updates(message.arrays)
             if message.kind == SYNC:
+                answered = None
                 self.service.catch_up(self.pending)
                 self.service.stats.hidden_s += time.perf_counter() - started
                 continue
+            if answered is not None:
+                self.service.capacity.observe_cycle(arrived - answered)
             batch = list(zip(message.arrays["batch"].tolist(), message.arrays["max_nodes"].tolist()))
             trees = self.service.propose(batch)
             stats = self.service.stats
             stats.exposed_s += time.perf_counter() - started
             self.channel.send(TREES, tree_arrays(trees, stats.as_list()))
-            ahead_started = time.perf_counter()
+            answered = ahead_started = time.perf_counter()
             self.service.draft_ahead(batch, self.pending)
             self.service.catch_up(self.pending)
             stats.hidden_s += time.perf_counter() - ahead_started

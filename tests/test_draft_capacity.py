@@ -1,0 +1,57 @@
+"""Batch scaling of the CPU draft: as many sequences as the cores can draft within a step,
+those accepted most first; the rest get no tree."""
+from __future__ import annotations
+
+import torch
+
+from cpu_draft.draft_capacity import DraftCapacity
+from cpu_draft.drafter import DraftModelOptions, Drafter
+from cpu_draft.messages import ContextUpdate, update_arrays
+from cpu_draft.worker import DraftService
+
+
+def test_everything_is_drafted_until_measured():
+    assert DraftCapacity().capacity(64, depth=4) == 64
+
+
+def test_capacity_is_what_fits_the_step_in_the_cost_model():
+    capacity = DraftCapacity(row_overhead=5.0)
+    capacity.observe_cycle(0.010)  # a 10 ms verification step
+    capacity.observe_levels(5 * 0.0026, levels=5, rows=8)  # 2.6 ms a level at 8 rows: 0.2 ms a row of 5 + 8
+    # (4 + 1) levels x 0.2 ms x (5 + m) <= 10 ms  ->  m <= 5
+    assert capacity.capacity(32, depth=4) == 5
+    assert capacity.capacity(3, depth=4) == 3
+    assert capacity.capacity(32, depth=60) == 1  # never below one
+
+
+def test_the_level_time_follows_the_rows_it_was_measured_at():
+    capacity = DraftCapacity(row_overhead=5.0, smoothing=0.5)
+    capacity.observe_levels(0.0026, levels=1, rows=8)
+    capacity.observe_levels(0.0012, levels=1, rows=1)  # the old 2.6 ms at 8 rows is 1.2 ms at 1 row: the mean stays
+    assert abs(capacity.level_s - 0.0012) < 1e-12 and capacity.level_rows == 1
+
+
+def test_the_sequences_accepted_most_are_chosen_and_the_others_regain_ground():
+    capacity = DraftCapacity(aging=0.25)
+    capacity.observe_cycle(0.010)
+    capacity.observe_levels(0.0026, levels=1, rows=8)
+    for seq_id, share in enumerate([0.9, 0.1, 0.5, 0.8, 0.7, 0.2, 0.3]):
+        capacity.observe_accepted(seq_id, share)
+    chosen = capacity.select(range(8), depth=4)  # 7 is new: tried first
+    assert chosen == {7, 0, 3, 4, 2}
+    assert capacity.accepted[1] == 0.35 and capacity.accepted[0] == 0.9
+
+
+def test_a_worker_short_of_cores_drafts_for_the_best_sequences_only(tiny_llama_dir):
+    service = DraftService(Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32)), overlap=True, budget=4)
+    prompts = {seq_id: list(range(10 + seq_id, 20 + seq_id)) for seq_id in range(4)}
+    service.apply_updates(update_arrays([ContextUpdate(s, 0, p) for s, p in prompts.items()]))
+    trees = service.propose([(s, 4) for s in prompts])
+    assert all(len(t) == 4 for t in trees)  # unmeasured: every sequence
+    service.capacity.observe_cycle(0.010)
+    service.capacity.observe_levels(0.010, levels=1, rows=1)  # far too slow: one sequence fits
+    accepted = {0: [], 1: trees[1].tokens.tolist()[:2], 2: [], 3: []}  # only sequence 1's drafts held
+    service.apply_updates(update_arrays([ContextUpdate(s, len(p), accepted[s] + [7]) for s, p in prompts.items()]))
+    assert service.capacity.accepted[1] == 0.5 and service.capacity.accepted[0] == 0.0
+    trees = service.propose([(s, 4) for s in prompts])
+    assert [len(t) for t in trees] == [0, 4, 0, 0]
