@@ -26,6 +26,10 @@ from gpu_target.kv_cache import KVCachePool
 logger = logging.getLogger("hetero")
 
 HIT_COUNT_INTERVAL = 100  # prompt blocks between two `[HIT CNT]` lines (TACO-LLM's)
+# The pool is allocated in chunks of at most this many bytes: PyTorch's pinned-memory
+# allocator rounds every allocation up to a power of two, which would waste up to half of
+# one big pool; only the last chunk's rounding is lost this way.
+_CHUNK_BYTES = 2**28
 
 
 class PrefixCacheOffload:
@@ -43,11 +47,16 @@ class PrefixCacheOffload:
         self.min_access_threshold = min_access_threshold
         layers, kv, _, block_size, heads, head_dim = kv_pool.storage.shape
         device = kv_pool.storage.device
-        self._cuda = device.type == "cuda"
-        self.host = torch.empty(
-            (num_blocks, layers, kv, block_size, heads, head_dim), dtype=kv_pool.storage.dtype, pin_memory=self._cuda
-        )
-        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        cuda = device.type == "cuda"
+        self._blocks_per_chunk = max(1, _CHUNK_BYTES // self.block_bytes(kv_pool))
+        self._chunks = [
+            torch.empty(
+                (min(self._blocks_per_chunk, num_blocks - first), layers, kv, block_size, heads, head_dim),
+                dtype=kv_pool.storage.dtype, pin_memory=cuda,
+            )
+            for first in range(0, num_blocks, self._blocks_per_chunk)
+        ]
+        self._stream = torch.cuda.Stream(device) if cuda else None
         self._entries: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # hash -> (slot, uses), oldest first
         self._free_slots = list(range(num_blocks - 1, -1, -1))
         self.num_offloaded = 0  # blocks copied to the CPU
@@ -62,6 +71,10 @@ class PrefixCacheOffload:
     def sized(cls, kv_pool: KVCachePool, gib: float, min_access_threshold: int = 1) -> "PrefixCacheOffload":
         """A pool of as many blocks as `gib` GiB of host memory holds (`--cpu-offload-gib`)."""
         return cls(kv_pool, int(gib * 2**30 // cls.block_bytes(kv_pool)), min_access_threshold)
+
+    def host_block(self, slot: int) -> torch.Tensor:
+        """The CPU copy in `slot`: [layers, 2, block_size, num_kv_heads, head_dim]."""
+        return self._chunks[slot // self._blocks_per_chunk][slot % self._blocks_per_chunk]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -86,7 +99,7 @@ class PrefixCacheOffload:
             _, (slot, _) = self._entries.popitem(last=False)
         else:
             return False  # every slot is held by restores in progress
-        self._copy(self.host[slot], self.kv_pool.storage[:, :, block])
+        self._copy(self.host_block(slot), self.kv_pool.storage[:, :, block])
         self._entries[block_hash] = (slot, uses)
         self.num_offloaded += 1
         return True
@@ -104,7 +117,7 @@ class PrefixCacheOffload:
                 return None
             slot, uses = entry
             block = allocate_block()
-            self._copy(self.kv_pool.storage[:, :, block], self.host[slot])
+            self._copy(self.kv_pool.storage[:, :, block], self.host_block(slot))
         self.num_restored += 1
         return block, uses
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpu_target import kv_offload
 from gpu_target.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks, extend_block_hashes
 from gpu_target.kv_offload import HitCountLog, PrefixCacheOffload
 from gpu_target.loader import load_config
@@ -76,6 +77,21 @@ def test_offload_keeps_blocks_used_often_enough_and_replaces_the_least_recent():
     assert offload.offload(b"c", 3, uses=2)
     assert [h in offload for h in (b"a", b"b", b"c", b"once")] == [True, False, True, False]
     assert offload.num_offloaded == 3
+
+
+def test_a_pool_in_several_chunks_keeps_every_block_apart(monkeypatch):
+    pool = _pool(8)
+    monkeypatch.setattr(kv_offload, "_CHUNK_BYTES", 3 * PrefixCacheOffload.block_bytes(pool))
+    offload = PrefixCacheOffload(pool, num_blocks=7)
+    assert [len(chunk) for chunk in offload._chunks] == [3, 3, 1]
+    pool.storage.normal_()
+    original = pool.storage.clone()
+    for block in range(7):
+        offload.offload(bytes([block]), block, uses=1)
+    pool.storage.zero_()
+    for block in range(7):
+        offload.restore(bytes([block]), lambda: block)
+    assert torch.equal(pool.storage[:, :, :7], original[:, :, :7])
 
 
 def test_pool_size_comes_from_cpu_offload_gib():
