@@ -103,6 +103,27 @@ def test_pool_size_comes_from_cpu_offload_gib():
         PrefixCacheOffload.sized(pool, 0.5 * block_bytes / 2**30)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the asynchronous copies are CUDA's")
+def test_cuda_copies_are_ordered_with_the_compute_stream_without_waiting_on_the_host():
+    """Blocks overwritten right after their offload is queued, and read right after their
+    restore is queued, with no synchronisation in between: the copies still see, and
+    deliver, the KV of their own moment."""
+    config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=1024, num_layers=32, num_heads=8,
+                         num_kv_heads=8, head_dim=128, intermediate_size=32)
+    pool = KVCachePool(config, 32, BLOCK, torch.bfloat16, "cuda")  # Llama-3-8B-sized 2 MiB blocks: copies that take a while
+    offload = PrefixCacheOffload(pool, num_blocks=16)
+    pool.storage.normal_()
+    expected = pool.storage[:, :, :16].clone()
+    for block in range(16):
+        offload.offload(bytes([block]), block, uses=1)
+    pool.storage.normal_()  # queued at once on the compute stream: must wait for the copies out
+    for block in range(16):
+        offload.restore(bytes([block]), lambda: 16 + block)
+    restored = pool.storage[:, :, 16:].clone()  # queued at once: must wait for the copies in
+    torch.cuda.synchronize()
+    assert torch.equal(restored, expected)
+
+
 # ------------------------------------------------------- the allocator's hook
 def test_access_threshold_counts_the_computing_sequence_and_every_hit():
     pool = _pool(2)
