@@ -98,12 +98,13 @@ class EngineConfig:
         self._merge_speculative_config()
 
     def _check_prefix_cache_offload(self) -> None:
-        _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", self.enable_prefix_caching, "must be True or False")
-        _check(
-            isinstance(self.apc_offload_min_access_threshold, int) and self.apc_offload_min_access_threshold >= 1,
-            "apc_offload_min_access_threshold", self.apc_offload_min_access_threshold, "must be an int of at least 1",
-        )
-        _check(self.cpu_offload_gib > 0, "cpu_offload_gib", self.cpu_offload_gib, "must be positive (GiB)")
+        for name in ("enable_prefix_caching", "enable_prefix_cache_offload", "apc_offload_enable_hit_cnt"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be True or False")
+        threshold = self.apc_offload_min_access_threshold
+        _check(isinstance(threshold, int) and not isinstance(threshold, bool) and threshold >= 1,
+               "apc_offload_min_access_threshold", threshold, "must be an int of at least 1")
+        gib = self.cpu_offload_gib
+        _check(isinstance(gib, (int, float)) and not isinstance(gib, bool) and gib > 0, "cpu_offload_gib", gib, "must be positive (GiB)")
         for name in ("enable_prefix_cache_offload", "apc_offload_enable_hit_cnt"):
             if getattr(self, name) and not self.enable_prefix_caching:
                 raise ValueError(f"{name} needs enable_prefix_caching=True (the offload tier holds prefix-cache blocks)")

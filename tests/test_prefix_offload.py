@@ -359,6 +359,8 @@ def test_prefix_caching_is_on_by_default_and_flags_reach_the_config():
     (dict(enable_prefix_caching=False, apc_offload_enable_hit_cnt=True), "apc_offload_enable_hit_cnt"),
     (dict(apc_offload_min_access_threshold=0), "apc_offload_min_access_threshold"),
     (dict(cpu_offload_gib=0), "cpu_offload_gib"),
+    (dict(cpu_offload_gib="4"), "cpu_offload_gib"),
+    (dict(enable_prefix_cache_offload="yes"), "enable_prefix_cache_offload"),
 ])
 def test_bad_offload_arguments_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
