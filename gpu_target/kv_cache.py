@@ -4,7 +4,7 @@ Blocks are reference counted so that prefix caching can share full blocks betwee
 sequences: a full block is registered under the hash of every token up to its end, and a
 new sequence whose prompt starts with the same tokens takes the cached blocks instead of
 recomputing them. Blocks whose count drops to zero stay cached (and findable) until they
-are reused, oldest first.
+are reused, oldest first; free blocks that cache nothing are reused before any of them.
 """
 from __future__ import annotations
 
@@ -106,6 +106,9 @@ class BlockAllocator:
             raise RuntimeError(f"block {block} freed more often than allocated")
         if self.ref_counts[block] == 0:
             self._free[block] = None
+            if block not in self._block_to_hash:
+                # Nothing to keep (a partial block, a dropped tree's): reused before any cached one.
+                self._free.move_to_end(block, last=False)
 
     def free_all(self, blocks: Sequence[int]) -> None:
         for block in reversed(blocks):

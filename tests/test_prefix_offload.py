@@ -125,6 +125,21 @@ def test_cuda_copies_are_ordered_with_the_compute_stream_without_waiting_on_the_
 
 
 # ------------------------------------------------------- the allocator's hook
+def test_blocks_that_cache_nothing_are_reused_before_cached_ones():
+    """Speculative steps and run-ahead windows take blocks and hand them back every step:
+    they must not wear the prefix cache (or, with offload, copy a block out every step)."""
+    pool = _pool(3)
+    allocator = BlockAllocator(3, BLOCK, True, offload=PrefixCacheOffload(pool, num_blocks=2))
+    hashes = _hashes(list(range(17)))
+    cached = allocator.allocate()
+    allocator.register_blocks(hashes, [cached])
+    allocator.free(cached)
+    for _ in range(5):  # a tree's block, taken and dropped again
+        allocator.free(allocator.allocate())
+    assert allocator.offload.num_offloaded == 0
+    assert allocator.match_prefix(hashes, 17) == [cached] and allocator.stats.hits == BLOCK
+
+
 def test_access_threshold_counts_the_computing_sequence_and_every_hit():
     pool = _pool(2)
     allocator = BlockAllocator(1, BLOCK, True, offload=PrefixCacheOffload(pool, num_blocks=2, min_access_threshold=2))
