@@ -4,18 +4,22 @@ Blocks are reference counted so that prefix caching can share full blocks betwee
 sequences: a full block is registered under the hash of every token up to its end, and a
 new sequence whose prompt starts with the same tokens takes the cached blocks instead of
 recomputing them. Blocks whose count drops to zero stay cached (and findable) until they
-are reused, oldest first.
+are reused, oldest first; free blocks that cache nothing are reused before any of them.
 """
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
 
 from gpu_target.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from gpu_target.kv_offload import HitCountLog, PrefixCacheOffload
 
 
 class KVCachePool:
@@ -50,19 +54,31 @@ class BlockAllocator:
     """Hands out blocks ``first_block .. first_block + num_blocks - 1`` of the pool.
 
     Blocks below ``first_block`` are never handed out: the CUDA-graph runner points its
-    padding tokens at block 0.
+    padding tokens at block 0. With an `offload` tier (gpu_target/kv_offload.py), a cached
+    block about to be reused is first copied there, and a prefix block found there is
+    copied back instead of recomputed. `hit_count_log` counts where prompts' blocks were found.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, first_block: int = 0):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        first_block: int = 0,
+        offload: Optional["PrefixCacheOffload"] = None,
+        hit_count_log: Optional["HitCountLog"] = None,
+    ):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.offload = offload
+        self.hit_count_log = hit_count_log
         self.ref_counts = [0] * (first_block + num_blocks)
+        self._uses = [0] * (first_block + num_blocks)  # sequences that took a cached block, its computing one included
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(first_block, first_block + num_blocks))
         self._hash_to_block: dict[bytes, int] = {}
         self._block_to_hash: dict[int, bytes] = {}
-        self.prefix_hits = 0
-        self.prefix_queries = 0
+        self.stats = PrefixCacheStats()
 
     @property
     def num_free(self) -> int:
@@ -78,7 +94,10 @@ class BlockAllocator:
         old_hash = self._block_to_hash.pop(block, None)
         if old_hash is not None:
             del self._hash_to_block[old_hash]
+            if self.offload is not None:
+                self.offload.offload(old_hash, block, self._uses[block])
         self.ref_counts[block] = 1
+        self._uses[block] = 1
         return block
 
     def free(self, block: int) -> None:
@@ -87,6 +106,9 @@ class BlockAllocator:
             raise RuntimeError(f"block {block} freed more often than allocated")
         if self.ref_counts[block] == 0:
             self._free[block] = None
+            if block not in self._block_to_hash:
+                # Nothing to keep (a partial block, a dropped tree's): reused before any cached one.
+                self._free.move_to_end(block, last=False)
 
     def free_all(self, blocks: Sequence[int]) -> None:
         for block in reversed(blocks):
@@ -96,26 +118,60 @@ class BlockAllocator:
         if self.ref_counts[block] == 0:
             del self._free[block]
         self.ref_counts[block] += 1
+        self._uses[block] += 1
 
     def match_prefix(self, block_hashes: Sequence[bytes], num_tokens: int) -> list[int]:
         """Cached blocks covering the longest run of a sequence's full blocks, referenced.
 
-        `block_hashes` are the sequence's chained block hashes (`extend_block_hashes`). Never
-        covers the last token: its logits must be computed, so at least one token is left
-        to prefill.
+        `block_hashes` are the sequence's chained block hashes (`extend_block_hashes`). Each
+        block is looked up in device memory, then in the offload tier (copied back into a
+        new block). Never covers the last token: its logits must be computed, so at least
+        one token is left to prefill. Counts the lookup in `stats`, in tokens as vLLM does.
         """
         if not self.enable_prefix_caching:
             return []
-        blocks = []
+        blocks: list[int] = []
+        num_restored = 0
         for hash_value in block_hashes[: (num_tokens - 1) // self.block_size]:
-            self.prefix_queries += 1
             block = self._hash_to_block.get(hash_value)
-            if block is None:
+            if block is not None:
+                self._take(block)
+            elif self.offload is not None:
+                restored = self._restore(hash_value)
+                if restored is None:
+                    break
+                block = restored
+                num_restored += 1
+            else:
                 break
-            self.prefix_hits += 1
-            self._take(block)
             blocks.append(block)
+        self._count(num_tokens, len(blocks) - num_restored, num_restored)
         return blocks
+
+    def _restore(self, hash_value: bytes) -> Optional[int]:
+        """A new block holding the offload tier's copy of `hash_value`, registered; None if there is none (or no free block)."""
+        try:
+            restored = self.offload.restore(hash_value, self.allocate)
+        except OutOfBlocks:
+            return None
+        if restored is None:
+            return None
+        block, uses = restored
+        self._uses[block] = uses + 1
+        self._hash_to_block[hash_value] = block
+        self._block_to_hash[block] = hash_value
+        return block
+
+    def _count(self, num_tokens: int, gpu_blocks: int, cpu_blocks: int) -> None:
+        bs = self.block_size
+        self.stats.queries += num_tokens
+        self.stats.hits += gpu_blocks * bs
+        if self.offload is not None:
+            self.stats.external_queries += num_tokens
+            self.stats.external_hits += cpu_blocks * bs
+        if self.hit_count_log is not None:
+            prompt_blocks = -(-num_tokens // bs)
+            self.hit_count_log.record(gpu_blocks, cpu_blocks, prompt_blocks - gpu_blocks - cpu_blocks)
 
     def register_blocks(self, block_hashes: Sequence[bytes], blocks: Sequence[int]) -> None:
         """Make full, computed blocks findable by later prompts under their content hashes."""
@@ -124,6 +180,21 @@ class BlockAllocator:
                 continue
             self._hash_to_block[hash_value] = block
             self._block_to_hash[block] = hash_value
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups in tokens, as vLLM counts them.
+
+    `queries`: prompt tokens looked up; `hits`: those whose KV was found in device memory.
+    `external_*`: the same for the offload tier (vLLM's name for a tier outside the
+    device's KV memory), counted only when there is one.
+    """
+
+    queries: int = 0
+    hits: int = 0
+    external_queries: int = 0
+    external_hits: int = 0
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_tokens: int) -> None:

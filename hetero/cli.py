@@ -81,6 +81,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("kv_cache_space", "GiB of KV cache when the target runs on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).", float),
     Flag("block_size", "Tokens per KV cache block: 8, 16, 32, 64 or 128.", int),
     Flag("enable_prefix_caching", "Reuse the KV of prompts' shared prefixes.", None),
+    Flag("enable_prefix_cache_offload", "TACO-LLM: copy prefix-cache blocks evicted from device memory to a CPU pool "
+         "and restore them on a hit instead of recomputing them.", None),
+    Flag("apc_offload_min_access_threshold", "TACO-LLM: offload a block once it has been used this many times.", int),
+    Flag("apc_offload_enable_hit_cnt", "TACO-LLM: log where prompts' blocks were found (device, CPU, not hit) "
+         "every 100 blocks.", None),
+    Flag("cpu_offload_gib", "GiB of host memory for the prefix cache offload pool.", float),
     Flag("enforce_eager", "Never capture CUDA graphs.", None),
     Flag("num_scheduler_steps", "Decode steps per host round trip, 1-64 (default: 8 on CUDA, 1 on the CPU).", int),
     Flag("tensor_parallel_size", "GPUs for the target model (only 1 is supported).", int),

@@ -32,7 +32,16 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_space: Optional[float] = None  # GiB of KV cache on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
     block_size: int = 16
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True  # on by default, as in vLLM V1
+    # TACO-LLM's prefix cache offload: cached blocks evicted from the device's KV memory are
+    # copied to a CPU block pool (`cpu_offload_gib` GiB) and restored on a hit instead of
+    # recomputed (gpu_target/kv_offload.py). A block is offloaded once it has been used
+    # `apc_offload_min_access_threshold` times; `apc_offload_enable_hit_cnt` logs where
+    # prompts' blocks were found every 100 of them.
+    enable_prefix_cache_offload: bool = False
+    apc_offload_min_access_threshold: int = 1
+    apc_offload_enable_hit_cnt: bool = False
+    cpu_offload_gib: float = 4.0
     enforce_eager: bool = False
     # Decode steps run back to back on the device per host round trip (vLLM's multi-step
     # scheduling); None: 8 on CUDA, 1 on the CPU. See LLMEngine._reserve_run_ahead.
@@ -81,6 +90,7 @@ class EngineConfig:
                 isinstance(self.num_scheduler_steps, int) and 1 <= self.num_scheduler_steps <= 64,
                 "num_scheduler_steps", self.num_scheduler_steps, "must be an int in [1, 64]",
             )
+        self._check_prefix_cache_offload()
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size, "must be one of 8, 16, 32, 64, 128")
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device, "must be 'auto', 'cpu' or 'cuda'")
         _check(self.load_format in ("auto", "dummy"), "load_format", self.load_format, "must be 'auto' or 'dummy'")
@@ -96,6 +106,18 @@ class EngineConfig:
         if self.speculative_token_map is not None:
             _check(os.path.isfile(self.speculative_token_map), "speculative_token_map", self.speculative_token_map,
                    "must be a file of token ids (.npy, .pt, .json or whitespace-separated text)")
+
+    def _check_prefix_cache_offload(self) -> None:
+        for name in ("enable_prefix_caching", "enable_prefix_cache_offload", "apc_offload_enable_hit_cnt"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be True or False")
+        threshold = self.apc_offload_min_access_threshold
+        _check(isinstance(threshold, int) and not isinstance(threshold, bool) and threshold >= 1,
+               "apc_offload_min_access_threshold", threshold, "must be an int of at least 1")
+        gib = self.cpu_offload_gib
+        _check(isinstance(gib, (int, float)) and not isinstance(gib, bool) and gib > 0, "cpu_offload_gib", gib, "must be positive (GiB)")
+        for name in ("enable_prefix_cache_offload", "apc_offload_enable_hit_cnt"):
+            if getattr(self, name) and not self.enable_prefix_caching:
+                raise ValueError(f"{name} needs enable_prefix_caching=True (the offload tier holds prefix-cache blocks)")
 
     def _merge_speculative_config(self) -> None:
         """Fold vLLM's `speculative_config` dict into the flat TACO-LLM fields."""

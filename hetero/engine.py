@@ -19,6 +19,7 @@ import torch
 
 from gpu_target.batch_invariant import batch_invariant_attention, make_batch_invariant
 from gpu_target.kv_cache import BlockAllocator, KVCachePool, extend_block_hashes
+from gpu_target.kv_offload import HitCountLog, PrefixCacheOffload
 from gpu_target.loader import load_config, load_state_dict, load_tokenizer, random_state_dict, resolve_model_path
 from gpu_target.model import build_model
 from gpu_target.runner import ModelRunner, SequenceChunk
@@ -171,7 +172,14 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         reserved = 1 if self.device.type == "cuda" else 0  # the CUDA-graph padding's null block
         self.kv_pool = KVCachePool(self.model_config, num_blocks + reserved, config.block_size, self.dtype, self.device)
-        allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching, first_block=reserved)
+        offload = (
+            PrefixCacheOffload.sized(self.kv_pool, config.cpu_offload_gib, config.apc_offload_min_access_threshold)
+            if config.enable_prefix_cache_offload else None
+        )
+        allocator = BlockAllocator(
+            num_blocks, config.block_size, config.enable_prefix_caching, first_block=reserved, offload=offload,
+            hit_count_log=HitCountLog() if config.apc_offload_enable_hit_cnt else None,
+        )
         max_batched = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
         self.scheduler = Scheduler(allocator, config.max_num_seqs, max_batched)
         self.proposer = proposer if proposer is not None else build_proposer(config, self.model_config, self.tokenizer)

@@ -39,8 +39,11 @@ class EngineSnapshot:
     kv_cache_usage: float = 0.0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
-    prefix_cache_queries: int = 0
+    prefix_cache_queries: int = 0  # tokens, as vLLM counts them
     prefix_cache_hits: int = 0
+    external_prefix_cache_queries: int = 0  # the CPU offload tier's, when there is one
+    external_prefix_cache_hits: int = 0
+    prefix_cache_offloaded_blocks: int = 0
     spec_num_steps: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
@@ -63,8 +66,11 @@ def snapshot_engine(engine: "LLMEngine") -> EngineSnapshot:
         kv_cache_usage=allocator.usage(),
         prompt_tokens_total=engine.num_prompt_tokens_total,
         generation_tokens_total=engine.num_generation_tokens_total,
-        prefix_cache_queries=allocator.prefix_queries,
-        prefix_cache_hits=allocator.prefix_hits,
+        prefix_cache_queries=allocator.stats.queries,
+        prefix_cache_hits=allocator.stats.hits,
+        external_prefix_cache_queries=allocator.stats.external_queries,
+        external_prefix_cache_hits=allocator.stats.external_hits,
+        prefix_cache_offloaded_blocks=allocator.offload.num_offloaded if allocator.offload is not None else 0,
         spec_num_steps=spec.num_steps,
         spec_num_draft_tokens=spec.num_draft_tokens,
         spec_num_accepted_tokens=spec.num_accepted_tokens,
@@ -110,9 +116,18 @@ class _SnapshotCollector:
         yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", s.kv_cache_usage)
         yield self._counter("prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total)
         yield self._counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
-        yield self._counter("prefix_cache_queries", "KV blocks looked up in the prefix cache.", s.prefix_cache_queries)
-        yield self._counter("prefix_cache_hits", "KV blocks found in the prefix cache.", s.prefix_cache_hits)
+        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
+        yield self._counter("prefix_cache_hits", "Prompt tokens whose KV was found in device memory.", s.prefix_cache_hits)
         yield self._gauge("prefix_cache_hit_rate", "Prefix cache hits / queries since start (0-1).", s.prefix_cache_hit_rate)
+        yield self._counter(
+            "external_prefix_cache_queries", "Prompt tokens looked up with the CPU offload tier on.", s.external_prefix_cache_queries
+        )
+        yield self._counter(
+            "external_prefix_cache_hits", "Prompt tokens whose KV was restored from the CPU offload tier.", s.external_prefix_cache_hits
+        )
+        yield self._counter(
+            "prefix_cache_offloaded_blocks", "KV blocks copied to the CPU offload tier on eviction.", s.prefix_cache_offloaded_blocks
+        )
         yield self._counter("spec_decode_num_steps", "Verification steps (one per speculated sequence per step).", s.spec_num_steps)
         yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", s.spec_num_draft_tokens)
         yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)

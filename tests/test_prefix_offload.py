@@ -1,0 +1,382 @@
+"""Automatic prefix caching (on by default) and TACO-LLM's CPU offload tier under it.
+
+Lossless: outputs are the same with prefix caching on or off and the offload tier on or
+off, also when a tiny KV cache evicts all the time; a block restored from the CPU holds
+bit for bit the KV it was offloaded with, never another sequence's.
+"""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpu_target import kv_offload
+from gpu_target.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks, extend_block_hashes
+from gpu_target.kv_offload import HitCountLog, PrefixCacheOffload
+from gpu_target.loader import load_config
+from gpu_target.model_config import ModelConfig
+from hetero import LLM, SamplingParams
+from hetero.cli import engine_config_from_args, parse_serve_args
+from hetero.config import EngineConfig
+from hetero.engine import LLMEngine
+from hetero.metrics import ServerMetrics, snapshot_engine
+
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+TINY_CONFIG = ModelConfig(
+    architecture="llama", vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
+    intermediate_size=32,
+)
+
+
+def _pool(num_blocks: int) -> KVCachePool:
+    return KVCachePool(TINY_CONFIG, num_blocks, BLOCK, torch.float32, "cpu")
+
+
+def _content(block_hash: bytes, pool: KVCachePool) -> torch.Tensor:
+    """The KV a block with this hash holds: a function of the hash alone, as real KV is of its prefix."""
+    generator = torch.Generator().manual_seed(int.from_bytes(block_hash[:7], "little"))
+    return torch.randn(pool.storage[:, :, 0].shape, generator=generator)
+
+
+def _compute(pool: KVCachePool, block: int, block_hash: bytes) -> None:
+    pool.storage[:, :, block] = _content(block_hash, pool)
+
+
+def _hashes(tokens: list[int]) -> list[bytes]:
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, tokens, BLOCK, len(tokens))
+    return hashes
+
+
+# --------------------------------------------------------------- the CPU pool
+def test_offload_round_trip_restores_bit_identical_kv():
+    pool = _pool(4)
+    pool.storage.normal_()
+    original = pool.storage[:, :, 2].clone()
+    offload = PrefixCacheOffload(pool, num_blocks=2)
+    assert offload.offload(b"h", 2, uses=1) and b"h" in offload
+    pool.storage[:, :, 2].normal_()  # the slot is reused by another sequence
+    block, uses = offload.restore(b"h", lambda: 3)
+    assert (block, uses) == (3, 1)
+    assert torch.equal(pool.storage[:, :, 3], original)
+    assert b"h" in offload  # still held: evicting the block again needs no copy
+    assert (offload.num_offloaded, offload.num_restored) == (1, 1)
+    assert offload.restore(b"other", lambda: pytest.fail("nothing to restore, nothing to allocate")) is None
+
+
+def test_offload_keeps_blocks_used_often_enough_and_replaces_the_least_recent():
+    pool = _pool(4)
+    offload = PrefixCacheOffload(pool, num_blocks=2, min_access_threshold=2)
+    assert not offload.offload(b"once", 0, uses=1)
+    assert offload.offload(b"a", 1, uses=2) and offload.offload(b"b", 2, uses=3)
+    offload.offload(b"a", 1, uses=2)  # a again: now the most recently used, not copied twice
+    assert offload.offload(b"c", 3, uses=2)
+    assert [h in offload for h in (b"a", b"b", b"c", b"once")] == [True, False, True, False]
+    assert offload.num_offloaded == 3
+
+
+def test_a_pool_in_several_chunks_keeps_every_block_apart(monkeypatch):
+    pool = _pool(8)
+    monkeypatch.setattr(kv_offload, "_CHUNK_BYTES", 3 * PrefixCacheOffload.block_bytes(pool))
+    offload = PrefixCacheOffload(pool, num_blocks=7)
+    assert [len(chunk) for chunk in offload._chunks] == [3, 3, 1]
+    pool.storage.normal_()
+    original = pool.storage.clone()
+    for block in range(7):
+        offload.offload(bytes([block]), block, uses=1)
+    pool.storage.zero_()
+    for block in range(7):
+        offload.restore(bytes([block]), lambda: block)
+    assert torch.equal(pool.storage[:, :, :7], original[:, :, :7])
+
+
+def test_pool_size_comes_from_cpu_offload_gib():
+    pool = _pool(4)
+    block_bytes = PrefixCacheOffload.block_bytes(pool)
+    assert block_bytes == KVCachePool.bytes_per_block(TINY_CONFIG, BLOCK, torch.float32)
+    assert PrefixCacheOffload.sized(pool, 5.5 * block_bytes / 2**30).num_blocks == 5
+    with pytest.raises(ValueError, match="cpu_offload_gib"):
+        PrefixCacheOffload.sized(pool, 0.5 * block_bytes / 2**30)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the asynchronous copies are CUDA's")
+def test_cuda_copies_are_ordered_with_the_compute_stream_without_waiting_on_the_host():
+    """Blocks overwritten right after their offload is queued, and read right after their
+    restore is queued, with no synchronisation in between: the copies still see, and
+    deliver, the KV of their own moment."""
+    config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=1024, num_layers=32, num_heads=8,
+                         num_kv_heads=8, head_dim=128, intermediate_size=32)
+    pool = KVCachePool(config, 32, BLOCK, torch.bfloat16, "cuda")  # Llama-3-8B-sized 2 MiB blocks: copies that take a while
+    offload = PrefixCacheOffload(pool, num_blocks=16)
+    pool.storage.normal_()
+    expected = pool.storage[:, :, :16].clone()
+    for block in range(16):
+        offload.offload(bytes([block]), block, uses=1)
+    pool.storage.normal_()  # queued at once on the compute stream: must wait for the copies out
+    for block in range(16):
+        offload.restore(bytes([block]), lambda: 16 + block)
+    restored = pool.storage[:, :, 16:].clone()  # queued at once: must wait for the copies in
+    torch.cuda.synchronize()
+    assert torch.equal(restored, expected)
+
+
+# ------------------------------------------------------- the allocator's hook
+def test_blocks_that_cache_nothing_are_reused_before_cached_ones():
+    """Speculative steps and run-ahead windows take blocks and hand them back every step:
+    they must not wear the prefix cache (or, with offload, copy a block out every step)."""
+    pool = _pool(3)
+    allocator = BlockAllocator(3, BLOCK, True, offload=PrefixCacheOffload(pool, num_blocks=2))
+    hashes = _hashes(list(range(17)))
+    cached = allocator.allocate()
+    allocator.register_blocks(hashes, [cached])
+    allocator.free(cached)
+    for _ in range(5):  # a tree's block, taken and dropped again
+        allocator.free(allocator.allocate())
+    assert allocator.offload.num_offloaded == 0
+    assert allocator.match_prefix(hashes, 17) == [cached] and allocator.stats.hits == BLOCK
+
+
+def test_access_threshold_counts_the_computing_sequence_and_every_hit():
+    pool = _pool(2)
+    allocator = BlockAllocator(1, BLOCK, True, offload=PrefixCacheOffload(pool, num_blocks=2, min_access_threshold=2))
+    once, twice = _hashes(list(range(17))), _hashes(list(range(50, 67)))
+    for hashes in (once, twice):
+        block = allocator.allocate()
+        allocator.register_blocks(hashes, [block])
+        allocator.free(block)
+        if hashes is twice:
+            allocator.free_all(allocator.match_prefix(hashes, 17))  # a second use, from the device cache
+    allocator.free(allocator.allocate())  # evicts `twice`, used twice: offloaded
+    assert twice[0] in allocator.offload and once[0] not in allocator.offload
+
+
+def test_a_restore_is_never_overwritten_by_the_eviction_it_causes():
+    """One CPU slot, holding the block being restored: the block evicted to make room is not copied over it."""
+    pool = _pool(1)
+    allocator = BlockAllocator(1, BLOCK, True, offload=PrefixCacheOffload(pool, num_blocks=1))
+    a, b = _hashes(list(range(17))), _hashes(list(range(100, 117)))
+    for hashes in (a, b):  # computing b evicts a to the CPU
+        block = allocator.allocate()
+        _compute(pool, block, hashes[0])
+        allocator.register_blocks(hashes, [block])
+        allocator.free(block)
+    (restored,) = allocator.match_prefix(a, 17)  # evicts b towards the full pool, which holds a
+    assert torch.equal(pool.storage[:, :, restored], _content(a[0], pool))
+    assert allocator.stats.external_hits == BLOCK and b[0] not in allocator.offload
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_blocks_served_under_random_eviction_pressure_are_never_stale(seed):
+    """The engine's use, modelled: prompts of shared prefixes come and go through a small
+    device cache over a smaller CPU pool; every block the prefix cache hands out holds the
+    KV of its own hash, whether it stayed on the device or came back from the CPU."""
+    rng = random.Random(seed)
+    pool = _pool(9)
+    allocator = BlockAllocator(8, BLOCK, True, first_block=1, offload=PrefixCacheOffload(pool, num_blocks=5))
+    stems = [[rng.randrange(1000) for _ in range(BLOCK * 3)] for _ in range(4)]
+    live: list[list[int]] = []
+    for _ in range(400):
+        tokens = rng.choice(stems)[: BLOCK * rng.randint(1, 3)] + [rng.randrange(1000) for _ in range(rng.randint(1, 20))]
+        hashes = _hashes(tokens)
+        table = allocator.match_prefix(hashes, len(tokens))
+        for block, block_hash in zip(table, hashes):
+            assert torch.equal(pool.storage[:, :, block], _content(block_hash, pool))
+        num_cached = len(table)
+        try:
+            while len(table) < -(-len(tokens) // BLOCK):
+                table.append(allocator.allocate())
+        except OutOfBlocks:
+            allocator.free_all(table)
+            if live:
+                allocator.free_all(live.pop(0))
+            continue
+        for index in range(num_cached, len(hashes)):
+            _compute(pool, table[index], hashes[index])
+        allocator.register_blocks(hashes, table[: len(hashes)])
+        live.append(table)
+        while len(live) > rng.randint(0, 2):
+            allocator.free_all(live.pop(0))
+    assert allocator.stats.hits > 0 and allocator.stats.external_hits > 0
+
+
+def test_hit_count_line_every_100_prompt_blocks(caplog):
+    log = HitCountLog()
+    with caplog.at_level(logging.INFO, logger="hetero"):
+        log.record(gpu=30, cpu=20, missed=49)
+        assert not caplog.records
+        log.record(gpu=0, cpu=1, missed=0)
+        log.record(gpu=50, cpu=0, missed=49)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["[HIT CNT] total: 100, gpu: 30 (30.00%) cpu: 21 (21.00%) not hit: 49 (49.00%)"]
+    log.record(gpu=1, cpu=0, missed=0)
+    assert log.line() == "[HIT CNT] total: 200, gpu: 81 (40.50%) cpu: 21 (10.50%) not hit: 98 (49.00%)"
+
+
+# ------------------------------------------------------------------ the engine
+def _kv_blocks(model_dir, num_blocks: int) -> float:
+    """kv_cache_space (GiB) that gives the tiny float32 model exactly `num_blocks` blocks."""
+    return num_blocks * KVCachePool.bytes_per_block(load_config(model_dir), BLOCK, torch.float32) / 2**30
+
+
+def _conversations(num: int, turns: int, seed: int = 0) -> list[list[list[int]]]:
+    """Token prompts of multi-turn chats: a shared system prefix, then each chat's growing history."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 320) for _ in range(40)]
+    chats = []
+    for _ in range(num):
+        history = list(system)
+        prompts = []
+        for _ in range(turns):
+            history = history + [rng.randrange(3, 320) for _ in range(rng.randint(5, 14))]
+            prompts.append(list(history))
+            history = history + [rng.randrange(3, 320) for _ in range(GREEDY.max_tokens)]  # "the reply"
+        chats.append(prompts)
+    return chats
+
+
+def _run_turns(llm: LLM, chats) -> list[list[int]]:
+    """Every chat's turns, one `generate` per turn: a later turn finds earlier turns' blocks, or their copies."""
+    outputs = []
+    for turn in range(len(chats[0])):
+        prompts = [{"prompt_token_ids": chat[turn]} for chat in chats]
+        outputs += [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return outputs
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_outputs_are_identical_with_caching_and_offload_on_or_off_under_eviction(tiny_llama_dir, batch_invariant):
+    chats = _conversations(num=6, turns=3)
+    common = dict(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, max_num_seqs=3,
+                  kv_cache_space=_kv_blocks(tiny_llama_dir, 12), batch_invariant=batch_invariant)
+    runs = {
+        "off": LLM(**common, enable_prefix_caching=False),
+        "cache": LLM(**common),
+        "offload": LLM(**common, enable_prefix_cache_offload=True, cpu_offload_gib=_kv_blocks(tiny_llama_dir, 40)),
+    }
+    outputs = {name: _run_turns(llm, chats) for name, llm in runs.items()}
+    assert outputs["cache"] == outputs["off"]
+    assert outputs["offload"] == outputs["off"]
+    stats = {name: llm.llm_engine.scheduler.allocator.stats for name, llm in runs.items()}
+    assert stats["off"].queries == 0
+    assert 0 < stats["cache"].hits
+    assert stats["offload"].external_hits > 0
+    assert stats["offload"].hits + stats["offload"].external_hits > stats["cache"].hits  # evicted blocks came back
+
+
+def test_offload_with_speculation_and_preemption_stays_lossless(tiny_llama_dir):
+    chats = _conversations(num=5, turns=3, seed=1)
+    common = dict(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, max_num_seqs=4,
+                  kv_cache_space=_kv_blocks(tiny_llama_dir, 10), speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    plain = LLM(**common, enable_prefix_caching=False)
+    offload = LLM(**common, enable_prefix_cache_offload=True, cpu_offload_gib=_kv_blocks(tiny_llama_dir, 30))
+    assert _run_turns(offload, chats) == _run_turns(plain, chats)
+    assert offload.llm_engine.scheduler.num_preemptions > 0
+    assert offload.llm_engine.scheduler.allocator.stats.external_hits > 0
+
+
+def _prefill(engine: LLMEngine, request_id: str, token_ids: list[int], keep: bool = False):
+    """Run a request of one output token to its end, or with `keep` only until its prompt's
+    KV is computed (its blocks still its own); its sequence."""
+    engine.add_request(request_id, {"prompt_token_ids": token_ids}, SamplingParams(temperature=0, max_tokens=1 + keep))
+    seq = engine.groups[request_id].seqs[0]
+    while seq.num_computed < len(token_ids) if keep else engine.has_unfinished_requests():
+        engine.step()
+    return seq
+
+
+def _kv_of(engine: LLMEngine, seq, num_tokens: int) -> torch.Tensor:
+    pool = engine.kv_pool
+    slots = torch.tensor([seq.block_table[i // BLOCK] * BLOCK + i % BLOCK for i in range(num_tokens)])
+    return pool.storage.view(pool.storage.shape[0], 2, -1, *pool.storage.shape[4:])[:, :, slots]
+
+
+def test_a_restored_prefix_is_the_kv_a_fresh_run_computes(tiny_llama_dir):
+    """A prefix's blocks are evicted, their device slots refilled by other sequences, then
+    restored from the CPU: bit for bit the KV of an engine that computes the prompt anew.
+
+    Batch-invariant, so that a prompt computed in one chunk or after a cached prefix gives
+    the same bits."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 320) for _ in range(3 * BLOCK)]
+    prompt = prefix + [7, 8, 9]
+    common = dict(model=str(tiny_llama_dir), dtype="float32", max_model_len=96, batch_invariant=True,
+                  kv_cache_space=_kv_blocks(tiny_llama_dir, 6))
+    engine = LLMEngine(EngineConfig(**common, enable_prefix_cache_offload=True, cpu_offload_gib=_kv_blocks(tiny_llama_dir, 16)))
+    first = _prefill(engine, "first", prefix + [1])
+    for i in range(3):  # others take every device block: the prefix's slots now hold their KV
+        _prefill(engine, f"other{i}", [rng.randrange(3, 320) for _ in range(5 * BLOCK)])
+    allocator = engine.scheduler.allocator
+    assert not any(h in allocator._hash_to_block for h in first.block_hashes)
+    seq = _prefill(engine, "again", prompt, keep=True)
+    assert seq.group.num_cached_tokens == 3 * BLOCK and allocator.stats.external_hits == 3 * BLOCK
+
+    fresh = LLMEngine(EngineConfig(**common, enable_prefix_caching=False))
+    expected = _prefill(fresh, "fresh", prompt, keep=True)
+    assert torch.equal(_kv_of(engine, seq, len(prompt)), _kv_of(fresh, expected, len(prompt)))
+
+
+# ------------------------------------------------------- counters and flags
+def test_metrics_count_prefix_cache_tokens_by_tier(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(
+        model=str(tiny_llama_dir), dtype="float32", max_model_len=96, kv_cache_space=_kv_blocks(tiny_llama_dir, 6),
+        enable_prefix_cache_offload=True, cpu_offload_gib=_kv_blocks(tiny_llama_dir, 16),
+    ))
+    rng = random.Random(2)
+    prefix = [rng.randrange(3, 320) for _ in range(2 * BLOCK)]
+    _prefill(engine, "a", prefix + [1, 2])  # 34 tokens, nothing cached
+    _prefill(engine, "b", prefix + [3])  # 33 tokens, 32 from the device
+    for i in range(3):
+        _prefill(engine, f"flood{i}", [rng.randrange(3, 320) for _ in range(5 * BLOCK)])  # 80 tokens each, evicting
+    _prefill(engine, "c", prefix + [4, 5, 6])  # 35 tokens, 32 from the CPU
+    metrics = ServerMetrics("tiny")
+    metrics.on_snapshot(snapshot_engine(engine))
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for sample in family.samples
+    }
+    assert samples["hetero:prefix_cache_queries_total"] == 34 + 33 + 3 * 80 + 35
+    assert samples["hetero:prefix_cache_hits_total"] == 32
+    assert samples["hetero:external_prefix_cache_queries_total"] == 34 + 33 + 3 * 80 + 35
+    assert samples["hetero:external_prefix_cache_hits_total"] == 32
+    assert samples["hetero:prefix_cache_offloaded_blocks_total"] == engine.scheduler.allocator.offload.num_offloaded > 0
+    assert samples["hetero:prefix_cache_hit_rate"] == pytest.approx(32 / (34 + 33 + 3 * 80 + 35))
+
+
+def test_engine_logs_hit_counts(tiny_llama_dir, caplog):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, apc_offload_enable_hit_cnt=True)
+    prompt = {"prompt_token_ids": list(range(3, 3 + 5 * BLOCK + 1))}  # 6 blocks, 5 of them full
+    with caplog.at_level(logging.INFO, logger="hetero"):
+        for _ in range(17):  # 102 prompt blocks
+            llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[HIT CNT]")]
+    assert lines == ["[HIT CNT] total: 102, gpu: 80 (78.43%) cpu: 0 (0.00%) not hit: 22 (21.57%)"]
+
+
+def test_prefix_caching_is_on_by_default_and_flags_reach_the_config():
+    assert EngineConfig(model="m").enable_prefix_caching
+    assert engine_config_from_args(parse_serve_args(["serve", "m"])).enable_prefix_caching
+    config = engine_config_from_args(parse_serve_args([
+        "serve", "m", "--enable-prefix-cache-offload", "--apc-offload-min-access-threshold", "3",
+        "--apc-offload-enable-hit-cnt", "--cpu-offload-gib", "2.5",
+    ]))
+    assert (config.enable_prefix_cache_offload, config.apc_offload_min_access_threshold,
+            config.apc_offload_enable_hit_cnt, config.cpu_offload_gib) == (True, 3, True, 2.5)
+    assert not engine_config_from_args(parse_serve_args(["serve", "m", "--no-enable-prefix-caching"])).enable_prefix_caching
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(enable_prefix_caching=False, enable_prefix_cache_offload=True), "enable_prefix_cache_offload"),
+    (dict(enable_prefix_caching=False, apc_offload_enable_hit_cnt=True), "apc_offload_enable_hit_cnt"),
+    (dict(apc_offload_min_access_threshold=0), "apc_offload_min_access_threshold"),
+    (dict(cpu_offload_gib=0), "cpu_offload_gib"),
+    (dict(cpu_offload_gib="4"), "cpu_offload_gib"),
+    (dict(enable_prefix_cache_offload="yes"), "enable_prefix_cache_offload"),
+])
+def test_bad_offload_arguments_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model="m", **kwargs)
