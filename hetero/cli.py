@@ -99,6 +99,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("speculative_config", 'vLLM\'s speculative config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\'.',
          json_object),
     Flag("cpu_draft_worker", "TACO-LLM: run the draft model in its own CPU worker process.", None),
+    Flag("speculative_draft_vocab_size", "The draft's logits head over this many of the most frequent tokens "
+         "(FR-Spec): a large-vocabulary draft drafts several times faster on the CPU.", int),
+    Flag("speculative_token_map", "SGLang's name: a file of token ids, most frequent first (.npy, .pt, .json or text), "
+         "that ranks the reduced head's tokens (default: the lowest ids, BPE merge order)."),
     Flag("lookahead_cache_config_dir", "TACO-LLM: directory with the lookahead cache's config; enables it."),
     Flag("cpu_decoding_memory_utilization", "TACO-LLM: fraction of host memory the lookahead cache may use.", float),
     Flag("ignore_prompt_for_lookahead_cache", "TACO-LLM: learn the lookahead cache from outputs only.", None),
