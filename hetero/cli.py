@@ -67,6 +67,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("uvicorn_log_level", "uvicorn's log level.", engine=False, default="info", choices=_UVICORN_LOG_LEVELS),
     Flag("shutdown_timeout", "Seconds in-flight requests get to finish on SIGTERM before they are aborted.",
          float, engine=False, default=30.0),
+    Flag("max_logprobs", "Most logprobs, top_logprobs or prompt_logprobs one request may ask for; -1: no cap "
+         "(vLLM's; default: 20).", int, engine=False, default=None),
+    Flag("max_seqs_per_request", "Most sequences (n, best_of) one request may ask for (default: --max-num-seqs).",
+         int, engine=False, default=None),
+    Flag("max_request_body_bytes", "Largest request body; bigger ones get 413 before they are read "
+         "(default: 16 MiB).", int, engine=False, default=None),
     # --- the model and its memory (vLLM's names)
     Flag("tokenizer", "Tokenizer directory (default: the model's)."),
     Flag("trust_remote_code", "Allow custom code from the model repository.", None),
@@ -229,15 +235,27 @@ def build_server_app(args: argparse.Namespace):
     """The engine and the app for parsed `serve` arguments; ValueError/TypeError when they are bad."""
     from hetero.engine import LLMEngine
     from hetero.server import ServerSettings, build_app
+    from hetero.server.limits import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_REQUEST_BODY_BYTES, RequestLimits
+    from hetero.server.startup import log_startup
 
     config = engine_config_from_args(args)
+    limits = RequestLimits(
+        max_seqs_per_request=config.max_num_seqs if args.max_seqs_per_request is None else args.max_seqs_per_request,
+        max_logprobs=DEFAULT_MAX_LOGPROBS if args.max_logprobs is None else args.max_logprobs,
+        max_request_body_bytes=(
+            DEFAULT_MAX_REQUEST_BODY_BYTES if args.max_request_body_bytes is None else args.max_request_body_bytes
+        ),
+    )
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model],
         api_key=args.api_key or os.environ.get("HETERO_API_KEY") or None,
         chat_template=load_chat_template(args.chat_template),
         shutdown_timeout=args.shutdown_timeout,
+        limits=limits,
     )
-    return build_app(LLMEngine(config), settings)
+    engine = LLMEngine(config)
+    log_startup(engine, args.host, settings.api_key)
+    return build_app(engine, settings)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -3,6 +3,10 @@
 Every step the scheduler first keeps the running sequences going (one decode token each,
 or the rest of a chunked prefill), then admits waiting sequences while the token budget
 (`max_num_batched_tokens`), the sequence budget (`max_num_seqs`) and free KV blocks allow.
+Admission is fair between requests: the next sequence admitted is the first waiting one of
+the request with the fewest running sequences, so a request with a large `n` takes turns
+with later requests instead of holding every slot until all its sequences have run (FCFS
+among requests alike; vLLM schedules sequence groups first-come-first-served).
 When a running sequence needs a block and none is free, the most recently admitted
 sequence is preempted by recomputation: its blocks are freed and it goes back to the
 front of the queue to be prefilled again later, prompt and output together, so nothing
@@ -11,7 +15,7 @@ it generated is lost.
 from __future__ import annotations
 
 import enum
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -143,8 +147,9 @@ class Scheduler:
             budget -= num_new
         # A step that had to preempt admits nobody: the freed blocks went to the running
         # sequences, and re-admitting the victim at once would only thrash the cache.
+        running_per_request = Counter(seq.group for seq in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.num_preemptions == preemptions_before:
-            seq = self.waiting[0]
+            seq = self._next_to_admit(running_per_request)
             # Cached blocks have no logits to score a prompt with, so prompt_logprobs skips them.
             if self.allocator.enable_prefix_caching and seq.params.prompt_logprobs is None:
                 extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, len(seq.token_ids))
@@ -158,12 +163,24 @@ class Scheduler:
                 seq.block_table = []
                 seq.num_computed = seq.num_registered_blocks = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            running_per_request[seq.group] += 1
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return scheduled
+
+    def _next_to_admit(self, running_per_request: Counter) -> Sequence:
+        """The first waiting sequence of the request with the fewest running sequences (queue order breaks ties)."""
+        best, best_count = self.waiting[0], running_per_request[self.waiting[0].group]
+        for seq in self.waiting:
+            if best_count == 0:
+                break
+            count = running_per_request[seq.group]
+            if count < best_count:
+                best, best_count = seq, count
+        return best
 
     def try_extend(self, seq: Sequence, num_tokens: int) -> bool:
         """Reserve blocks for `num_tokens` KV entries without preempting anyone (tree nodes)."""

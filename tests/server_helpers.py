@@ -12,6 +12,7 @@ import uvicorn
 from hetero.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.server import ServerSettings, build_app
+from hetero.server.limits import RequestLimits
 
 LOOPBACK = "127.0.0.1"
 
@@ -34,10 +35,13 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(model_dir, api_key: Optional[str] = None, proposer=None, **engine_kwargs) -> Iterator[LiveServer]:
+def live_server(
+    model_dir, api_key: Optional[str] = None, proposer=None, limits: Optional[RequestLimits] = None, **engine_kwargs
+) -> Iterator[LiveServer]:
     kwargs = {"dtype": "float32", "max_model_len": 256, **engine_kwargs}
     engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), **kwargs), proposer=proposer)
-    app = build_app(engine, ServerSettings(served_model_names=["tiny"], api_key=api_key, shutdown_timeout=5.0))
+    settings = ServerSettings(served_model_names=["tiny"], api_key=api_key, shutdown_timeout=5.0, limits=limits)
+    app = build_app(engine, settings)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, daemon=True)
