@@ -324,8 +324,8 @@ def test_without_a_key_the_docs_are_served(tiny_llama_dir):
 # ------------------------------------------------------------ start-up
 def test_startup_log_states_dtype_kv_size_and_its_source_and_warns_when_open(server, caplog):
     summary = engine_summary(server.engine)
-    assert "float32" in summary and "GiB" in summary
-    assert re.search(r"from (capped at --max-num-seqs|--kv-cache-space|the CPU default)", summary), summary
+    assert "float32" in summary and re.search(r"KV cache [\d.]+ (MiB|GiB) \(\d+ tokens\)", summary), summary
+    assert re.search(r"sized by (--max-num-seqs \d+ x --max-model-len 256|--kv-cache-space)", summary), summary
     with caplog.at_level(logging.INFO, logger="hetero.server"):
         log_startup(server.engine, "0.0.0.0", None)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]

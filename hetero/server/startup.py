@@ -24,21 +24,22 @@ def kv_cache_source(engine: LLMEngine) -> str:
     if engine.device.type == "cuda":
         return f"--gpu-memory-utilization {config.gpu_memory_utilization}"
     blocks_per_seq = -(-engine.max_model_len // config.block_size)
+    space = f"--kv-cache-space {config.kv_cache_space:g} GiB" if config.kv_cache_space else (
+        f"--kv-cache-space's default {_CPU_DEFAULT_KV_GIB:g} GiB")
     if engine.scheduler.allocator.num_blocks == config.max_num_seqs * blocks_per_seq + 1:
-        return f"capped at --max-num-seqs {config.max_num_seqs} x --max-model-len {engine.max_model_len}"
-    if config.kv_cache_space:
-        return f"--kv-cache-space {config.kv_cache_space} GiB"
-    return f"the CPU default of {_CPU_DEFAULT_KV_GIB:g} GiB (--kv-cache-space)"
+        return f"--max-num-seqs {config.max_num_seqs} x --max-model-len {engine.max_model_len} (less than {space})"
+    return space
 
 
 def engine_summary(engine: LLMEngine) -> str:
     allocator = engine.scheduler.allocator
     block_bytes = KVCachePool.bytes_per_block(engine.model_config, engine.config.block_size, engine.dtype)
-    kv_gib = allocator.num_blocks * block_bytes / 2**30
+    kv_bytes = allocator.num_blocks * block_bytes
+    size = f"{kv_bytes / 2**30:.2f} GiB" if kv_bytes >= 2**30 else f"{kv_bytes / 2**20:.1f} MiB"
     tokens = allocator.num_blocks * allocator.block_size
     return (
-        f"serving on {engine.device} in {str(engine.dtype).removeprefix('torch.')}; KV cache {kv_gib:.2f} GiB "
-        f"({tokens} tokens) from {kv_cache_source(engine)}; max_model_len {engine.max_model_len}, "
+        f"serving on {engine.device} in {str(engine.dtype).removeprefix('torch.')}; KV cache {size} "
+        f"({tokens} tokens), sized by {kv_cache_source(engine)}; max_model_len {engine.max_model_len}, "
         f"max_num_seqs {engine.config.max_num_seqs}"
     )
 
