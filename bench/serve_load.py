@@ -4,7 +4,9 @@ Starts `hetero serve MODEL` in a subprocess on 127.0.0.1, warms it up, then open
 ``--clients`` streaming completions at once (each bounded by ``--max-tokens`` and the run by
 ``--timeout``) and checks what a server under load must keep: every stream ends with
 ``data: [DONE]`` and carries no error chunk, the running/waiting gauges on /metrics return
-to 0, and the server's resident memory (VmRSS, sampled throughout) before and after.
+to 0, and the server's resident memory (VmRSS, sampled throughout) before and after each of
+``--rounds`` rounds (memory that keeps growing round after round would be a leak; a first
+round's growth that later rounds do not repeat is the allocator keeping freed pages).
 
 Prints a table and writes ``<result-dir>/serve_load-<label>-<timestamp>.json`` (command,
 machine, settings, summary).
@@ -139,12 +141,29 @@ def percentile(values: list[float], q: float) -> Optional[float]:
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
+def round_summary(results: list[dict], duration: float, gauges_after: dict[str, float],
+                  rss_before: Optional[float], rss_peak: float, rss_after: Optional[float]) -> dict:
+    ttfts = [r["ttft_s"] for r in results if r.get("ttft_s") is not None]
+    e2es = [r["e2e_s"] for r in results if r.get("e2e_s") is not None]
+    return {
+        "clients": len(results),
+        "completed_with_done": sum(r["ok"] for r in results),
+        "failed": [r["error"] for r in results if not r["ok"]][:10],
+        "duration_s": round(duration, 2),
+        "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
+        "e2e_p50_s": percentile(e2es, 0.5), "e2e_p99_s": percentile(e2es, 0.99),
+        "gauges_after": gauges_after,
+        "rss_mib_before": rss_before, "rss_mib_peak": round(rss_peak, 1), "rss_mib_after": rss_after,
+    }
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="what `hetero serve` is given")
     parser.add_argument("--clients", type=int, default=500, help="concurrent streaming requests")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds the whole run may take")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of --clients streams, one after another")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one round may take")
     parser.add_argument("--label", default="run")
     parser.add_argument("--result-dir", default="bench/results")
     parser.add_argument("serve_args", nargs="*", help="extra `hetero serve` flags (after --)")
@@ -159,12 +178,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     try:
         wait_healthy(base_url, process, timeout=600)
         asyncio.run(run_clients(base_url, 4, args.max_tokens, args.timeout))  # warm-up: first-use allocations
-        rss_before = rss_mib(process.pid)
-        with RssSampler(process.pid) as sampler:
-            results, duration = asyncio.run(run_clients(base_url, args.clients, args.max_tokens, args.timeout))
-        time.sleep(1.0)
-        gauges_after = gauges(base_url)
-        rss_after = rss_mib(process.pid)
+        rounds = []
+        for _ in range(args.rounds):
+            rss_before = rss_mib(process.pid)
+            with RssSampler(process.pid) as sampler:
+                results, duration = asyncio.run(run_clients(base_url, args.clients, args.max_tokens, args.timeout))
+            time.sleep(1.0)
+            rounds.append(round_summary(results, duration, gauges(base_url), rss_before, sampler.peak, rss_mib(process.pid)))
     finally:
         process.terminate()
         try:
@@ -176,31 +196,20 @@ def main(argv: Optional[list[str]] = None) -> dict:
         stderr = log.read()
         log.close()
 
-    ttfts = [r["ttft_s"] for r in results if r.get("ttft_s") is not None]
-    e2es = [r["e2e_s"] for r in results if r.get("e2e_s") is not None]
-    summary = {
-        "clients": args.clients,
-        "completed_with_done": sum(r["ok"] for r in results),
-        "failed": [r["error"] for r in results if not r["ok"]][:10],
-        "duration_s": round(duration, 2),
-        "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
-        "e2e_p50_s": percentile(e2es, 0.5), "e2e_p99_s": percentile(e2es, 0.99),
-        "gauges_after": gauges_after,
-        "rss_mib_before": rss_before, "rss_mib_peak": round(sampler.peak, 1), "rss_mib_after": rss_after,
-        "server_exit_code": process.returncode,
-    }
-    print(f"{'clients':>8} {'[DONE]':>7} {'failed':>7} {'seconds':>8} {'ttft p50':>9} {'e2e p99':>8} "
+    print(f"{'round':>5} {'clients':>8} {'[DONE]':>7} {'failed':>7} {'seconds':>8} {'ttft p50':>9} {'e2e p99':>8} "
           f"{'running':>8} {'waiting':>8} {'RSS MiB before/peak/after':>26}")
-    print(f"{args.clients:>8} {summary['completed_with_done']:>7} {args.clients - summary['completed_with_done']:>7} "
-          f"{duration:>8.1f} {summary['ttft_p50_s'] or 0:>9.2f} {summary['e2e_p99_s'] or 0:>8.2f} "
-          f"{gauges_after[GAUGES[0]]:>8g} {gauges_after[GAUGES[1]]:>8g} "
-          f"{rss_before:>8.0f} / {sampler.peak:.0f} / {rss_after:.0f}")
+    for index, r in enumerate(rounds):
+        print(f"{index + 1:>5} {r['clients']:>8} {r['completed_with_done']:>7} {r['clients'] - r['completed_with_done']:>7} "
+              f"{r['duration_s']:>8.1f} {r['ttft_p50_s'] or 0:>9.2f} {r['e2e_p99_s'] or 0:>8.2f} "
+              f"{r['gauges_after'][GAUGES[0]]:>8g} {r['gauges_after'][GAUGES[1]]:>8g} "
+              f"{r['rss_mib_before']:>8.0f} / {r['rss_mib_peak']:.0f} / {r['rss_mib_after']:.0f}")
     record = {
         "command": shlex.join([sys.executable, "-m", "bench.serve_load", *(argv if argv is not None else sys.argv[1:])]),
         "server_command": shlex.join(command[1:]),
         "machine": describe_machine(),
         "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "summary": summary,
+        "rounds": rounds,
+        "server_exit_code": process.returncode,
         "server_log_tail": stderr.splitlines()[-20:],
     }
     out_dir = Path(args.result_dir)
@@ -209,7 +218,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     path = out_dir / f"serve_load-{args.label}-{stamp}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
-    if summary["completed_with_done"] != args.clients or any(gauges_after.values()):
+    if any(r["completed_with_done"] != args.clients or any(r["gauges_after"].values()) for r in rounds):
         raise SystemExit(1)
     return record
 

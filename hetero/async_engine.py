@@ -183,14 +183,16 @@ class AsyncLLMEngine:
         """`fn(*args)` on the tokenizer threads: neither the event loop nor the engine thread waits on it."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
 
-    async def encode_prompt(self, prompt: Any) -> Any:
+    async def encode_prompt(self, prompt: Any, add_special_tokens: bool = True) -> Any:
         """A text prompt as {"prompt", "prompt_token_ids"}, tokenised on the tokenizer threads as
         `LLMEngine.add_request` would; any other prompt unchanged (the engine validates it)."""
         text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
         tokenizer = self.engine.tokenizer
         if not isinstance(text, str) or tokenizer is None:
             return prompt
-        token_ids = await self.run_in_tokenizer_pool(lambda: list(tokenizer(text).input_ids))
+        token_ids = await self.run_in_tokenizer_pool(
+            lambda: list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        )
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     # -------------------------------------------------------------- requests

@@ -166,10 +166,10 @@ def encode_calls(server, monkeypatch):
     calls = []
     real = async_engine.encode_prompt
 
-    async def recording(prompt):
+    async def recording(prompt, *args):
         if isinstance(prompt, str):
             calls.append(prompt)
-        return await real(prompt)
+        return await real(prompt, *args)
 
     monkeypatch.setattr(async_engine, "encode_prompt", recording)
     return calls

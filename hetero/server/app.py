@@ -29,8 +29,8 @@ from hetero.outputs import RequestOutput
 from hetero.sampling_params import SamplingParams
 from hetero.server import prompts, serving
 from hetero.server.body_limit import BodySizeLimitMiddleware
-from hetero.server.errors import APIError, error_body, install_error_handlers, validation_error
-from hetero.server.limits import RequestLimits, check_sampling, check_text_fits, decode_json, reject_bool_integers
+from hetero.server.errors import APIError, error_body, install_error_handlers
+from hetero.server.limits import PARSE_ON_LOOP_BYTES, RequestLimits, check_sampling, check_text_fits, parse_request
 from hetero.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -209,13 +209,14 @@ def _render_chat(engine: LLMEngine, body: ChatCompletionRequest, default_templat
 
 
 async def parse_body(request: Request, model: type[BodyModel]) -> BodyModel:
-    """The JSON body as `model`, whatever the Content-Type (curl -d sends a form type), within the limits."""
-    data = decode_json(await request.body())
-    reject_bool_integers(data, model)
-    try:
-        return model.model_validate(data)
-    except pydantic.ValidationError as exc:
-        raise validation_error(exc.errors()) from exc
+    """The JSON body as `model`, whatever the Content-Type (curl -d sends a form type), within the limits.
+
+    A large body is parsed on a worker thread, so the event loop keeps serving the streams.
+    """
+    raw = await request.body()
+    if len(raw) <= PARSE_ON_LOOP_BYTES:
+        return parse_request(raw, model)
+    return await asyncio.to_thread(parse_request, raw, model)
 
 
 # ------------------------------------------------------------- engine calls

@@ -22,11 +22,12 @@ from typing import Any, Iterable, Optional
 
 import pydantic
 
-from hetero.server.errors import APIError, malformed_json
+from hetero.server.errors import APIError, malformed_json, validation_error
 
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 MAX_JSON_DEPTH = 64  # far deeper than any OpenAI request (tool schemas included) nests
+PARSE_ON_LOOP_BYTES = 256 * 1024  # larger bodies are parsed on a worker thread
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -49,6 +50,16 @@ class RequestLimits:
 
 
 # ------------------------------------------------------------------ the body
+def parse_request(raw: bytes, model: type[pydantic.BaseModel]) -> pydantic.BaseModel:
+    """The body as `model`: JSON within the limits below, no booleans for integers, then pydantic's checks."""
+    data = decode_json(raw)
+    reject_bool_integers(data, model)
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise validation_error(exc.errors()) from exc
+
+
 def decode_json(raw: bytes) -> Any:
     """The body's JSON, or a 400: malformed, nested deeper than MAX_JSON_DEPTH, or not valid Unicode."""
     try:
@@ -75,7 +86,8 @@ def check_json_tree(data: Any) -> None:
             for key, item in items:
                 if isinstance(key, str):
                     _check_unicode(key, path)
-                stack.append((item, depth + 1, (*path, key)))
+                if isinstance(item, (str, dict, list)):  # numbers need no look (long token-id lists stay cheap)
+                    stack.append((item, depth + 1, (*path, key)))
 
 
 def _check_unicode(text: str, path: tuple) -> None:

@@ -15,7 +15,9 @@ from hetero.server.limits import check_context, check_roles, check_text_fits
 from hetero.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 
-async def completion_prompts(async_engine: AsyncLLMEngine, body: CompletionRequest, params: SamplingParams) -> list[Any]:
+async def completion_prompts(
+    async_engine: AsyncLLMEngine, body: CompletionRequest, params: SamplingParams, add_special_tokens: bool = True
+) -> list[Any]:
     """The engine prompts of a completions request, each within the context with its max_tokens."""
     engine = async_engine.engine
     prompts = body.prompts()
@@ -25,7 +27,7 @@ async def completion_prompts(async_engine: AsyncLLMEngine, body: CompletionReque
     for prompt in prompts:
         if isinstance(prompt, str) and engine.tokenizer is not None:
             check_text_fits(len(prompt), engine.tokenizer, engine.max_model_len, "prompt")
-            prompt = await async_engine.encode_prompt(prompt)
+            prompt = await async_engine.encode_prompt(prompt, add_special_tokens)
         if isinstance(prompt, dict):
             check_context(len(prompt["prompt_token_ids"]), params.max_tokens, engine.max_model_len, "prompt", "max_tokens")
         encoded.append(prompt)
