@@ -169,6 +169,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("serve_args", nargs="*", help="extra `hetero serve` flags (after --)")
     args = parser.parse_args(argv)
 
+    machine = describe_machine()  # before the server starts: the commit it runs
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "hetero.cli", "serve", args.model, "--host", "127.0.0.1", "--port", str(port),
@@ -206,7 +207,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     record = {
         "command": shlex.join([sys.executable, "-m", "bench.serve_load", *(argv if argv is not None else sys.argv[1:])]),
         "server_command": shlex.join(command[1:]),
-        "machine": describe_machine(),
+        "machine": machine,
         "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "rounds": rounds,
         "server_exit_code": process.returncode,

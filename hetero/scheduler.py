@@ -15,7 +15,7 @@ it generated is lost.
 from __future__ import annotations
 
 import enum
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -96,6 +96,7 @@ class SequenceGroup:
         self.params = params
         self.plain_greedy = is_plain_greedy(params)  # read for every sequence of every step
         self.seqs: list[Sequence] = []
+        self.num_running = 0  # of its sequences, kept by the scheduler for fair admission
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
         self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
         self.num_cached_tokens = 0
@@ -147,9 +148,8 @@ class Scheduler:
             budget -= num_new
         # A step that had to preempt admits nobody: the freed blocks went to the running
         # sequences, and re-admitting the victim at once would only thrash the cache.
-        running_per_request = Counter(seq.group for seq in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.num_preemptions == preemptions_before:
-            seq = self._next_to_admit(running_per_request)
+            seq = self._next_to_admit()
             # Cached blocks have no logits to score a prompt with, so prompt_logprobs skips them.
             if self.allocator.enable_prefix_caching and seq.params.prompt_logprobs is None:
                 extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, len(seq.token_ids))
@@ -164,22 +164,21 @@ class Scheduler:
                 seq.num_computed = seq.num_registered_blocks = 0
                 break
             self.waiting.remove(seq)
-            running_per_request[seq.group] += 1
+            seq.group.num_running += 1
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return scheduled
 
-    def _next_to_admit(self, running_per_request: Counter) -> Sequence:
+    def _next_to_admit(self) -> Sequence:
         """The first waiting sequence of the request with the fewest running sequences (queue order breaks ties)."""
-        best, best_count = self.waiting[0], running_per_request[self.waiting[0].group]
+        best = self.waiting[0]
         for seq in self.waiting:
-            if best_count == 0:
+            if best.group.num_running == 0:
                 break
-            count = running_per_request[seq.group]
-            if count < best_count:
-                best, best_count = seq, count
+            if seq.group.num_running < best.group.num_running:
+                best = seq
         return best
 
     def try_extend(self, seq: Sequence, num_tokens: int) -> bool:
@@ -212,6 +211,7 @@ class Scheduler:
         seq.block_table = []
         seq.num_computed = seq.num_registered_blocks = 0
         seq.status = SeqStatus.WAITING
+        seq.group.num_running -= 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -224,6 +224,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING:
+            seq.group.num_running -= 1
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)

@@ -18,6 +18,7 @@ import pytest
 from hetero.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.sampling_params import SamplingParams
+from hetero.scheduler import SeqStatus
 from hetero.server.errors import APIError
 from hetero.server.limits import MAX_JSON_DEPTH, RequestLimits, check_sampling, longest_token_chars
 from hetero.server.startup import engine_summary, is_loopback, log_startup
@@ -264,6 +265,8 @@ def test_a_big_n_request_takes_turns_with_a_later_one(tiny_llama_dir):
     engine.add_request("small", "Hi", SamplingParams(max_tokens=1, ignore_eos=True))
     small_done = big_done = None
     while engine.has_unfinished_requests():
+        for group in engine.groups.values():
+            assert group.num_running == sum(seq.status is SeqStatus.RUNNING for seq in group.seqs)
         for output in engine.step():
             if output.request_id == "small" and output.finished:
                 small_done = sum(1 for s in engine.groups["big"].seqs if s.is_finished)
