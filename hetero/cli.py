@@ -58,8 +58,8 @@ FLAGS: tuple[Flag, ...] = (
     # --- the HTTP server
     Flag("host", "Address to listen on.", engine=False, default="0.0.0.0"),
     Flag("port", "Port to listen on.", int, engine=False, default=8000),
-    Flag("api_key", "Bearer key required on /v1/* (default: $HETERO_API_KEY; none = open).", engine=False,
-         default=None),
+    Flag("api_key", "Bearer key required on /v1/*, /tokenize and /detokenize; with one, /docs and /openapi.json "
+         "are off (default: $HETERO_API_KEY; none = open).", engine=False, default=None),
     Flag("served_model_name", "Model name(s) the API answers to (default: the model argument).", engine=False,
          default=None, nargs="+"),
     Flag("chat_template", "Chat template file or inline Jinja text (default: the tokenizer's).", engine=False,
@@ -67,8 +67,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("uvicorn_log_level", "uvicorn's log level.", engine=False, default="info", choices=_UVICORN_LOG_LEVELS),
     Flag("shutdown_timeout", "Seconds in-flight requests get to finish on SIGTERM before they are aborted.",
          float, engine=False, default=30.0),
-    Flag("max_logprobs", "Most logprobs, top_logprobs or prompt_logprobs one request may ask for; -1: no cap "
-         "(vLLM's; default: 20).", int, engine=False, default=None),
+    Flag("max_logprobs", "Most logprobs, top_logprobs or prompt_logprobs one request may ask for, as vLLM's; "
+         "-1: no cap (default: 20).", int, engine=False, default=None),
     Flag("max_seqs_per_request", "Most sequences (n, best_of) one request may ask for (default: --max-num-seqs).",
          int, engine=False, default=None),
     Flag("max_request_body_bytes", "Largest request body; bigger ones get 413 before they are read "

@@ -340,6 +340,18 @@ def test_startup_log_states_dtype_kv_size_and_its_source_and_warns_when_open(ser
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
+def test_serve_flags_set_the_limits(tiny_llama_dir):
+    from hetero.cli import build_server_app, parse_serve_args
+
+    base = ["serve", str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "8"]
+    default = build_server_app(parse_serve_args(base)).state.limits
+    assert default == RequestLimits(max_seqs_per_request=8, max_logprobs=20, max_request_body_bytes=16 * 2**20)
+    flags = ["--max-logprobs", "5", "--max-seqs-per-request", "3", "--max-request-body-bytes", "1000"]
+    assert build_server_app(parse_serve_args(base + flags)).state.limits == RequestLimits(3, 5, 1000)
+    with pytest.raises(ValueError, match="max_seqs_per_request"):
+        build_server_app(parse_serve_args(base + ["--max-seqs-per-request", "0"]))
+
+
 def test_is_loopback():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("10.1.2.3")

@@ -93,6 +93,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="hetero", version=__version__, lifespan=lifespan, **docs)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    app.state.limits = limits
     install_error_handlers(app)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
