@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 
 import httpx
@@ -362,14 +365,22 @@ def _ours(directory: str, pid: int) -> list[str]:
     return sorted(name for name in os.listdir(directory) if f"_pid{pid}_" in name)
 
 
-def test_sigterm_with_a_draft_worker_leaves_no_segments_or_sockets(tiny_llama_dir, tmp_path):
+@pytest.fixture
+def socket_dir():
+    """A short directory for the doorbell sockets (a Unix socket's path must fit 107 bytes)."""
+    path = tempfile.mkdtemp(prefix="hetero-test-", dir="/tmp")
+    yield pathlib.Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_sigterm_with_a_draft_worker_leaves_no_segments_or_sockets(tiny_llama_dir, socket_dir):
     port = free_port()
     command = [
         sys.executable, "-m", "hetero.cli", "serve", str(tiny_llama_dir), "--speculative-model", str(tiny_llama_dir),
         "--cpu-draft-worker", "--num-speculative-tokens", "2", "--device", "cpu", "--dtype", "float32",
         "--max-model-len", "128", "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout", "5",
     ]
-    env = {**os.environ, "TMPDIR": str(tmp_path), "HETERO_DRAFT_THREADS": "1"}
+    env = {**os.environ, "TMPDIR": str(socket_dir), "HETERO_DRAFT_THREADS": "1"}
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def up() -> bool:
@@ -383,7 +394,7 @@ def test_sigterm_with_a_draft_worker_leaves_no_segments_or_sockets(tiny_llama_di
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
         assert response.status_code == 200
         assert len(_ours("/dev/shm", process.pid)) == 2, "the draft worker's rings should exist while serving"
-        assert len(_ours(str(tmp_path), process.pid)) == 4, "the doorbell sockets should exist while serving"
+        assert len(_ours(str(socket_dir), process.pid)) == 4, "the doorbell sockets should exist while serving"
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=60)
     finally:
@@ -392,4 +403,4 @@ def test_sigterm_with_a_draft_worker_leaves_no_segments_or_sockets(tiny_llama_di
             process.communicate()
     assert "KV cache" in output
     assert _ours("/dev/shm", process.pid) == []
-    assert _ours(str(tmp_path), process.pid) == []
+    assert _ours(str(socket_dir), process.pid) == []
