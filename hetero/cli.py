@@ -62,17 +62,17 @@ FLAGS: tuple[Flag, ...] = (
          "are off (default: $HETERO_API_KEY; none = open).", engine=False, default=None),
     Flag("served_model_name", "Model name(s) the API answers to (default: the model argument).", engine=False,
          default=None, nargs="+"),
-    Flag("chat_template", "Chat template file or inline Jinja text (default: the tokenizer's).", engine=False,
-         default=None),
-    Flag("uvicorn_log_level", "uvicorn's log level.", engine=False, default="info", choices=_UVICORN_LOG_LEVELS),
-    Flag("shutdown_timeout", "Seconds in-flight requests get to finish on SIGTERM before they are aborted.",
-         float, engine=False, default=30.0),
     Flag("max_logprobs", "Most logprobs, top_logprobs or prompt_logprobs one request may ask for, as vLLM's; "
          "-1: no cap (default: 20).", int, engine=False, default=None),
     Flag("max_seqs_per_request", "Most sequences (n, best_of) one request may ask for (default: --max-num-seqs).",
          int, engine=False, default=None),
     Flag("max_request_body_bytes", "Largest request body; bigger ones get 413 before they are read "
          "(default: 16 MiB).", int, engine=False, default=None),
+    Flag("chat_template", "Chat template file or inline Jinja text (default: the tokenizer's).", engine=False,
+         default=None),
+    Flag("uvicorn_log_level", "uvicorn's log level.", engine=False, default="info", choices=_UVICORN_LOG_LEVELS),
+    Flag("shutdown_timeout", "Seconds in-flight requests get to finish on SIGTERM before they are aborted.",
+         float, engine=False, default=30.0),
     # --- the model and its memory (vLLM's names)
     Flag("tokenizer", "Tokenizer directory (default: the model's)."),
     Flag("trust_remote_code", "Allow custom code from the model repository.", None),
@@ -248,10 +248,10 @@ def build_server_app(args: argparse.Namespace):
     )
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model],
+        limits=limits,
         api_key=args.api_key or os.environ.get("HETERO_API_KEY") or None,
         chat_template=load_chat_template(args.chat_template),
         shutdown_timeout=args.shutdown_timeout,
-        limits=limits,
     )
     engine = LLMEngine(config)
     log_startup(engine, args.host, settings.api_key)

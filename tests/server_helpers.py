@@ -12,7 +12,6 @@ import uvicorn
 from hetero.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.server import ServerSettings, build_app
-from hetero.server.limits import RequestLimits
 
 LOOPBACK = "127.0.0.1"
 
@@ -36,12 +35,12 @@ class LiveServer:
 
 @contextmanager
 def live_server(
-    model_dir, api_key: Optional[str] = None, proposer=None, limits: Optional[RequestLimits] = None, **engine_kwargs
+    model_dir, api_key: Optional[str] = None, proposer=None, settings: Optional[dict] = None, **engine_kwargs
 ) -> Iterator[LiveServer]:
+    """`settings`: more `ServerSettings` fields (tool calling, ...)."""
     kwargs = {"dtype": "float32", "max_model_len": 256, **engine_kwargs}
     engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), **kwargs), proposer=proposer)
-    settings = ServerSettings(served_model_names=["tiny"], api_key=api_key, shutdown_timeout=5.0, limits=limits)
-    app = build_app(engine, settings)
+    app = build_app(engine, ServerSettings(served_model_names=["tiny"], api_key=api_key, shutdown_timeout=5.0, **(settings or {})))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -39,7 +39,7 @@ HI = [{"role": "user", "content": "Hi"}]
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     limits = RequestLimits(max_seqs_per_request=MAX_SEQS, max_request_body_bytes=BODY_LIMIT)
-    with live_server(tiny_llama_dir, api_key=API_KEY, limits=limits) as live:
+    with live_server(tiny_llama_dir, api_key=API_KEY, settings={"limits": limits}) as live:
         yield live
 
 
@@ -281,7 +281,7 @@ def test_a_big_n_request_takes_turns_with_a_later_one(tiny_llama_dir):
 
 def test_over_http_the_small_request_finishes_before_the_big_one(tiny_llama_dir, monkeypatch):
     limits = RequestLimits(max_seqs_per_request=16)
-    with live_server(tiny_llama_dir, limits=limits, max_num_seqs=2) as live:
+    with live_server(tiny_llama_dir, settings={"limits": limits}, max_num_seqs=2) as live:
         async_engine = live.app.state.async_engine
         gate = threading.Event()
         real_step = live.engine.step

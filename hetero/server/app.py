@@ -27,7 +27,7 @@ from hetero.llm import render_chat_prompt
 from hetero.metrics import CONTENT_TYPE, ServerMetrics
 from hetero.outputs import RequestOutput
 from hetero.sampling_params import SamplingParams
-from hetero.server import prompts, serving
+from hetero.server import serving
 from hetero.server.body_limit import BodySizeLimitMiddleware
 from hetero.server.errors import APIError, error_body, install_error_handlers
 from hetero.server.limits import PARSE_ON_LOOP_BYTES, RequestLimits, check_sampling, check_text_fits, parse_request
@@ -37,6 +37,7 @@ from hetero.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from hetero.server.request_prompts import chat_prompt, check_messages, completion_prompts
 
 _CLIENT_CLOSED_REQUEST = 499
 BodyModel = TypeVar("BodyModel", bound=pydantic.BaseModel)
@@ -135,7 +136,7 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: R
         model = serving.check_model(body.model, names)
         params = serving.completion_sampling_params(body)
         check_sampling(params, limits, engine.model_config.vocab_size, "logprobs")
-        engine_prompts = await prompts.completion_prompts(async_engine, body, params)
+        engine_prompts = await completion_prompts(async_engine, body, params)
         response_id = async_engine.new_request_id("cmpl")
         streams = await _submit(async_engine, response_id, engine_prompts, params, "prompt")
         if body.stream:
@@ -160,7 +161,7 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: R
         model = serving.check_model(body.model, names)
         params = serving.chat_sampling_params(body)
         check_sampling(params, limits, engine.model_config.vocab_size, "top_logprobs")
-        prompt = await prompts.chat_prompt(
+        prompt = await chat_prompt(
             async_engine, body, params, lambda: _render_chat(engine, body, settings.chat_template)
         )
         response_id = async_engine.new_request_id("chatcmpl")
@@ -413,7 +414,7 @@ def _service_routes(async_engine: AsyncLLMEngine, metrics: ServerMetrics, settin
         body = await parse_body(raw, TokenizeRequest)
         serving.check_model(body.model, names)
         if body.messages is not None:
-            prompts.check_messages(async_engine, body.messages)
+            check_messages(async_engine, body.messages)
             chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
             rendered = await async_engine.run_in_tokenizer_pool(_render_chat, engine, chat, settings.chat_template)
             tokens = rendered["prompt_token_ids"]
