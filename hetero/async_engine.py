@@ -13,18 +13,23 @@ Failure containment:
   request fails with `EngineDeadError` and later requests are refused with it too.
 - `shutdown()` refuses new work, lets in-flight requests finish for a while, then fails
   what is left with `EngineShutdownError`.
+
+Text prompts are tokenised in the caller's coroutine on a small thread pool before they
+reach the engine thread, so a long prompt stalls neither the event loop nor the other
+requests' steps.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional, Protocol, Union
+from typing import Any, AsyncIterator, Callable, Optional, Protocol, TypeVar, Union
 
 from hetero.engine import LLMEngine
 from hetero.metrics import EngineSnapshot, snapshot_engine
@@ -32,6 +37,9 @@ from hetero.outputs import RequestOutput
 from hetero.sampling_params import SamplingParams
 
 logger = logging.getLogger("hetero")
+
+TOKENIZER_THREADS = 2  # threads that tokenise prompts beside the event loop and the engine thread
+Result = TypeVar("Result")
 
 
 class EngineDeadError(RuntimeError):
@@ -139,6 +147,7 @@ class AsyncLLMEngine:
         self._dead: Optional[BaseException] = None
         self._closed: Optional[BaseException] = None  # set once the engine thread has exited
         self._ids = itertools.count()
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="hetero-tokenizer")
         self.snapshot = snapshot_engine(engine)
 
     # ------------------------------------------------------------- lifecycle
@@ -167,6 +176,24 @@ class AsyncLLMEngine:
         self._send(_Stop("the server is shutting down; the request was aborted"))
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------ tokenizing
+    async def run_in_tokenizer_pool(self, fn: Callable[..., Result], *args: Any) -> Result:
+        """`fn(*args)` on the tokenizer threads: neither the event loop nor the engine thread waits on it."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
+
+    async def encode_prompt(self, prompt: Any, add_special_tokens: bool = True) -> Any:
+        """A text prompt as {"prompt", "prompt_token_ids"}, tokenised on the tokenizer threads as
+        `LLMEngine.add_request` would; any other prompt unchanged (the engine validates it)."""
+        text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
+        tokenizer = self.engine.tokenizer
+        if not isinstance(text, str) or tokenizer is None:
+            return prompt
+        token_ids = await self.run_in_tokenizer_pool(
+            lambda: list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        )
+        return {"prompt": text, "prompt_token_ids": token_ids}
 
     # -------------------------------------------------------------- requests
     def new_request_id(self, prefix: str) -> str:
@@ -187,6 +214,7 @@ class AsyncLLMEngine:
             self._streams[request_id] = channel
         stream = RequestStream(self, request_id, channel)
         try:
+            prompt = await self.encode_prompt(prompt)  # in flight meanwhile: shutdown waits for it
             self._send(_Add(request_id, prompt, params, time.time(), channel.added))
             await asyncio.wrap_future(channel.added)
         except BaseException:

@@ -58,10 +58,16 @@ FLAGS: tuple[Flag, ...] = (
     # --- the HTTP server
     Flag("host", "Address to listen on.", engine=False, default="0.0.0.0"),
     Flag("port", "Port to listen on.", int, engine=False, default=8000),
-    Flag("api_key", "Bearer key required on /v1/* (default: $HETERO_API_KEY; none = open).", engine=False,
-         default=None),
+    Flag("api_key", "Bearer key required on /v1/*, /tokenize and /detokenize; with one, /docs and /openapi.json "
+         "are off (default: $HETERO_API_KEY; none = open).", engine=False, default=None),
     Flag("served_model_name", "Model name(s) the API answers to (default: the model argument).", engine=False,
          default=None, nargs="+"),
+    Flag("max_logprobs", "Most logprobs, top_logprobs or prompt_logprobs one request may ask for, as vLLM's; "
+         "-1: no cap (default: 20).", int, engine=False, default=None),
+    Flag("max_seqs_per_request", "Most sequences (n, best_of) one request may ask for (default: --max-num-seqs).",
+         int, engine=False, default=None),
+    Flag("max_request_body_bytes", "Largest request body; bigger ones get 413 before they are read "
+         "(default: 16 MiB).", int, engine=False, default=None),
     Flag("chat_template", "Chat template file or inline Jinja text (default: the tokenizer's).", engine=False,
          default=None),
     Flag("uvicorn_log_level", "uvicorn's log level.", engine=False, default="info", choices=_UVICORN_LOG_LEVELS),
@@ -239,15 +245,27 @@ def build_server_app(args: argparse.Namespace):
     """The engine and the app for parsed `serve` arguments; ValueError/TypeError when they are bad."""
     from hetero.engine import LLMEngine
     from hetero.server import ServerSettings, build_app
+    from hetero.server.limits import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_REQUEST_BODY_BYTES, RequestLimits
+    from hetero.server.startup import log_startup
 
     config = engine_config_from_args(args)
+    limits = RequestLimits(
+        max_seqs_per_request=config.max_num_seqs if args.max_seqs_per_request is None else args.max_seqs_per_request,
+        max_logprobs=DEFAULT_MAX_LOGPROBS if args.max_logprobs is None else args.max_logprobs,
+        max_request_body_bytes=(
+            DEFAULT_MAX_REQUEST_BODY_BYTES if args.max_request_body_bytes is None else args.max_request_body_bytes
+        ),
+    )
     settings = ServerSettings(
         served_model_names=args.served_model_name or [args.model],
+        limits=limits,
         api_key=args.api_key or os.environ.get("HETERO_API_KEY") or None,
         chat_template=load_chat_template(args.chat_template),
         shutdown_timeout=args.shutdown_timeout,
     )
-    return build_app(LLMEngine(config), settings)
+    engine = LLMEngine(config)
+    log_startup(engine, args.host, settings.api_key)
+    return build_app(engine, settings)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -3,6 +3,10 @@
 Every step the scheduler first keeps the running sequences going (one decode token each,
 or the rest of a chunked prefill), then admits waiting sequences while the token budget
 (`max_num_batched_tokens`), the sequence budget (`max_num_seqs`) and free KV blocks allow.
+Admission is fair between requests: the next sequence admitted is the first waiting one of
+the request with the fewest running sequences, so a request with a large `n` takes turns
+with later requests instead of holding every slot until all its sequences have run (FCFS
+among requests alike; vLLM schedules sequence groups first-come-first-served).
 When a running sequence needs a block and none is free, the most recently admitted
 sequence is preempted by recomputation: its blocks are freed and it goes back to the
 front of the queue to be prefilled again later, prompt and output together, so nothing
@@ -92,6 +96,7 @@ class SequenceGroup:
         self.params = params
         self.plain_greedy = is_plain_greedy(params)  # read for every sequence of every step
         self.seqs: list[Sequence] = []
+        self.num_running = 0  # of its sequences, kept by the scheduler for fair admission
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
         self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
         self.num_cached_tokens = 0
@@ -144,7 +149,7 @@ class Scheduler:
         # A step that had to preempt admits nobody: the freed blocks went to the running
         # sequences, and re-admitting the victim at once would only thrash the cache.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.num_preemptions == preemptions_before:
-            seq = self.waiting[0]
+            seq = self._next_to_admit()
             # Cached blocks have no logits to score a prompt with, so prompt_logprobs skips them.
             if self.allocator.enable_prefix_caching and seq.params.prompt_logprobs is None:
                 extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, len(seq.token_ids))
@@ -158,12 +163,23 @@ class Scheduler:
                 seq.block_table = []
                 seq.num_computed = seq.num_registered_blocks = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            seq.group.num_running += 1
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return scheduled
+
+    def _next_to_admit(self) -> Sequence:
+        """The first waiting sequence of the request with the fewest running sequences (queue order breaks ties)."""
+        best = self.waiting[0]
+        for seq in self.waiting:
+            if best.group.num_running == 0:
+                break
+            if seq.group.num_running < best.group.num_running:
+                best = seq
+        return best
 
     def try_extend(self, seq: Sequence, num_tokens: int) -> bool:
         """Reserve blocks for `num_tokens` KV entries without preempting anyone (tree nodes)."""
@@ -195,6 +211,7 @@ class Scheduler:
         seq.block_table = []
         seq.num_computed = seq.num_registered_blocks = 0
         seq.status = SeqStatus.WAITING
+        seq.group.num_running -= 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -207,6 +224,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING:
+            seq.group.num_running -= 1
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)

@@ -131,10 +131,10 @@ def test_batch_of_prompts_and_token_id_prompts(server, client):
 def test_models_tokenize_detokenize_version_health(server):
     models = httpx.get(server.base_url + "/v1/models", headers=AUTH).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
-    tokens = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hello there"}).json()
+    tokens = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hello there"}, headers=AUTH).json()
     assert tokens["tokens"] == server.engine.tokenizer("Hello there").input_ids
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 256
-    text = httpx.post(server.base_url + "/detokenize", json={"tokens": tokens["tokens"]}).json()
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": tokens["tokens"]}, headers=AUTH).json()
     assert text["prompt"] == "Hello there"
     assert httpx.get(server.base_url + "/version").json()["version"]
     assert httpx.get(server.base_url + "/health").status_code == 200

@@ -2,13 +2,14 @@
 
 `build_app(engine, settings)` wires one engine, its metrics and the routes together; the
 engine thread starts with the app's lifespan and is shut down (draining in-flight work)
-when the app stops.
+when the app stops, which also stops the draft worker and removes its shared memory.
+With an API key, /v1/*, /tokenize and /detokenize need it and /docs, /redoc and
+/openapi.json are off.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -27,13 +28,16 @@ from hetero.metrics import CONTENT_TYPE, ServerMetrics
 from hetero.outputs import RequestOutput
 from hetero.sampling_params import SamplingParams
 from hetero.server import serving
-from hetero.server.errors import APIError, error_body, install_error_handlers, malformed_json, validation_error
+from hetero.server.body_limit import BodySizeLimitMiddleware
+from hetero.server.errors import APIError, error_body, install_error_handlers
+from hetero.server.limits import PARSE_ON_LOOP_BYTES, RequestLimits, check_sampling, check_text_fits, parse_request
 from hetero.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from hetero.server.request_prompts import chat_prompt, check_messages, completion_prompts
 
 _CLIENT_CLOSED_REQUEST = 499
 BodyModel = TypeVar("BodyModel", bound=pydantic.BaseModel)
@@ -45,10 +49,14 @@ class ServerSettings:
     api_key: Optional[str] = None
     chat_template: Optional[str] = None
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on shutdown
+    limits: Optional[RequestLimits] = None  # None: the defaults, n/best_of up to max_num_seqs
+
+
+PROTECTED_PATHS = ("/v1/", "/tokenize", "/detokenize")
 
 
 class APIKeyMiddleware:
-    """Bearer-token check on /v1/* (before the body is read, so a bad key is always 401)."""
+    """Bearer-token check on /v1/*, /tokenize and /detokenize (before the body is read, so a bad key is always 401)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
@@ -60,7 +68,7 @@ class APIKeyMiddleware:
         return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self._expected)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PATHS) and scope["method"] != "OPTIONS":
             if not self._authorized(scope):
                 error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
                 await JSONResponse(error.body(), status_code=401)(scope, receive, send)
@@ -71,26 +79,41 @@ class APIKeyMiddleware:
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.served_model_names[0])
     async_engine = AsyncLLMEngine(engine, observer=metrics)
+    limits = settings.limits or RequestLimits(max_seqs_per_request=engine.config.max_num_seqs)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         async_engine.start()
-        yield
-        await async_engine.shutdown(settings.shutdown_timeout)
+        try:
+            yield
+        finally:
+            await async_engine.shutdown(settings.shutdown_timeout)
+            _close_proposer(engine)
 
-    app = FastAPI(title="hetero", version=__version__, lifespan=lifespan)
+    docs = {} if not settings.api_key else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="hetero", version=__version__, lifespan=lifespan, **docs)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    app.state.limits = limits
     install_error_handlers(app)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
-    app.include_router(_v1_routes(async_engine, settings))
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes)
+    app.include_router(_v1_routes(async_engine, settings, limits))
     app.include_router(_service_routes(async_engine, metrics, settings))
     return app
 
 
+def _close_proposer(engine: LLMEngine) -> None:
+    """Stop the draft worker and remove its shared memory and socket files now: uvicorn re-raises
+    SIGTERM once the app has stopped, and that default handler skips exit-time clean-up."""
+    close = getattr(engine.proposer, "close", None)
+    if close is not None:
+        close()
+
+
 # ------------------------------------------------------------------ /v1
-def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings) -> APIRouter:
+def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: RequestLimits) -> APIRouter:
     router = APIRouter(prefix="/v1")
     names = settings.served_model_names
     engine = async_engine.engine
@@ -112,11 +135,10 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings) -> APIRou
         body = await parse_body(raw, CompletionRequest)
         model = serving.check_model(body.model, names)
         params = serving.completion_sampling_params(body)
-        prompts = body.prompts()
-        if not prompts:
-            raise APIError(400, "prompt must not be empty", param="prompt")
+        check_sampling(params, limits, engine.model_config.vocab_size, "logprobs")
+        engine_prompts = await completion_prompts(async_engine, body, params)
         response_id = async_engine.new_request_id("cmpl")
-        streams = await _submit(async_engine, response_id, prompts, params, "prompt")
+        streams = await _submit(async_engine, response_id, engine_prompts, params, "prompt")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = _completion_events(streams, response_id, model, params, body.logprobs, include_usage)
@@ -138,7 +160,10 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings) -> APIRou
         body = await parse_body(raw, ChatCompletionRequest)
         model = serving.check_model(body.model, names)
         params = serving.chat_sampling_params(body)
-        prompt = _render_chat(engine, body, settings.chat_template)
+        check_sampling(params, limits, engine.model_config.vocab_size, "top_logprobs")
+        prompt = await chat_prompt(
+            async_engine, body, params, lambda: _render_chat(engine, body, settings.chat_template)
+        )
         response_id = async_engine.new_request_id("chatcmpl")
         streams = await _submit(async_engine, response_id, [prompt], params, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -185,16 +210,14 @@ def _render_chat(engine: LLMEngine, body: ChatCompletionRequest, default_templat
 
 
 async def parse_body(request: Request, model: type[BodyModel]) -> BodyModel:
-    """The JSON body as `model`, whatever the Content-Type (curl -d sends a form type)."""
+    """The JSON body as `model`, whatever the Content-Type (curl -d sends a form type), within the limits.
+
+    A large body is parsed on a worker thread, so the event loop keeps serving the streams.
+    """
     raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise malformed_json(str(exc)) from exc
-    try:
-        return model.model_validate(data)
-    except pydantic.ValidationError as exc:
-        raise validation_error(exc.errors()) from exc
+    if len(raw) <= PARSE_ON_LOOP_BYTES:
+        return parse_request(raw, model)
+    return await asyncio.to_thread(parse_request, raw, model)
 
 
 # ------------------------------------------------------------- engine calls
@@ -391,11 +414,16 @@ def _service_routes(async_engine: AsyncLLMEngine, metrics: ServerMetrics, settin
         body = await parse_body(raw, TokenizeRequest)
         serving.check_model(body.model, names)
         if body.messages is not None:
+            check_messages(async_engine, body.messages)
             chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
-            tokens = _render_chat(engine, chat, settings.chat_template)["prompt_token_ids"]
+            rendered = await async_engine.run_in_tokenizer_pool(_render_chat, engine, chat, settings.chat_template)
+            tokens = rendered["prompt_token_ids"]
         else:
             tokenizer = _require_tokenizer(engine, "tokenizing")
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            check_text_fits(len(body.prompt), tokenizer, engine.max_model_len, "prompt")
+            tokens = await async_engine.run_in_tokenizer_pool(
+                lambda: tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            )
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": list(tokens)}
 
     @router.post("/detokenize")
@@ -406,6 +434,7 @@ def _service_routes(async_engine: AsyncLLMEngine, metrics: ServerMetrics, settin
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is out of the vocabulary range [0, {vocab})", param="tokens")
-        return {"prompt": _require_tokenizer(engine, "detokenizing").decode(body.tokens)}
+        tokenizer = _require_tokenizer(engine, "detokenizing")
+        return {"prompt": await async_engine.run_in_tokenizer_pool(tokenizer.decode, body.tokens)}
 
     return router
