@@ -20,6 +20,7 @@ import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from hetero.protocols import TokenTree
 from hetero.sampling_params import StructuredOutputsParams
@@ -48,9 +49,8 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
             rule = " | ".join(_lark_literal(choice) for choice in spec.choice)
             grammar, field = llguidance.LLMatcher.grammar_from_lark(f"start: {rule}"), "choice"
         else:
-            lark = llguidance.gbnf_to_lark(spec.grammar) if "::=" in spec.grammar else spec.grammar
-            grammar, field = llguidance.LLMatcher.grammar_from_lark(lark), "grammar"
-    except (ValueError, TypeError, json.JSONDecodeError) as exc:
+            grammar, field = llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.grammar)), "grammar"
+    except (ValueError, TypeError, GbnfToLarkError) as exc:
         raise ValueError(f"structured_outputs: cannot compile the constraint: {exc}") from exc
     message = llguidance.LLMatcher.validate_grammar(grammar)  # "" when valid
     if message:
@@ -110,6 +110,11 @@ class SequenceGrammar:
             allowed[self._eos_token_ids] = True
         return allowed
 
+    def _rollback(self, steps: list[tuple[int, bool]]) -> None:
+        counted = sum(1 for _, was_counted in steps if was_counted)
+        if counted:
+            self._matcher.rollback(counted)
+
     def row_masks(self, tree: Optional[TokenTree], device: torch.device) -> torch.Tensor:
         """bool [1 + len(tree), vocab]: row 0 after the sequence's tokens, row i + 1 after draft node i.
 
@@ -119,9 +124,11 @@ class SequenceGrammar:
         """
         masks = [self._mask()]
         if tree is not None and len(tree):
-            on_path: list[int] = []  # grammar tokens consumed beyond the sequence's own
+            # The path the matcher stands on: (grammar token, whether the matcher counted it;
+            # a stopped matcher takes nothing more, so a token after the end is not counted).
+            on_path: list[tuple[int, bool]] = []
             paths: list[Optional[list[int]]] = []
-            for node, (token, parent) in enumerate(zip(tree.token_list, tree.parent_list)):
+            for token, parent in zip(tree.token_list, tree.parent_list):
                 parent_path = [] if parent < 0 else paths[parent]
                 if parent_path is None or not masks[parent + 1][token]:
                     paths.append(None)
@@ -129,15 +136,16 @@ class SequenceGrammar:
                     continue
                 path = parent_path + [self._as_grammar_token(token)]
                 common = 0
-                while common < min(len(on_path), len(path)) and on_path[common] == path[common]:
+                while common < min(len(on_path), len(path)) and on_path[common][0] == path[common]:
                     common += 1
-                if len(on_path) > common:
-                    self._matcher.rollback(len(on_path) - common)
+                self._rollback(on_path[common:])
+                del on_path[common:]
                 for grammar_token in path[common:]:
-                    self._matcher.consume_token(grammar_token)
-                on_path = path
+                    counted = not self._matcher.is_stopped()
+                    if counted:
+                        self._matcher.consume_token(grammar_token)
+                    on_path.append((grammar_token, counted))
                 paths.append(path)
                 masks.append(self._mask())
-            if on_path:
-                self._matcher.rollback(len(on_path))
+            self._rollback(on_path)
         return torch.stack(masks).to(device)
