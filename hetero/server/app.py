@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 import time
@@ -34,6 +35,14 @@ from hetero.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from hetero.server.tool_parsers import (
+    TOOL_PARSERS,
+    NamedFunctionCall,
+    RequiredCalls,
+    ToolCallExtractor,
+    ToolCallStream,
+    tool_choice_constraint,
+)
 
 _CLIENT_CLOSED_REQUEST = 499
 BodyModel = TypeVar("BodyModel", bound=pydantic.BaseModel)
@@ -45,6 +54,14 @@ class ServerSettings:
     api_key: Optional[str] = None
     chat_template: Optional[str] = None
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on shutdown
+    enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice
+    tool_call_parser: Optional[str] = None  # vLLM's --tool-call-parser: a name in TOOL_PARSERS
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser")
 
 
 class APIKeyMiddleware:
@@ -111,22 +128,29 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings) -> APIRou
     async def completions(raw: Request):
         body = await parse_body(raw, CompletionRequest)
         model = serving.check_model(body.model, names)
-        params = serving.completion_sampling_params(body)
-        prompts = body.prompts()
+        constraint, _ = serving.output_constraint(body)
+        params = serving.completion_sampling_params(body, constraint)
+        prompts = [_tokenized(engine, prompt, body.add_special_tokens) for prompt in body.prompts()]
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
+        for prompt in prompts:
+            if prompt["prompt_token_ids"]:
+                serving.check_context_length(len(prompt["prompt_token_ids"]), params.max_tokens, engine.max_model_len, "prompt")
         response_id = async_engine.new_request_id("cmpl")
         streams = await _submit(async_engine, response_id, prompts, params, "prompt")
+        echoes = [_echo(engine, prompt, body) for prompt in prompts] if body.echo else None
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _completion_events(streams, response_id, model, params, body.logprobs, include_usage)
+            usage_mode = _usage_mode(body)
+            num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+            events = _completion_events(streams, response_id, model, params, body.logprobs, usage_mode, num_prompt_tokens, echoes)
             return StreamingResponse(events, media_type="text/event-stream")
         finals = await _until_disconnect(raw, _collect(streams))
         if finals is None:
             return Response(status_code=_CLIENT_CLOSED_REQUEST)
         choices = [
             serving.completion_choice(
-                serving.choice_index(i, params.n, c), serving.whole_delta(c), body.logprobs, serving.ChoiceProgress()
+                serving.choice_index(i, params.n, c), serving.whole_delta(c), body.logprobs, serving.ChoiceProgress(),
+                _echo_of(echoes, i, output),
             )
             for i, output in enumerate(finals)
             for c in output.outputs
@@ -137,14 +161,21 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings) -> APIRou
     async def chat_completions(raw: Request):
         body = await parse_body(raw, ChatCompletionRequest)
         model = serving.check_model(body.model, names)
-        params = serving.chat_sampling_params(body)
-        prompt = _render_chat(engine, body, settings.chat_template)
+        if body.modalities and body.modalities != ["text"]:
+            raise APIError(400, f"modalities {body.modalities} are not supported: this server answers in text only", param="modalities")
+        constraint, constraint_field = serving.output_constraint(body)
+        tools = _tool_calling(body, settings, constraint_field)
+        if tools.constraint is not None:
+            constraint = tools.constraint
+        params = serving.chat_sampling_params(body, constraint)
+        prompt = _render_chat(engine, body, settings.chat_template, tools.template_tools)
+        serving.check_context_length(len(prompt["prompt_token_ids"]), params.max_tokens, engine.max_model_len, "messages")
         response_id = async_engine.new_request_id("chatcmpl")
         streams = await _submit(async_engine, response_id, [prompt], params, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _chat_events(streams, response_id, model, params, top, include_usage)
+            events = _chat_events(streams, response_id, model, params, top, _usage_mode(body),
+                                  len(prompt["prompt_token_ids"]), tools)
             return StreamingResponse(events, media_type="text/event-stream")
         finals = await _until_disconnect(raw, _collect(streams))
         if finals is None:
@@ -152,11 +183,19 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings) -> APIRou
         choices = []
         for completion in finals[0].outputs:
             delta = serving.whole_delta(completion)
+            message: dict[str, Any] = {"role": "assistant", "content": delta.text}
+            finish_reason = delta.finish_reason
+            if tools.extractor is not None:
+                content, calls = tools.extractor.split(delta.text)
+                if calls:
+                    message = {"role": "assistant", "content": content.strip() or None,
+                               "tool_calls": [call.as_dict() for call in calls]}
+                    finish_reason = tools.finish_reason(finish_reason)
             choices.append({
                 "index": completion.index,
-                "message": {"role": "assistant", "content": delta.text},
+                "message": message,
                 "logprobs": serving.chat_choice_logprobs(delta, top),
-                "finish_reason": delta.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": delta.stop_reason,
             })
         return {**serving.envelope(response_id, "chat.completion", model), "choices": choices, "usage": serving.usage(finals)}
@@ -170,7 +209,9 @@ def _require_tokenizer(engine: LLMEngine, what: str):
     return engine.tokenizer
 
 
-def _render_chat(engine: LLMEngine, body: ChatCompletionRequest, default_template: Optional[str]) -> dict[str, Any]:
+def _render_chat(
+    engine: LLMEngine, body: ChatCompletionRequest, default_template: Optional[str], tools: Optional[list[dict]] = None
+) -> dict[str, Any]:
     _require_tokenizer(engine, "a chat request")
     try:
         return render_chat_prompt(
@@ -179,9 +220,83 @@ def _render_chat(engine: LLMEngine, body: ChatCompletionRequest, default_templat
             body.chat_template or default_template,
             body.add_generation_prompt,
             body.continue_final_message,
+            tools=tools,
+            template_kwargs=body.chat_template_kwargs,
+            add_special_tokens=body.add_special_tokens,
         )
-    except (ValueError, jinja2.TemplateError) as exc:
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+
+
+def _tokenized(engine: LLMEngine, prompt: Union[str, dict], add_special_tokens: bool) -> dict[str, Any]:
+    """A completions prompt as token ids (with its text): tokenized here, so its length can be checked."""
+    if isinstance(prompt, dict):
+        return prompt
+    tokenizer = _require_tokenizer(engine, "a text prompt")
+    return {"prompt": prompt, "prompt_token_ids": list(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)}
+
+
+def _echo(engine: LLMEngine, prompt: dict[str, Any], body: CompletionRequest) -> serving.Echo:
+    text = prompt.get("prompt")
+    if text is None:
+        text = _require_tokenizer(engine, "echo").decode(prompt["prompt_token_ids"])
+    return serving.Echo(text, top_logprobs=body.logprobs, decode=lambda token: engine.tokenizer.decode([token]))
+
+
+def _echo_of(echoes: Optional[list[serving.Echo]], prompt_index: int, output: RequestOutput) -> Optional[serving.Echo]:
+    """The prompt part of an echoed choice, with the prompt's logprobs when they were asked for."""
+    if echoes is None:
+        return None
+    echo = echoes[prompt_index]
+    if echo.top_logprobs is None or output.prompt_logprobs is None:
+        return echo
+    logprobs = serving.echo_logprobs(output.prompt_token_ids, output.prompt_logprobs, echo.top_logprobs, echo.decode)
+    return dataclasses.replace(echo, logprobs=logprobs)
+
+
+@dataclass
+class ToolCalling:
+    """How a chat request uses tools: what the template sees, what constrains and reads the reply."""
+
+    template_tools: Optional[list[dict[str, Any]]] = None
+    constraint: Any = None
+    extractor: Optional[ToolCallExtractor] = None
+    forced: bool = False  # a named function: finish_reason stays as it is, as OpenAI's
+
+    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+        return reason if self.forced or reason != "stop" else "tool_calls"
+
+
+def _tool_calling(body: ChatCompletionRequest, settings: ServerSettings, constraint_field: Optional[str]) -> ToolCalling:
+    """tools + tool_choice as vLLM reads them: "auto" (the default with tools, under
+    --enable-auto-tool-choice) parses the model's own call format; "required" and a named
+    function constrain the reply to a call; "none" (the default otherwise) leaves it text."""
+    if not body.tools or body.tool_choice == "none":
+        return ToolCalling()
+    template_tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    choice = body.tool_choice or ("auto" if settings.enable_auto_tool_choice else "none")
+    if choice == "none":
+        return ToolCalling(template_tools)
+    if choice == "auto":
+        if not settings.enable_auto_tool_choice:
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                           param="tool_choice")
+        return ToolCalling(template_tools, extractor=TOOL_PARSERS[settings.tool_call_parser]())
+    if constraint_field is not None:
+        raise APIError(400, f"tool_choice {choice!r} constrains the output, and so does {constraint_field}: give one",
+                       param="tool_choice")
+    constraint = tool_choice_constraint(body.tools, choice, body.parallel_tool_calls)
+    if choice == "required":
+        return ToolCalling(template_tools, constraint, RequiredCalls())
+    return ToolCalling(template_tools, constraint, NamedFunctionCall(choice.function.name), forced=True)
+
+
+def _usage_mode(body) -> Optional[str]:
+    """None, "final" (one usage chunk at the end) or "continuous" (vLLM: usage in every chunk too)."""
+    options = body.stream_options
+    if options is None or not options.include_usage:
+        return None
+    return "continuous" if options.continuous_usage_stats else "final"
 
 
 async def parse_body(request: Request, model: type[BodyModel]) -> BodyModel:
@@ -191,6 +306,7 @@ async def parse_body(request: Request, model: type[BodyModel]) -> BodyModel:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise malformed_json(str(exc)) from exc
+    serving.check_supported(data, getattr(model, "UNSUPPORTED", ()))
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
@@ -302,30 +418,42 @@ async def _sse_events(
     streams: list[RequestStream],
     head: dict,
     params: SamplingParams,
-    include_usage: bool,
-    build_choice: Callable[[int, Any, Any, serving.ChoiceProgress], dict],
+    usage_mode: Optional[str],
+    num_prompt_tokens: int,
+    build_choice: Callable[[int, Any, Any, serving.ChoiceProgress, RequestOutput], dict],
     opening: Sequence[dict] = (),
 ) -> AsyncIterator[str]:
     """The SSE body of both endpoints: opening chunks, one chunk per text delta, usage, [DONE].
 
-    `build_choice(prompt_index, completion, delta, state)` formats one choice the way its
-    endpoint does; everything else (stop-string hold-back, usage, errors) is shared.
+    `build_choice(prompt_index, completion, delta, state, output)` formats one choice the way its
+    endpoint does; everything else (stop-string hold-back, usage, errors) is shared. With
+    `usage_mode` "continuous" (vLLM's continuous_usage_stats) every chunk carries the usage so far.
     """
     holdback = serving.stop_holdback(params)
     progress: dict[tuple[int, int], serving.ChoiceProgress] = {}
+    generated: dict[tuple[int, int], int] = {}
     finals: list[RequestOutput] = []
+
+    def chunk(choices: list[dict]) -> str:
+        payload = {**head, "choices": choices}
+        if usage_mode == "continuous":
+            payload["usage"] = serving.usage_of(num_prompt_tokens, sum(generated.values()))
+        return serving.sse(payload)
+
     try:
         for choice in opening:
-            yield serving.sse({**head, "choices": [choice]})
+            yield chunk([choice])
         async for prompt_index, output in _merge(streams):
             for completion in output.outputs:
-                state = progress.setdefault((prompt_index, completion.index), serving.ChoiceProgress())
+                key = (prompt_index, completion.index)
+                generated[key] = len(completion.token_ids)
+                state = progress.setdefault(key, serving.ChoiceProgress())
                 delta = serving.next_delta(state, completion, holdback)
                 if delta is not None:
-                    yield serving.sse({**head, "choices": [build_choice(prompt_index, completion, delta, state)]})
+                    yield chunk([build_choice(prompt_index, completion, delta, state, output)])
             if output.finished:
                 finals.append(output)
-        if include_usage:
+        if usage_mode is not None:
             yield serving.sse({**head, "choices": [], "usage": serving.usage(finals)})
     except Exception as exc:  # noqa: BLE001 - headers are sent; the error goes in the stream
         yield serving.sse(_stream_error(exc))
@@ -334,26 +462,44 @@ async def _sse_events(
 
 def _completion_events(
     streams: list[RequestStream], response_id: str, model: str, params: SamplingParams,
-    top_logprobs: Optional[int], include_usage: bool,
+    top_logprobs: Optional[int], usage_mode: Optional[str], num_prompt_tokens: int,
+    echoes: Optional[list[serving.Echo]],
 ) -> AsyncIterator[str]:
-    def build_choice(prompt_index, completion, delta, state):
+    echoed: set[int] = set()
+
+    def build_choice(prompt_index, completion, delta, state, output):
         index = serving.choice_index(prompt_index, params.n, completion)
-        return serving.completion_choice(index, delta, top_logprobs, state)
+        echo = None
+        if echoes is not None and index not in echoed:
+            echoed.add(index)
+            echo = _echo_of(echoes, prompt_index, output)
+        return serving.completion_choice(index, delta, top_logprobs, state, echo)
 
     head = serving.envelope(response_id, "text_completion", model)
-    return _sse_events(streams, head, params, include_usage, build_choice)
+    return _sse_events(streams, head, params, usage_mode, num_prompt_tokens, build_choice)
 
 
 def _chat_events(
     streams: list[RequestStream], response_id: str, model: str, params: SamplingParams,
-    top_logprobs: Optional[int], include_usage: bool,
+    top_logprobs: Optional[int], usage_mode: Optional[str], num_prompt_tokens: int, tools: ToolCalling,
 ) -> AsyncIterator[str]:
-    def build_choice(_prompt_index, completion, delta, _state):
+    tool_streams: dict[int, ToolCallStream] = {}
+
+    def build_choice(_prompt_index, completion, delta, _state, _output):
+        content, calls, finish_reason = delta.text, [], delta.finish_reason
+        if tools.extractor is not None:
+            stream = tool_streams.setdefault(completion.index, ToolCallStream(tools.extractor))
+            content, calls = stream.feed(delta.text, delta.finish_reason is not None)
+            if calls:
+                finish_reason = tools.finish_reason(finish_reason)
+        message: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            message["tool_calls"] = [{"index": i, **call.as_dict()} for i, call in enumerate(calls)]
         return {
             "index": completion.index,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": message,
             "logprobs": serving.chat_choice_logprobs(delta, top_logprobs),
-            "finish_reason": delta.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": delta.stop_reason,
         }
 
@@ -362,7 +508,7 @@ def _chat_events(
         {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         for index in range(params.n)
     ]
-    return _sse_events(streams, head, params, include_usage, build_choice, roles)
+    return _sse_events(streams, head, params, usage_mode, num_prompt_tokens, build_choice, roles)
 
 
 # ---------------------------------------------------------- service routes
