@@ -26,12 +26,13 @@ SSE_DONE = "data: [DONE]\n\n"
 def check_supported(data: Any, unsupported: tuple[str, ...]) -> None:
     """400 "... is not supported" for a field OpenAI or vLLM define that this server does not implement.
 
-    A field at its neutral value (absent, null, false, empty) changes nothing and passes.
+    A field at its neutral value (absent, null, false, empty) changes nothing: it is
+    dropped from `data` (in place) before the body is validated.
     """
     if not isinstance(data, dict):
         return
     for name in unsupported:
-        value = data.get(name)
+        value = data.pop(name, None)
         if value not in _NEUTRAL and value != _NEUTRAL_BY_FIELD.get(name, None):
             raise APIError(400, f"{name} is not supported by this server", param=name)
 
