@@ -34,10 +34,13 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(model_dir, api_key: Optional[str] = None, proposer=None, **engine_kwargs) -> Iterator[LiveServer]:
+def live_server(
+    model_dir, api_key: Optional[str] = None, proposer=None, settings: Optional[dict] = None, **engine_kwargs
+) -> Iterator[LiveServer]:
+    """`settings`: more `ServerSettings` fields (tool calling, ...)."""
     kwargs = {"dtype": "float32", "max_model_len": 256, **engine_kwargs}
     engine = LLMEngine(EngineConfig.from_kwargs(str(model_dir), **kwargs), proposer=proposer)
-    app = build_app(engine, ServerSettings(served_model_names=["tiny"], api_key=api_key, shutdown_timeout=5.0))
+    app = build_app(engine, ServerSettings(served_model_names=["tiny"], api_key=api_key, shutdown_timeout=5.0, **(settings or {})))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, daemon=True)
