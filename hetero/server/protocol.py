@@ -9,6 +9,7 @@ types and shapes.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -49,9 +50,18 @@ class ChatMessage(BaseModel):
         return content
 
     def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: text parts joined, and earlier tool calls'
+        JSON `arguments` as objects (Qwen2.5's and Llama 3's templates serialise them), as vLLM does."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part["text"] for part in self.content)
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    pass  # not JSON: the template gets the text as it came
         return message
 
 
