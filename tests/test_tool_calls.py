@@ -165,3 +165,12 @@ def test_auto_needs_the_servers_parser(tiny_llama_dir):
             client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], tool_choice="auto")
         default = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=4)
         assert not default.choices[0].message.tool_calls  # tools without a parser: "none", as vLLM
+
+
+def test_earlier_tool_calls_reach_the_template_with_object_arguments():
+    from hetero.server.protocol import ChatMessage
+
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    message = ChatMessage(role="assistant", content=None, tool_calls=[call]).for_template()
+    assert message["tool_calls"][0]["function"]["arguments"] == {"zone": "UTC"}
+    assert call["function"]["arguments"] == '{"zone": "UTC"}'  # the request itself is left as it came
