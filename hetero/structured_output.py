@@ -19,13 +19,13 @@ from typing import Optional, Sequence
 import llguidance
 import llguidance.hf
 import llguidance.torch
+import numpy as np
 import torch
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from hetero.protocols import TokenTree
 from hetero.sampling_params import StructuredOutputsParams
 
-_BITS = torch.arange(32, dtype=torch.int32)
 # JSON without free whitespace between tokens (vLLM's `disable_any_whitespace`): a model
 # that may put any whitespace anywhere can loop on it, small models often do.
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -59,9 +59,15 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """llguidance's int32 bitmask [rows, words] as a bool tensor [rows, vocab_size]."""
-    bits = (bitmask.unsqueeze(-1) >> _BITS) & 1
+    """llguidance's int32 bitmask [rows, words] (bit t % 32 of word t // 32 allows token t)
+    as a bool tensor [rows, vocab_size], on the bitmask's device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _allows(words: np.ndarray, token: int) -> bool:
+    return bool((words[token >> 5] >> np.uint32(token & 31)) & np.uint32(1))
 
 
 class GrammarCompiler:
@@ -102,13 +108,15 @@ class SequenceGrammar:
         if not self._matcher.is_stopped():
             self._matcher.consume_token(self._as_grammar_token(token))
 
-    def _mask(self) -> torch.Tensor:
-        """The allowed tokens here, bool [vocab]; only EOS once the grammar is complete or stuck."""
+    def _mask(self) -> np.ndarray:
+        """The allowed tokens here, packed (uint32 words); the model's EOS ids wherever the
+        grammar allows its end, and alone once it is complete or stuck."""
         llguidance.torch.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        allowed = unpack_bitmask(self._bitmask, self._vocab_size)[0]
-        if allowed[self._grammar_eos] or not allowed.any():
-            allowed[self._eos_token_ids] = True
-        return allowed
+        words = self._bitmask[0].numpy().view(np.uint32).copy()
+        if _allows(words, self._grammar_eos) or not words.any():
+            for eos in self._eos_token_ids:
+                words[eos >> 5] |= np.uint32(1 << (eos & 31))
+        return words
 
     def _rollback(self, steps: list[tuple[int, bool]]) -> None:
         counted = sum(1 for _, was_counted in steps if was_counted)
@@ -123,6 +131,7 @@ class SequenceGrammar:
         subtree's) is left unconstrained, since verification never reads it.
         """
         masks = [self._mask()]
+        everything = np.full_like(masks[0], 0xFFFFFFFF)
         if tree is not None and len(tree):
             # The path the matcher stands on: (grammar token, whether the matcher counted it;
             # a stopped matcher takes nothing more, so a token after the end is not counted).
@@ -130,9 +139,9 @@ class SequenceGrammar:
             paths: list[Optional[list[int]]] = []
             for token, parent in zip(tree.token_list, tree.parent_list):
                 parent_path = [] if parent < 0 else paths[parent]
-                if parent_path is None or not masks[parent + 1][token]:
+                if parent_path is None or not _allows(masks[parent + 1], token):
                     paths.append(None)
-                    masks.append(torch.ones(self._vocab_size, dtype=torch.bool))
+                    masks.append(everything)
                     continue
                 path = parent_path + [self._as_grammar_token(token)]
                 common = 0
@@ -148,4 +157,6 @@ class SequenceGrammar:
                 paths.append(path)
                 masks.append(self._mask())
             self._rollback(on_path)
-        return torch.stack(masks).to(device)
+        # Packed on the host, unpacked on the device: 32 times fewer bytes cross.
+        packed = torch.from_numpy(np.stack(masks).view(np.int32))
+        return unpack_bitmask(packed.to(device), self._vocab_size)
