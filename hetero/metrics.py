@@ -8,7 +8,7 @@ Two sources feed them, both from the engine thread:
 - an `EngineSnapshot` after every step (queue gauges, KV usage, token and speculative
   totals), exposed through a collector that reads the latest snapshot at scrape time,
   so totals are never double-counted or torn;
-- each finished request (success counter by finish reason, latency histograms).
+- each finished request (success counter by finish reason, latency, queue-time and token-count histograms).
 
 Every `ServerMetrics` owns its own `CollectorRegistry`, so several servers can live in
 one process (tests do).
@@ -35,6 +35,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)  # vLLM's 1-2-5
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 
@@ -206,6 +208,18 @@ class ServerMetrics:
             Histogram, "e2e_request_latency_seconds", "Time from arrival to the last output token.",
             labels, self.registry, buckets=_E2E_BUCKETS,
         )
+        self.request_prompt_tokens = _Both(
+            Histogram, "request_prompt_tokens", "Prompt tokens per finished request.",
+            labels, self.registry, buckets=_TOKEN_BUCKETS,
+        )
+        self.request_generation_tokens = _Both(
+            Histogram, "request_generation_tokens", "Generated tokens per finished request (all its choices).",
+            labels, self.registry, buckets=_TOKEN_BUCKETS,
+        )
+        self.request_queue_time = _Both(
+            Histogram, "request_queue_time_seconds", "Time from arrival to first being scheduled.",
+            labels, self.registry, buckets=_QUEUE_BUCKETS,
+        )
 
     def on_snapshot(self, snapshot: EngineSnapshot) -> None:
         self._snapshot.snapshot = snapshot
@@ -221,6 +235,10 @@ class ServerMetrics:
             self.time_per_output_token.labels(self.model_name).observe(tpot)
         if e2e is not None:
             self.e2e_request_latency.labels(self.model_name).observe(e2e)
+        self.request_prompt_tokens.labels(self.model_name).observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.labels(self.model_name).observe(sum(len(o.token_ids) for o in output.outputs))
+        if output.metrics is not None and output.metrics.time_in_queue is not None:
+            self.request_queue_time.labels(self.model_name).observe(output.metrics.time_in_queue)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

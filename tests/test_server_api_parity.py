@@ -218,8 +218,12 @@ def test_metrics_are_also_under_vllms_names(tiny_llama_dir):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                  "generation_tokens_total", "request_success_total", "time_to_first_token_seconds_count",
                  "time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",
-                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total", "prefix_cache_queries_total"):
+                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total", "prefix_cache_queries_total",
+                 "request_prompt_tokens_sum", "request_generation_tokens_sum", "request_queue_time_seconds_count"):
         assert samples["vllm:" + name] == samples["hetero:" + name], name
     assert samples["vllm:generation_tokens_total"] == 12 and samples["vllm:request_success_total"] == 2
+    assert samples["vllm:request_generation_tokens_sum"] == 12 and samples["vllm:request_generation_tokens_count"] == 2
+    assert samples["vllm:request_prompt_tokens_sum"] == samples["vllm:prompt_tokens_total"]
+    assert samples["vllm:request_queue_time_seconds_count"] == 2
     assert samples["vllm:spec_decode_num_drafts_total"] == stats.num_steps > 0
     assert samples["vllm:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
