@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import secrets
 import time
@@ -35,14 +34,7 @@ from hetero.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from hetero.server.tool_parsers import (
-    TOOL_PARSERS,
-    NamedFunctionCall,
-    RequiredCalls,
-    ToolCallExtractor,
-    ToolCallStream,
-    tool_choice_constraint,
-)
+from hetero.server.tool_parsers import TOOL_PARSERS, ToolCalling, ToolCallStream, tool_calling
 
 _CLIENT_CLOSED_REQUEST = 499
 BodyModel = TypeVar("BodyModel", bound=pydantic.BaseModel)
@@ -150,7 +142,7 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings) -> APIRou
         choices = [
             serving.completion_choice(
                 serving.choice_index(i, params.n, c), serving.whole_delta(c), body.logprobs, serving.ChoiceProgress(),
-                _echo_of(echoes, i, output),
+                serving.echo_of(echoes, i, output),
             )
             for i, output in enumerate(finals)
             for c in output.outputs
@@ -164,7 +156,7 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings) -> APIRou
         if body.modalities and body.modalities != ["text"]:
             raise APIError(400, f"modalities {body.modalities} are not supported: this server answers in text only", param="modalities")
         constraint, constraint_field = serving.output_constraint(body)
-        tools = _tool_calling(body, settings, constraint_field)
+        tools = tool_calling(body, settings.enable_auto_tool_choice, settings.tool_call_parser, constraint_field)
         if tools.constraint is not None:
             constraint = tools.constraint
         params = serving.chat_sampling_params(body, constraint)
@@ -241,54 +233,6 @@ def _echo(engine: LLMEngine, prompt: dict[str, Any], body: CompletionRequest) ->
     if text is None:
         text = _require_tokenizer(engine, "echo").decode(prompt["prompt_token_ids"])
     return serving.Echo(text, top_logprobs=body.logprobs, decode=lambda token: engine.tokenizer.decode([token]))
-
-
-def _echo_of(echoes: Optional[list[serving.Echo]], prompt_index: int, output: RequestOutput) -> Optional[serving.Echo]:
-    """The prompt part of an echoed choice, with the prompt's logprobs when they were asked for."""
-    if echoes is None:
-        return None
-    echo = echoes[prompt_index]
-    if echo.top_logprobs is None or output.prompt_logprobs is None:
-        return echo
-    logprobs = serving.echo_logprobs(output.prompt_token_ids, output.prompt_logprobs, echo.top_logprobs, echo.decode)
-    return dataclasses.replace(echo, logprobs=logprobs)
-
-
-@dataclass
-class ToolCalling:
-    """How a chat request uses tools: what the template sees, what constrains and reads the reply."""
-
-    template_tools: Optional[list[dict[str, Any]]] = None
-    constraint: Any = None
-    extractor: Optional[ToolCallExtractor] = None
-    forced: bool = False  # a named function: finish_reason stays as it is, as OpenAI's
-
-    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
-        return reason if self.forced or reason != "stop" else "tool_calls"
-
-
-def _tool_calling(body: ChatCompletionRequest, settings: ServerSettings, constraint_field: Optional[str]) -> ToolCalling:
-    """tools + tool_choice as vLLM reads them: "auto" (the default with tools, under
-    --enable-auto-tool-choice) parses the model's own call format; "required" and a named
-    function constrain the reply to a call; "none" (the default otherwise) leaves it text."""
-    if not body.tools or body.tool_choice == "none":
-        return ToolCalling()
-    template_tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
-    choice = body.tool_choice or ("auto" if settings.enable_auto_tool_choice else "none")
-    if choice == "none":
-        return ToolCalling(template_tools)
-    if choice == "auto":
-        if not settings.enable_auto_tool_choice:
-            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
-                           param="tool_choice")
-        return ToolCalling(template_tools, extractor=TOOL_PARSERS[settings.tool_call_parser]())
-    if constraint_field is not None:
-        raise APIError(400, f"tool_choice {choice!r} constrains the output, and so does {constraint_field}: give one",
-                       param="tool_choice")
-    constraint = tool_choice_constraint(body.tools, choice, body.parallel_tool_calls)
-    if choice == "required":
-        return ToolCalling(template_tools, constraint, RequiredCalls())
-    return ToolCalling(template_tools, constraint, NamedFunctionCall(choice.function.name), forced=True)
 
 
 def _usage_mode(body) -> Optional[str]:
@@ -472,7 +416,7 @@ def _completion_events(
         echo = None
         if echoes is not None and index not in echoed:
             echoed.add(index)
-            echo = _echo_of(echoes, prompt_index, output)
+            echo = serving.echo_of(echoes, prompt_index, output)
         return serving.completion_choice(index, delta, top_logprobs, state, echo)
 
     head = serving.envelope(response_id, "text_completion", model)

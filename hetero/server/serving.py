@@ -249,6 +249,17 @@ class Echo:
     logprobs: Optional[dict[str, Any]] = None
 
 
+def echo_of(echoes: Optional[list[Echo]], prompt_index: int, output: RequestOutput) -> Optional[Echo]:
+    """The prompt part of an echoed choice, with the prompt's logprobs when they were asked for."""
+    if echoes is None:
+        return None
+    echo = echoes[prompt_index]
+    if echo.top_logprobs is None or output.prompt_logprobs is None:
+        return echo
+    logprobs = echo_logprobs(output.prompt_token_ids, output.prompt_logprobs, echo.top_logprobs, echo.decode)
+    return dataclasses.replace(echo, logprobs=logprobs)
+
+
 def completion_choice(
     index: int, delta: ChoiceDelta, top_logprobs: Optional[int], progress: ChoiceProgress, echo: Optional[Echo] = None
 ) -> dict[str, Any]:

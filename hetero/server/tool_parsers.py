@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from hetero.sampling_params import StructuredOutputsParams
+from hetero.server.errors import APIError
 
 
 @dataclass
@@ -172,6 +173,47 @@ def tool_choice_constraint(tools: list, tool_choice: Any, parallel_tool_calls: O
         tool = next(t for t in tools if t.function.name == tool_choice.function.name)
         return StructuredOutputsParams(json=_parameters(tool))
     return None
+
+
+@dataclass
+class ToolCalling:
+    """How a chat request uses tools: what the template sees, what constrains and reads the reply."""
+
+    template_tools: Optional[list[dict[str, Any]]] = None
+    constraint: Any = None
+    extractor: Optional[ToolCallExtractor] = None
+    forced: bool = False  # a named function: finish_reason stays as it is, as OpenAI's
+
+    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+        return reason if self.forced or reason != "stop" else "tool_calls"
+
+
+def tool_calling(
+    body, enable_auto_tool_choice: bool, tool_call_parser: Optional[str], constraint_field: Optional[str]
+) -> ToolCalling:
+    """tools + tool_choice as vLLM reads them: "auto" (the default with tools, under
+    --enable-auto-tool-choice) parses the model's own call format; "required" and a named
+    function constrain the reply to a call; "none" (the default otherwise) leaves it text.
+    `body` is the ChatCompletionRequest; `constraint_field` names the request's own output
+    constraint, if any (a forced call cannot take a second one)."""
+    if not body.tools or body.tool_choice == "none":
+        return ToolCalling()
+    template_tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    choice = body.tool_choice or ("auto" if enable_auto_tool_choice else "none")
+    if choice == "none":
+        return ToolCalling(template_tools)
+    if choice == "auto":
+        if not enable_auto_tool_choice:
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                           param="tool_choice")
+        return ToolCalling(template_tools, extractor=TOOL_PARSERS[tool_call_parser]())
+    if constraint_field is not None:
+        raise APIError(400, f"tool_choice {choice!r} constrains the output, and so does {constraint_field}: give one",
+                       param="tool_choice")
+    constraint = tool_choice_constraint(body.tools, choice, body.parallel_tool_calls)
+    if choice == "required":
+        return ToolCalling(template_tools, constraint, RequiredCalls())
+    return ToolCalling(template_tools, constraint, NamedFunctionCall(choice.function.name), forced=True)
 
 
 class ToolCallStream:
