@@ -2,8 +2,10 @@
 
 ``target_probs`` turns each row of logits into the exact distribution plain decoding
 would sample from, so that ``verify_tree`` can accept draft tokens losslessly against it.
-Processors run in vLLM's order: min_tokens, no_repeat_ngram_size, repetition penalty,
-presence/frequency penalties, then (sampling rows only) temperature, top-k, top-p, min-p.
+Processors run in vLLM's order: min_tokens, no_repeat_ngram_size, the structured-output
+mask and logit_bias, repetition penalty, presence/frequency penalties, then (sampling rows
+only) temperature, top-k, top-p, min-p. The mask is given per row (`RowContext.allowed_tokens`)
+so a tree's rows each carry the grammar's state along their own draft path.
 
 ``target_probs`` is batched over rows with per-row parameter vectors: its only per-row
 Python work is gathering each row's token ids (O(sequence length), never O(vocab)).
@@ -32,6 +34,7 @@ class RowContext:
     output_token_ids: Sequence[int]  # tokens generated before this row's position
     eos_token_ids: Sequence[int]  # the model's EOS ids, banned (with stop_token_ids) below min_tokens
     generator: Optional[torch.Generator] = None  # the request's own, when params.seed is set
+    allowed_tokens: Optional[torch.Tensor] = None  # bool [V]: the tokens a structured output allows here
 
 
 def _row_tensor(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
@@ -83,6 +86,25 @@ def _apply_bans(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
             row_ids += [i] * len(banned)
             token_ids += banned
     _ban(logits, row_ids, token_ids)
+
+
+def _apply_mask_and_bias(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
+    """Structured-output masks (disallowed tokens to -inf) and logit_bias, in place."""
+    masked = [i for i, r in enumerate(rows) if r.allowed_tokens is not None]
+    if masked:
+        allowed = torch.stack([rows[i].allowed_tokens for i in masked]).to(logits.device)
+        logits[masked] = logits[masked].masked_fill(~allowed, float("-inf"))
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for i, row in enumerate(rows):
+        if row.params.logit_bias:
+            row_ids += [i] * len(row.params.logit_bias)
+            token_ids += list(row.params.logit_bias)
+            biases += list(row.params.logit_bias.values())
+    if row_ids:
+        index = torch.tensor([row_ids, token_ids], dtype=torch.long, device=logits.device)
+        logits.index_put_((index[0], index[1]), torch.tensor(biases, device=logits.device), accumulate=True)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[RowContext]) -> None:
@@ -150,6 +172,7 @@ def target_probs(logits: torch.Tensor, rows: Sequence[RowContext]) -> torch.Tens
         return logits
     vocab = logits.shape[1]
     _apply_bans(logits, rows)
+    _apply_mask_and_bias(logits, rows)
     _apply_penalties(logits, rows)
 
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
@@ -250,6 +273,8 @@ def is_plain_greedy(params: SamplingParams) -> bool:
         and params.repetition_penalty == 1.0
         and not params.no_repeat_ngram_size
         and params.min_tokens == 0
+        and not params.logit_bias
+        and params.structured_outputs is None
     )
 
 

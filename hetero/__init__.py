@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "hetero.llm",
     "SamplingParams": "hetero.sampling_params",
+    "StructuredOutputsParams": "hetero.sampling_params",
     "RequestOutput": "hetero.outputs",
     "CompletionOutput": "hetero.outputs",
     "EngineConfig": "hetero.config",

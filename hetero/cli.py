@@ -73,6 +73,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("uvicorn_log_level", "uvicorn's log level.", engine=False, default="info", choices=_UVICORN_LOG_LEVELS),
     Flag("shutdown_timeout", "Seconds in-flight requests get to finish on SIGTERM before they are aborted.",
          float, engine=False, default=30.0),
+    Flag("enable_auto_tool_choice", "Parse the model's own tool calls (tool_choice \"auto\"); needs --tool-call-parser.",
+         None, engine=False, default=False),
+    Flag("tool_call_parser", "The model's tool-call format: hermes (Qwen2.5) or llama3_json.", engine=False, default=None,
+         choices=["hermes", "llama3_json"]),
     # --- the model and its memory (vLLM's names)
     Flag("tokenizer", "Tokenizer directory (default: the model's)."),
     Flag("trust_remote_code", "Allow custom code from the model repository.", None),
@@ -262,6 +266,8 @@ def build_server_app(args: argparse.Namespace):
         api_key=args.api_key or os.environ.get("HETERO_API_KEY") or None,
         chat_template=load_chat_template(args.chat_template),
         shutdown_timeout=args.shutdown_timeout,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     engine = LLMEngine(config)
     log_startup(engine, args.host, settings.api_key)

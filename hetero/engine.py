@@ -118,6 +118,7 @@ def _can_run_ahead(seq: Sequence) -> bool:
         and params.frequency_penalty == 0.0
         and params.repetition_penalty == 1.0
         and not params.no_repeat_ngram_size
+        and params.structured_outputs is None
         and seq.num_output_tokens >= params.min_tokens
     )
 
@@ -208,6 +209,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self._grammar_compiler = None  # built at the first request with structured_outputs
         _freeze_startup_heap()
 
     # ----------------------------------------------------------------- set-up
@@ -291,13 +293,39 @@ class LLMEngine:
                 f"the prompt ({len(token_ids)} tokens) is longer than max_model_len ({self.max_model_len}) "
                 "minus the one token it must leave room to generate"
             )
+        self._validate_logit_bias(params)
+        num_seqs = max(params.n, params.best_of or params.n)
+        grammars = self._grammar_states(params, num_seqs)
         group = SequenceGroup(request_id, text, token_ids, params, max_tokens, arrival_time or time.time())
-        for index in range(max(params.n, params.best_of or params.n)):
+        for index in range(num_seqs):
             seq = Sequence(group, index, self._generator(params.seed, index))
+            seq.grammar = grammars[index] if grammars else None
             group.seqs.append(seq)
             self.scheduler.add(seq)
         self.groups[request_id] = group
         self.num_prompt_tokens_total += len(token_ids)
+
+    def _validate_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is out of the vocabulary range [0, {vocab})")
+
+    def _grammar_states(self, params: SamplingParams, count: int) -> list:
+        """A fresh grammar state for each of the request's sequences ([] without structured_outputs).
+
+        The grammar is compiled here, so a bad one is a ValueError before anything is scheduled.
+        """
+        spec = params.structured_outputs
+        if spec is None:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer; skip_tokenizer_init=True is set")
+        if self._grammar_compiler is None:
+            from hetero.structured_output import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler.new_states(spec, count)
 
     def _tokenize(self, prompt: Any) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str) and self.tokenizer is None:
@@ -582,7 +610,7 @@ class LLMEngine:
         # Plain greedy needs only the argmax of each row: one reduction and one host copy.
         all_greedy = all(item.seq.group.plain_greedy for item, rows in zip(scheduled, layout) if rows.num_sample_rows)
         argmax = sample_logits.argmax(dim=-1).tolist() if all_greedy else None
-        contexts = [self._row_context(r) for rows in layout for r in rows.sample_rows()] if argmax is None else []
+        contexts = [c for rows in layout for c in self._row_contexts(rows, logits.device)] if argmax is None else []
         probs = target_probs(sample_logits, contexts) if contexts else None
         if argmax is not None:
             plain_tokens = {b: argmax[sample_starts[b]] for b in plain}
@@ -635,6 +663,15 @@ class LLMEngine:
         self.spec_stats.record_batch(tree_sizes, accepted_counts)
         self.spec_control.record_acceptance(tree_sizes, accepted_counts)
         return list(touched.values())
+
+    def _row_contexts(self, rows: _ChunkRows, device: torch.device) -> list[RowContext]:
+        """The contexts of one sequence's sampling rows, with its grammar's mask at each."""
+        contexts = [self._row_context(r) for r in rows.sample_rows()]
+        grammar = rows.seq.grammar
+        if grammar is not None and contexts:
+            for context, allowed in zip(contexts, grammar.row_masks(rows.tree, device)):
+                context.allowed_tokens = allowed
+        return contexts
 
     def _row_context(self, row: _SampleRow) -> RowContext:
         seq = row.seq
@@ -691,6 +728,8 @@ class LLMEngine:
         metrics.last_token_time = now
         for i, token in enumerate(new_tokens):
             seq.token_ids.append(token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             self.num_generation_tokens_total += 1
             if want is not None or ranks_samples:
                 seq.cumulative_logprob += token_logprobs[i][token][0]

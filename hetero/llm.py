@@ -128,8 +128,13 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     return final
 
 
-def render_chat_prompt(tokenizer, conversation, chat_template, add_generation_prompt, continue_final_message) -> dict[str, Any]:
-    """Apply the chat template; the template carries its own special tokens, so none are added."""
+def render_chat_prompt(
+    tokenizer, conversation, chat_template, add_generation_prompt, continue_final_message,
+    tools=None, template_kwargs=None, add_special_tokens=False,
+) -> dict[str, Any]:
+    """Apply the chat template; the template carries its own special tokens, so none are added
+    unless `add_special_tokens` (vLLM's request field). `tools` and `template_kwargs` (vLLM's
+    `chat_template_kwargs`) are passed to the template."""
     if tokenizer.chat_template is None and chat_template is None:
         raise ValueError("the tokenizer has no chat template; pass chat_template=")
     text = tokenizer.apply_chat_template(
@@ -138,5 +143,7 @@ def render_chat_prompt(tokenizer, conversation, chat_template, add_generation_pr
         tokenize=False,
         add_generation_prompt=add_generation_prompt and not continue_final_message,
         continue_final_message=continue_final_message,
+        tools=tools,
+        **(template_kwargs or {}),
     )
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=add_special_tokens)}

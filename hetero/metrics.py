@@ -1,10 +1,14 @@
-"""Prometheus metrics with vLLM's names under the `hetero:` prefix.
+"""Prometheus metrics with vLLM's names, under the `hetero:` prefix and again under `vllm:`.
+
+The `vllm:` copies let dashboards and clients written for vLLM (its Grafana board,
+inference-perf, guidellm) read a hetero server unchanged; where vLLM's name differs
+from ours (`spec_decode_num_drafts` for our verification steps) the copy takes vLLM's.
 
 Two sources feed them, both from the engine thread:
 - an `EngineSnapshot` after every step (queue gauges, KV usage, token and speculative
   totals), exposed through a collector that reads the latest snapshot at scrape time,
   so totals are never double-counted or torn;
-- each finished request (success counter by finish reason, latency histograms).
+- each finished request (success counter by finish reason, latency, queue-time and token-count histograms).
 
 Every `ServerMetrics` owns its own `CollectorRegistry`, so several servers can live in
 one process (tests do).
@@ -23,10 +27,16 @@ if TYPE_CHECKING:
     from hetero.engine import LLMEngine
 
 PREFIX = "hetero:"
+VLLM_PREFIX = "vllm:"
+# Our metric name -> vLLM's, where they differ; metrics absent from vLLM get no vllm: copy.
+_VLLM_NAMES = {"spec_decode_num_steps": "spec_decode_num_drafts"}
+_NOT_IN_VLLM = {"prefix_cache_hit_rate", "spec_decode_mean_acceptance_length"}
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)  # vLLM's 1-2-5
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 
@@ -99,17 +109,23 @@ class _SnapshotCollector:
         self._model_name = model_name
         self.snapshot = EngineSnapshot()
 
-    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-        family.add_metric([self._model_name], value)
-        return family
+    def _gauge(self, name: str, doc: str, value: float) -> Iterator[GaugeMetricFamily]:
+        for full_name in _full_names(name):
+            family = GaugeMetricFamily(full_name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
 
-    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-        family.add_metric([self._model_name], value)
-        return family
+    def _counter(self, name: str, doc: str, value: float) -> Iterator[CounterMetricFamily]:
+        for full_name in _full_names(name):
+            family = CounterMetricFamily(full_name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
 
     def collect(self) -> Iterator:
+        for families in self._families():
+            yield from families
+
+    def _families(self) -> Iterator:
         s = self.snapshot
         yield self._gauge("num_requests_running", "Requests with a sequence being decoded or prefilled.", s.num_running)
         yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
@@ -138,6 +154,34 @@ class _SnapshotCollector:
         )
 
 
+def _full_names(name: str) -> list[str]:
+    """Our name under `hetero:`, and vLLM's under `vllm:` where vLLM has the metric."""
+    names = [PREFIX + name]
+    if name not in _NOT_IN_VLLM:
+        names.append(VLLM_PREFIX + _VLLM_NAMES.get(name, name))
+    return names
+
+
+class _Both:
+    """A counter or histogram recorded under both prefixes."""
+
+    def __init__(self, kind, name: str, doc: str, labels: list[str], registry: CollectorRegistry, **kwargs):
+        self._metrics = [kind(full_name, doc, labels, registry=registry, **kwargs) for full_name in _full_names(name)]
+
+    def labels(self, *values: str) -> "_Both":
+        bound = _Both.__new__(_Both)
+        bound._metrics = [metric.labels(*values) for metric in self._metrics]
+        return bound
+
+    def inc(self, amount: float = 1.0) -> None:
+        for metric in self._metrics:
+            metric.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for metric in self._metrics:
+            metric.observe(value)
+
+
 class ServerMetrics:
     """One server's metrics; implements the async engine's observer protocol."""
 
@@ -148,21 +192,33 @@ class ServerMetrics:
         self._snapshot = _SnapshotCollector(model_name)
         self.registry.register(self._snapshot)
         labels = ["model_name"]
-        self.request_success = Counter(
-            PREFIX + "request_success", "Finished requests, by finish reason.",
-            labels + ["finished_reason"], registry=self.registry,
+        self.request_success = _Both(
+            Counter, "request_success", "Finished requests, by finish reason.",
+            labels + ["finished_reason"], self.registry,
         )
-        self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time from arrival to the first output token.",
-            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
+        self.time_to_first_token = _Both(
+            Histogram, "time_to_first_token_seconds", "Time from arrival to the first output token.",
+            labels, self.registry, buckets=_TTFT_BUCKETS,
         )
-        self.time_per_output_token = Histogram(
-            PREFIX + "time_per_output_token_seconds", "Mean time per output token after the first, per request.",
-            labels, buckets=_TPOT_BUCKETS, registry=self.registry,
+        self.time_per_output_token = _Both(
+            Histogram, "time_per_output_token_seconds", "Mean time per output token after the first, per request.",
+            labels, self.registry, buckets=_TPOT_BUCKETS,
         )
-        self.e2e_request_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last output token.",
-            labels, buckets=_E2E_BUCKETS, registry=self.registry,
+        self.e2e_request_latency = _Both(
+            Histogram, "e2e_request_latency_seconds", "Time from arrival to the last output token.",
+            labels, self.registry, buckets=_E2E_BUCKETS,
+        )
+        self.request_prompt_tokens = _Both(
+            Histogram, "request_prompt_tokens", "Prompt tokens per finished request.",
+            labels, self.registry, buckets=_TOKEN_BUCKETS,
+        )
+        self.request_generation_tokens = _Both(
+            Histogram, "request_generation_tokens", "Generated tokens per finished request (all its choices).",
+            labels, self.registry, buckets=_TOKEN_BUCKETS,
+        )
+        self.request_queue_time = _Both(
+            Histogram, "request_queue_time_seconds", "Time from arrival to first being scheduled.",
+            labels, self.registry, buckets=_QUEUE_BUCKETS,
         )
 
     def on_snapshot(self, snapshot: EngineSnapshot) -> None:
@@ -179,6 +235,10 @@ class ServerMetrics:
             self.time_per_output_token.labels(self.model_name).observe(tpot)
         if e2e is not None:
             self.e2e_request_latency.labels(self.model_name).observe(e2e)
+        self.request_prompt_tokens.labels(self.model_name).observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.labels(self.model_name).observe(sum(len(o.token_ids) for o in output.outputs))
+        if output.metrics is not None and output.metrics.time_in_queue is not None:
+            self.request_queue_time.labels(self.model_name).observe(output.metrics.time_in_queue)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

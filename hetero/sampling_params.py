@@ -2,7 +2,8 @@
 
 A user moving from vLLM passes the same keywords and gets the same errors: every
 invalid value raises ``ValueError`` whose message starts with the field's name. The one
-addition is TACO-LLM's ``no_repeat_ngram_size``.
+addition is TACO-LLM's ``no_repeat_ngram_size``. ``structured_outputs`` takes vLLM's
+``StructuredOutputsParams`` (json / regex / choice / grammar / json_object).
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import enum
 import logging
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,64 @@ def _check_real(name: str, value) -> None:
 def _check_flag(name: str, value) -> None:
     if value not in (True, False):
         raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, vLLM's spelling: exactly one of the fields is set.
+
+    ``json``: a JSON schema (dict or JSON text); ``regex``: a regular expression;
+    ``choice``: a list of strings, one of which is the output; ``grammar``: a Lark or
+    GBNF (``::=``) grammar; ``json_object``: any JSON object.
+    """
+
+    json: Union[str, dict, None] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                f"got {given or 'none'}"
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple)) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its text), got {self.json!r}")
+
+
+def _normalise_logit_bias(logit_bias: Any) -> Optional[dict[int, float]]:
+    """{token id: bias}; keys may be strings of digits (JSON object keys), as OpenAI sends them."""
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a mapping of token ids to numbers, got {logit_bias!r}")
+    result: dict[int, float] = {}
+    for key, value in logit_bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if token < 0 or isinstance(key, bool):
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}")
+        _check_real("logit_bias", value)
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {token}")
+        result[token] = float(value)
+    return result or None
 
 
 class RequestOutputKind(enum.Enum):
@@ -77,6 +136,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     no_repeat_ngram_size: int = 0  # TACO-LLM: ban any n-gram already in prompt + output; 0 = off
+    logit_bias: Optional[dict[int, float]] = None  # added to the logits of those token ids
+    structured_outputs: Optional[StructuredOutputsParams] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -101,6 +162,9 @@ class SamplingParams:
         else:
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
 
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._verify_args()
 
         if 0 < self.temperature < MIN_TEMPERATURE:
@@ -172,6 +236,8 @@ class SamplingParams:
                      "spaces_between_special_tokens", "include_stop_str_in_output"):
             _check_flag(name, getattr(self, name))
         _check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, minimum=0)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.output_kind is RequestOutputKind.DELTA:
@@ -207,5 +273,7 @@ class SamplingParams:
             f"skip_special_tokens={self.skip_special_tokens}, "
             f"spaces_between_special_tokens={self.spaces_between_special_tokens}, "
             f"no_repeat_ngram_size={self.no_repeat_ngram_size}, "
+            f"logit_bias={self.logit_bias}, "
+            f"structured_outputs={self.structured_outputs}, "
             f"output_kind={self.output_kind})"
         )

@@ -59,6 +59,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.spec = SpecStats()
         self.draft_backoff = DraftBackoff()  # withholds trees while this sequence's drafts keep missing
+        self.grammar = None  # its structured-output state (hetero.structured_output.SequenceGrammar), if any
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -27,6 +27,8 @@ VLLM_DEFAULTS = {
     "spaces_between_special_tokens": True,
     "include_stop_str_in_output": False,
     "no_repeat_ngram_size": 0,
+    "logit_bias": None,
+    "structured_outputs": None,
     "output_kind": RequestOutputKind.CUMULATIVE,
 }
 
@@ -61,6 +63,8 @@ def test_defaults_are_vllms():
     ("include_stop_str_in_output", "true"),
     ("no_repeat_ngram_size", -1), ("no_repeat_ngram_size", 2.0),
     ("output_kind", 2), ("output_kind", RequestOutputKind.DELTA),
+    ("logit_bias", {"x": 1.0}), ("logit_bias", {5: 101}), ("logit_bias", {5: float("nan")}), ("logit_bias", [5]),
+    ("structured_outputs", "json"), ("structured_outputs", {"regex": "a", "choice": ["b"]}),
 ])
 def test_invalid_value_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} "):

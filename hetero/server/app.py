@@ -38,6 +38,7 @@ from hetero.server.protocol import (
     TokenizeRequest,
 )
 from hetero.server.request_prompts import chat_prompt, check_messages, completion_prompts
+from hetero.server.tool_parsers import TOOL_PARSERS, ToolCalling, ToolCallStream, tool_calling
 
 _CLIENT_CLOSED_REQUEST = 499
 BodyModel = TypeVar("BodyModel", bound=pydantic.BaseModel)
@@ -50,6 +51,14 @@ class ServerSettings:
     chat_template: Optional[str] = None
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on shutdown
     limits: Optional[RequestLimits] = None  # None: the defaults, n/best_of up to max_num_seqs
+    enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice
+    tool_call_parser: Optional[str] = None  # vLLM's --tool-call-parser: a name in TOOL_PARSERS
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser")
 
 
 PROTECTED_PATHS = ("/v1/", "/tokenize", "/detokenize")
@@ -134,21 +143,25 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: R
     async def completions(raw: Request):
         body = await parse_body(raw, CompletionRequest)
         model = serving.check_model(body.model, names)
-        params = serving.completion_sampling_params(body)
+        constraint, _ = serving.output_constraint(body)
+        params = serving.completion_sampling_params(body, constraint)
         check_sampling(params, limits, engine.model_config.vocab_size, "logprobs")
-        engine_prompts = await completion_prompts(async_engine, body, params)
+        prompts = await completion_prompts(async_engine, body, params, body.add_special_tokens)
         response_id = async_engine.new_request_id("cmpl")
-        streams = await _submit(async_engine, response_id, engine_prompts, params, "prompt")
+        streams = await _submit(async_engine, response_id, prompts, params, "prompt")
+        echoes = [_echo(engine, prompt, body) for prompt in prompts] if body.echo else None
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _completion_events(streams, response_id, model, params, body.logprobs, include_usage)
+            usage_mode = _usage_mode(body)
+            num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+            events = _completion_events(streams, response_id, model, params, body.logprobs, usage_mode, num_prompt_tokens, echoes)
             return StreamingResponse(events, media_type="text/event-stream")
         finals = await _until_disconnect(raw, _collect(streams))
         if finals is None:
             return Response(status_code=_CLIENT_CLOSED_REQUEST)
         choices = [
             serving.completion_choice(
-                serving.choice_index(i, params.n, c), serving.whole_delta(c), body.logprobs, serving.ChoiceProgress()
+                serving.choice_index(i, params.n, c), serving.whole_delta(c), body.logprobs, serving.ChoiceProgress(),
+                serving.echo_of(echoes, i, output),
             )
             for i, output in enumerate(finals)
             for c in output.outputs
@@ -159,17 +172,23 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: R
     async def chat_completions(raw: Request):
         body = await parse_body(raw, ChatCompletionRequest)
         model = serving.check_model(body.model, names)
-        params = serving.chat_sampling_params(body)
+        if body.modalities and body.modalities != ["text"]:
+            raise APIError(400, f"modalities {body.modalities} are not supported: this server answers in text only", param="modalities")
+        constraint, constraint_field = serving.output_constraint(body)
+        tools = tool_calling(body, settings.enable_auto_tool_choice, settings.tool_call_parser, constraint_field)
+        if tools.constraint is not None:
+            constraint = tools.constraint
+        params = serving.chat_sampling_params(body, constraint)
         check_sampling(params, limits, engine.model_config.vocab_size, "top_logprobs")
         prompt = await chat_prompt(
-            async_engine, body, params, lambda: _render_chat(engine, body, settings.chat_template)
+            async_engine, body, params, lambda: _render_chat(engine, body, settings.chat_template, tools.template_tools)
         )
         response_id = async_engine.new_request_id("chatcmpl")
         streams = await _submit(async_engine, response_id, [prompt], params, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _chat_events(streams, response_id, model, params, top, include_usage)
+            events = _chat_events(streams, response_id, model, params, top, _usage_mode(body),
+                                  len(prompt["prompt_token_ids"]), tools)
             return StreamingResponse(events, media_type="text/event-stream")
         finals = await _until_disconnect(raw, _collect(streams))
         if finals is None:
@@ -177,11 +196,19 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: R
         choices = []
         for completion in finals[0].outputs:
             delta = serving.whole_delta(completion)
+            message: dict[str, Any] = {"role": "assistant", "content": delta.text}
+            finish_reason = delta.finish_reason
+            if tools.extractor is not None:
+                content, calls = tools.extractor.split(delta.text)
+                if calls:
+                    message = {"role": "assistant", "content": content.strip() or None,
+                               "tool_calls": [call.as_dict() for call in calls]}
+                    finish_reason = tools.finish_reason(finish_reason)
             choices.append({
                 "index": completion.index,
-                "message": {"role": "assistant", "content": delta.text},
+                "message": message,
                 "logprobs": serving.chat_choice_logprobs(delta, top),
-                "finish_reason": delta.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": delta.stop_reason,
             })
         return {**serving.envelope(response_id, "chat.completion", model), "choices": choices, "usage": serving.usage(finals)}
@@ -195,7 +222,9 @@ def _require_tokenizer(engine: LLMEngine, what: str):
     return engine.tokenizer
 
 
-def _render_chat(engine: LLMEngine, body: ChatCompletionRequest, default_template: Optional[str]) -> dict[str, Any]:
+def _render_chat(
+    engine: LLMEngine, body: ChatCompletionRequest, default_template: Optional[str], tools: Optional[list[dict]] = None
+) -> dict[str, Any]:
     _require_tokenizer(engine, "a chat request")
     try:
         return render_chat_prompt(
@@ -204,9 +233,27 @@ def _render_chat(engine: LLMEngine, body: ChatCompletionRequest, default_templat
             body.chat_template or default_template,
             body.add_generation_prompt,
             body.continue_final_message,
+            tools=tools,
+            template_kwargs=body.chat_template_kwargs,
+            add_special_tokens=body.add_special_tokens,
         )
-    except (ValueError, jinja2.TemplateError) as exc:
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+
+
+def _echo(engine: LLMEngine, prompt: dict[str, Any], body: CompletionRequest) -> serving.Echo:
+    text = prompt.get("prompt")
+    if text is None:
+        text = _require_tokenizer(engine, "echo").decode(prompt["prompt_token_ids"])
+    return serving.Echo(text, top_logprobs=body.logprobs, decode=lambda token: engine.tokenizer.decode([token]))
+
+
+def _usage_mode(body) -> Optional[str]:
+    """None, "final" (one usage chunk at the end) or "continuous" (vLLM: usage in every chunk too)."""
+    options = body.stream_options
+    if options is None or not options.include_usage:
+        return None
+    return "continuous" if options.continuous_usage_stats else "final"
 
 
 async def parse_body(request: Request, model: type[BodyModel]) -> BodyModel:
@@ -325,30 +372,42 @@ async def _sse_events(
     streams: list[RequestStream],
     head: dict,
     params: SamplingParams,
-    include_usage: bool,
-    build_choice: Callable[[int, Any, Any, serving.ChoiceProgress], dict],
+    usage_mode: Optional[str],
+    num_prompt_tokens: int,
+    build_choice: Callable[[int, Any, Any, serving.ChoiceProgress, RequestOutput], dict],
     opening: Sequence[dict] = (),
 ) -> AsyncIterator[str]:
     """The SSE body of both endpoints: opening chunks, one chunk per text delta, usage, [DONE].
 
-    `build_choice(prompt_index, completion, delta, state)` formats one choice the way its
-    endpoint does; everything else (stop-string hold-back, usage, errors) is shared.
+    `build_choice(prompt_index, completion, delta, state, output)` formats one choice the way its
+    endpoint does; everything else (stop-string hold-back, usage, errors) is shared. With
+    `usage_mode` "continuous" (vLLM's continuous_usage_stats) every chunk carries the usage so far.
     """
     holdback = serving.stop_holdback(params)
     progress: dict[tuple[int, int], serving.ChoiceProgress] = {}
+    generated: dict[tuple[int, int], int] = {}
     finals: list[RequestOutput] = []
+
+    def chunk(choices: list[dict]) -> str:
+        payload = {**head, "choices": choices}
+        if usage_mode == "continuous":
+            payload["usage"] = serving.usage_of(num_prompt_tokens, sum(generated.values()))
+        return serving.sse(payload)
+
     try:
         for choice in opening:
-            yield serving.sse({**head, "choices": [choice]})
+            yield chunk([choice])
         async for prompt_index, output in _merge(streams):
             for completion in output.outputs:
-                state = progress.setdefault((prompt_index, completion.index), serving.ChoiceProgress())
+                key = (prompt_index, completion.index)
+                generated[key] = len(completion.token_ids)
+                state = progress.setdefault(key, serving.ChoiceProgress())
                 delta = serving.next_delta(state, completion, holdback)
                 if delta is not None:
-                    yield serving.sse({**head, "choices": [build_choice(prompt_index, completion, delta, state)]})
+                    yield chunk([build_choice(prompt_index, completion, delta, state, output)])
             if output.finished:
                 finals.append(output)
-        if include_usage:
+        if usage_mode is not None:
             yield serving.sse({**head, "choices": [], "usage": serving.usage(finals)})
     except Exception as exc:  # noqa: BLE001 - headers are sent; the error goes in the stream
         yield serving.sse(_stream_error(exc))
@@ -357,26 +416,44 @@ async def _sse_events(
 
 def _completion_events(
     streams: list[RequestStream], response_id: str, model: str, params: SamplingParams,
-    top_logprobs: Optional[int], include_usage: bool,
+    top_logprobs: Optional[int], usage_mode: Optional[str], num_prompt_tokens: int,
+    echoes: Optional[list[serving.Echo]],
 ) -> AsyncIterator[str]:
-    def build_choice(prompt_index, completion, delta, state):
+    echoed: set[int] = set()
+
+    def build_choice(prompt_index, completion, delta, state, output):
         index = serving.choice_index(prompt_index, params.n, completion)
-        return serving.completion_choice(index, delta, top_logprobs, state)
+        echo = None
+        if echoes is not None and index not in echoed:
+            echoed.add(index)
+            echo = serving.echo_of(echoes, prompt_index, output)
+        return serving.completion_choice(index, delta, top_logprobs, state, echo)
 
     head = serving.envelope(response_id, "text_completion", model)
-    return _sse_events(streams, head, params, include_usage, build_choice)
+    return _sse_events(streams, head, params, usage_mode, num_prompt_tokens, build_choice)
 
 
 def _chat_events(
     streams: list[RequestStream], response_id: str, model: str, params: SamplingParams,
-    top_logprobs: Optional[int], include_usage: bool,
+    top_logprobs: Optional[int], usage_mode: Optional[str], num_prompt_tokens: int, tools: ToolCalling,
 ) -> AsyncIterator[str]:
-    def build_choice(_prompt_index, completion, delta, _state):
+    tool_streams: dict[int, ToolCallStream] = {}
+
+    def build_choice(_prompt_index, completion, delta, _state, _output):
+        content, calls, finish_reason = delta.text, [], delta.finish_reason
+        if tools.extractor is not None:
+            stream = tool_streams.setdefault(completion.index, ToolCallStream(tools.extractor))
+            content, calls = stream.feed(delta.text, delta.finish_reason is not None)
+            if calls:
+                finish_reason = tools.finish_reason(finish_reason)
+        message: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            message["tool_calls"] = [{"index": i, **call.as_dict()} for i, call in enumerate(calls)]
         return {
             "index": completion.index,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": message,
             "logprobs": serving.chat_choice_logprobs(delta, top_logprobs),
-            "finish_reason": delta.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": delta.stop_reason,
         }
 
@@ -385,7 +462,7 @@ def _chat_events(
         {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         for index in range(params.n)
     ]
-    return _sse_events(streams, head, params, include_usage, build_choice, roles)
+    return _sse_events(streams, head, params, usage_mode, num_prompt_tokens, build_choice, roles)
 
 
 # ---------------------------------------------------------- service routes

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Optional
 import pydantic
 
 from hetero.server.errors import APIError, malformed_json, validation_error
+from hetero.server.serving import check_supported
 
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
@@ -54,6 +55,7 @@ def parse_request(raw: bytes, model: type[pydantic.BaseModel]) -> pydantic.BaseM
     """The body as `model`: JSON within the limits below, no booleans for integers, then pydantic's checks."""
     data = decode_json(raw)
     reject_bool_integers(data, model)
+    check_supported(data, getattr(model, "UNSUPPORTED", ()))
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:

@@ -1,14 +1,22 @@
 """OpenAI request bodies (pydantic), with vLLM's extra sampling fields.
 
 Unknown fields are rejected (400 naming the field) rather than silently ignored: a
-misspelt sampling knob should not quietly change nothing. Ranges are checked once, by
-`SamplingParams`; these models only check types and shapes.
+misspelt sampling knob should not quietly change nothing. Fields OpenAI or vLLM define
+that change nothing here (`store`, `metadata`, `service_tier`, ...) are accepted; fields
+that would change the output and are not implemented are listed in `UNSUPPORTED` and get
+a 400 saying so. Ranges are checked once, by `SamplingParams`; these models only check
+types and shapes.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import json
+from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Content parts a text-only model cannot take (OpenAI's and vLLM's multimodal types).
+MEDIA_PART_TYPES = ("image_url", "input_image", "image", "image_pil", "image_embeds", "input_audio",
+                    "audio_url", "video_url", "video", "file", "input_file")
 
 
 class _Strict(BaseModel):
@@ -17,26 +25,79 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-
-
-class TextContentPart(_Strict):
-    type: Literal["text"]
-    text: str
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
 class ChatMessage(BaseModel):
-    """One conversation turn; extra keys (name, tool_call_id, ...) go to the chat template."""
+    """One conversation turn; extra keys (name, tool_calls, tool_call_id, ...) go to the chat template."""
 
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: Union[str, list[TextContentPart], None] = None
+    content: Union[str, list[dict[str, Any]], None] = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content):
+        if not isinstance(content, list):
+            return content
+        for part in content:
+            kind = part.get("type")
+            if kind in MEDIA_PART_TYPES:
+                raise ValueError(f"{kind} content parts are not supported: the served model takes text only")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"a content part must be {{'type': 'text', 'text': ...}}, got type {kind!r}")
+        return content
 
     def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: text parts joined, and earlier tool calls'
+        JSON `arguments` as objects (Qwen2.5's and Llama 3's templates serialise them), as vLLM does."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            message["content"] = "".join(part.text for part in self.content)
+            message["content"] = "".join(part["text"] for part in self.content)
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    pass  # not JSON: the template gets the text as it came
         return message
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` request field (StructuredOutputsParams)."""
+
+    json_: Union[str, dict[str, Any], None] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: Optional[bool] = None  # no free whitespace is what this server does anyway
+    disable_fallback: Optional[bool] = None
+    disable_additional_properties: Optional[bool] = None
 
 
 class SamplingRequest(_Strict):
@@ -63,12 +124,49 @@ class SamplingRequest(_Strict):
     no_repeat_ngram_size: int = 0
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None  # accepted for OpenAI compatibility; unused
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None  # one engine here (llguidance): accepted, unused
+    # Accepted and unused: they change nothing about the output (OpenAI's and vLLM's).
+    user: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, Any]] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    request_id: Optional[str] = None
+    priority: int = 0
+    cache_salt: Optional[str] = None
+    return_tokens_as_token_ids: Optional[bool] = None
+
+    # Fields OpenAI or vLLM define that would change the output, and are not implemented:
+    # a request that sets one (to anything but its neutral value) gets 400 "... is not supported".
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "allowed_token_ids", "bad_words", "prompt_logprobs", "truncate_prompt_tokens", "use_beam_search",
+        "length_penalty", "guided_whitespace_pattern", "structural_tag", "logits_processors", "vllm_xargs",
+        "kv_transfer_params", "mm_processor_kwargs", "lora_request", "prediction", "audio", "web_search_options",
+        "functions", "function_call", "thinking_token_budget",
+    )
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        given = [name for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                   "guided_choice", "guided_grammar")
+                 if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise ValueError(f"give at most one output constraint, got {', '.join(given)}")
         return self
 
 
@@ -79,7 +177,9 @@ class CompletionRequest(SamplingRequest):
     prompt: PromptInput
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
-    echo: Literal[False] = False
+    echo: bool = False
+    add_special_tokens: bool = True
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingRequest.UNSUPPORTED + ("suffix",)
 
     def prompts(self) -> list[Union[str, dict[str, list[int]]]]:
         """The prompt field as a list of engine prompts (text, or token ids)."""
@@ -91,6 +191,29 @@ class CompletionRequest(SamplingRequest):
         return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
@@ -98,8 +221,28 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    reasoning_effort: Optional[str] = None  # no reasoning mode here: accepted, unused
+    include_reasoning: Optional[bool] = None
+    verbosity: Optional[str] = None
+    modalities: Optional[list[str]] = None
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingRequest.UNSUPPORTED + ("echo", "documents")
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [tool.function.name for tool in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not among tools")
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

@@ -25,7 +25,9 @@ async def completion_prompts(
         raise APIError(400, "prompt must not be empty", param="prompt")
     encoded = []
     for prompt in prompts:
-        if isinstance(prompt, str) and engine.tokenizer is not None:
+        if isinstance(prompt, str) and engine.tokenizer is None:
+            raise APIError(400, "a text prompt needs a tokenizer, and this server runs with --skip-tokenizer-init", param="prompt")
+        if isinstance(prompt, str):
             check_text_fits(len(prompt), engine.tokenizer, engine.max_model_len, "prompt")
             prompt = await async_engine.encode_prompt(prompt, add_special_tokens)
         if isinstance(prompt, dict):

@@ -8,11 +8,14 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from hetero.outputs import CompletionOutput, Logprob, RequestOutput
-from hetero.sampling_params import SamplingParams
+from hetero.sampling_params import SamplingParams, StructuredOutputsParams
 from hetero.server.errors import APIError
 from hetero.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from hetero.structured_output import grammar_of
 
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"structured_outputs"}
+_NEUTRAL = (None, False, "", [], {})
+_NEUTRAL_BY_FIELD = {"length_penalty": 1.0}
 # Fields whose API name differs from the SamplingParams name, per endpoint.
 _CHAT_FIELD_NAMES = {"max_tokens": "max_completion_tokens", "logprobs": "top_logprobs"}
 
@@ -20,24 +23,71 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 # ------------------------------------------------------------------ requests
-def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
-    return _sampling_params(request, request.max_tokens, request.logprobs, {})
+def check_supported(data: Any, unsupported: tuple[str, ...]) -> None:
+    """400 "... is not supported" for a field OpenAI or vLLM define that this server does not implement.
+
+    A field at its neutral value (absent, null, false, empty) changes nothing: it is
+    dropped from `data` (in place) before the body is validated.
+    """
+    if not isinstance(data, dict):
+        return
+    for name in unsupported:
+        value = data.pop(name, None)
+        if value not in _NEUTRAL and value != _NEUTRAL_BY_FIELD.get(name, None):
+            raise APIError(400, f"{name} is not supported by this server", param=name)
 
 
-def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
+def output_constraint(request: SamplingRequest) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
+    """The request's output constraint (response_format, vLLM's guided_* or structured_outputs) and its field."""
+    if request.structured_outputs is not None:
+        given = request.structured_outputs.model_dump(by_alias=True, include={"json_", "regex", "choice", "grammar", "json_object"})
+        return _constraint(StructuredOutputsParams, "structured_outputs", **given)
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        value = getattr(request, name)
+        if value is not None:
+            return _constraint(StructuredOutputsParams, name, **{key: value})
+    response_format = request.response_format
+    if response_format is None or response_format.type == "text":
+        return None, None
+    if response_format.type == "json_object":
+        return _constraint(StructuredOutputsParams, "response_format", json_object=True)
+    schema = response_format.json_schema.schema_ or {"type": "object"}
+    return _constraint(StructuredOutputsParams, "response_format", json=schema)
+
+
+def _constraint(make, field: str, **given) -> tuple[StructuredOutputsParams, str]:
+    """Build and compile the constraint now, so a bad one is a 400 naming the request's field."""
+    try:
+        spec = make(**given)
+        grammar_of(spec)
+    except ValueError as exc:
+        message = str(exc).replace("structured_outputs", field, 1) if field != "structured_outputs" else str(exc)
+        raise APIError(400, message, param=field) from exc
+    return spec, field
+
+
+def completion_sampling_params(request: CompletionRequest, constraint: Optional[StructuredOutputsParams]) -> SamplingParams:
+    prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+    return _sampling_params(request, request.max_tokens, request.logprobs, {}, constraint, prompt_logprobs)
+
+
+def chat_sampling_params(request: ChatCompletionRequest, constraint: Optional[StructuredOutputsParams]) -> SamplingParams:
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _sampling_params(request, request.output_limit, logprobs, _CHAT_FIELD_NAMES)
+    return _sampling_params(request, request.output_limit, logprobs, _CHAT_FIELD_NAMES, constraint)
 
 
 def _sampling_params(
-    request: SamplingRequest, max_tokens: Optional[int], logprobs: Optional[int], api_names: dict[str, str]
+    request: SamplingRequest, max_tokens: Optional[int], logprobs: Optional[int], api_names: dict[str, str],
+    constraint: Optional[StructuredOutputsParams], prompt_logprobs: Optional[int] = None,
 ) -> SamplingParams:
     """SamplingParams from the request; its ValueError becomes a 400 naming the API field."""
     given = request.model_dump(include=_SAMPLING_FIELDS, exclude_none=True)
     given.pop("logprobs", None)
     given.pop("max_tokens", None)
+    given.pop("prompt_logprobs", None)
     try:
-        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
+        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              structured_outputs=constraint)
     except ValueError as exc:
         message = str(exc)
         field = message.split(" ", 1)[0]
@@ -149,6 +199,10 @@ def sse(payload: dict[str, Any]) -> str:
 def usage(outputs: list[RequestOutput]) -> dict[str, int]:
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return usage_of(prompt_tokens, completion_tokens)
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
@@ -160,14 +214,53 @@ def envelope(response_id: str, obj: str, model: str, created: Optional[int] = No
     return {"id": response_id, "object": obj, "created": created or int(time.time()), "model": model}
 
 
-def completion_choice(index: int, delta: ChoiceDelta, top_logprobs: Optional[int], progress: ChoiceProgress) -> dict[str, Any]:
+def echo_logprobs(prompt_token_ids: list[int], prompt_logprobs: list, top: int, decode) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's `logprobs` (the first token has none)."""
+    first = prompt_token_ids[0]
+    scored = completion_logprobs(prompt_token_ids[1:], prompt_logprobs[1:], top, len(decode(first)))
+    return {
+        "tokens": [decode(first)] + scored["tokens"],
+        "token_logprobs": [None] + scored["token_logprobs"],
+        "top_logprobs": [None] + scored["top_logprobs"],
+        "text_offset": [0] + scored["text_offset"],
+    }
+
+
+@dataclass
+class Echo:
+    """What an echoed completion puts before its first delta: the prompt's text and logprobs."""
+
+    text: str
+    top_logprobs: Optional[int] = None  # the request's logprobs: the prompt is scored with as many
+    decode: Any = None  # token id -> its text
+    logprobs: Optional[dict[str, Any]] = None
+
+
+def echo_of(echoes: Optional[list[Echo]], prompt_index: int, output: RequestOutput) -> Optional[Echo]:
+    """The prompt part of an echoed choice, with the prompt's logprobs when they were asked for."""
+    if echoes is None:
+        return None
+    echo = echoes[prompt_index]
+    if echo.top_logprobs is None or output.prompt_logprobs is None:
+        return echo
+    logprobs = echo_logprobs(output.prompt_token_ids, output.prompt_logprobs, echo.top_logprobs, echo.decode)
+    return dataclasses.replace(echo, logprobs=logprobs)
+
+
+def completion_choice(
+    index: int, delta: ChoiceDelta, top_logprobs: Optional[int], progress: ChoiceProgress, echo: Optional[Echo] = None
+) -> dict[str, Any]:
     logprobs = None
+    if echo is not None and echo.logprobs is not None:
+        progress.text_offset = len(echo.text)
     if top_logprobs is not None and delta.logprobs is not None:
         logprobs = completion_logprobs(delta.token_ids, delta.logprobs, top_logprobs, progress.text_offset)
         progress.text_offset += sum(len(t) for t in logprobs["tokens"])
+        if echo is not None and echo.logprobs is not None:
+            logprobs = {key: echo.logprobs[key] + logprobs[key] for key in logprobs}
     return {
         "index": index,
-        "text": delta.text,
+        "text": (echo.text if echo is not None else "") + delta.text,
         "logprobs": logprobs,
         "finish_reason": delta.finish_reason,
         "stop_reason": delta.stop_reason,
