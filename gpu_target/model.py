@@ -17,6 +17,8 @@ from gpu_target import fused_ops, gemv
 from gpu_target.attention import AttentionMetadata, reference_attention
 from gpu_target.gguf_checkpoint import ROPE_FREQ_FACTORS_NAME
 from gpu_target.model_config import ModelConfig
+from gpu_target.quantization import contains_quantized
+from gpu_target.quantization.linear import QuantizedLinear, fuse_weights, replace_projections
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
@@ -209,17 +211,28 @@ class CausalLM(nn.Module):
             hf, ours = f"model.layers.{i}.", f"layers.{i}."
             own[ours + "input_layernorm.weight"].copy_(take(hf + "input_layernorm.weight"))
             own[ours + "post_attention_layernorm.weight"].copy_(take(hf + "post_attention_layernorm.weight"))
-            qkv = [take(f"{hf}self_attn.{p}_proj.weight") for p in "qkv"]
-            own[ours + "self_attn.qkv_proj.weight"].copy_(torch.cat(qkv, 0))
+            layer = self.layers[i]
+            _load_projection(layer.self_attn.qkv_proj, [take(f"{hf}self_attn.{p}_proj.weight") for p in "qkv"])
             if self.config.attention_bias:
                 bias = [take(f"{hf}self_attn.{p}_proj.bias") for p in "qkv"]
                 own[ours + "self_attn.qkv_proj.bias"].copy_(torch.cat(bias, 0))
-            own[ours + "self_attn.o_proj.weight"].copy_(take(hf + "self_attn.o_proj.weight"))
-            gate_up = [take(f"{hf}mlp.{p}_proj.weight") for p in ("gate", "up")]
-            own[ours + "mlp.gate_up_proj.weight"].copy_(torch.cat(gate_up, 0))
-            own[ours + "mlp.down_proj.weight"].copy_(take(hf + "mlp.down_proj.weight"))
+            _load_projection(layer.self_attn.o_proj, [take(hf + "self_attn.o_proj.weight")])
+            _load_projection(layer.mlp.gate_up_proj, [take(f"{hf}mlp.{p}_proj.weight") for p in ("gate", "up")])
+            _load_projection(layer.mlp.down_proj, [take(hf + "mlp.down_proj.weight")])
         if state:
             raise ValueError(f"unexpected weights in checkpoint: {sorted(state)[:5]}")
+
+
+def _load_projection(module: nn.Module, parts: list) -> None:
+    """The HF projections `parts` (fused along N when several) into `module`: copied into a
+    `Linear`'s weight, or moved into a `QuantizedLinear` (see `fuse_weights`)."""
+    quantized = [not isinstance(part, torch.Tensor) for part in parts]
+    if isinstance(module, QuantizedLinear) and all(quantized):
+        module.load_weight(fuse_weights(parts))
+    elif not any(quantized) and not isinstance(module, QuantizedLinear):
+        module.weight.copy_(torch.cat(parts, 0))
+    else:
+        raise ValueError("checkpoint mixes quantised and full-precision decoder projections")
 
 
 def _pop_required(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -237,11 +250,15 @@ def build_model(
     """Allocate the model on `device` in `dtype` (no CPU or float32 copy), then copy the weights in.
 
     The rotary tables are built on the CPU in float64 from the config (and a Llama 3.1
-    GGUF's frequency factors, wherever they were loaded), then moved once.
+    GGUF's frequency factors, wherever they were loaded), then moved once. Quantised
+    projection weights (gpu_target/quantization, from the loader) make the decoder layers'
+    projections `QuantizedLinear`s, which take the weights over (`fuse_weights`).
     """
     freq_factors = state.get(ROPE_FREQ_FACTORS_NAME)
     with torch.device("meta"):
         model = CausalLM(config).to(dtype)
+        if contains_quantized(state):
+            replace_projections(model)
     model = model.to_empty(device=device)  # leaves buffers uninitialised: the rotary tables are rebuilt
     model.rotary = RotaryEmbedding(config, None if freq_factors is None else freq_factors.to("cpu")).to(device)
     model.load_hf_state_dict(state)
