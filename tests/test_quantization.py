@@ -354,11 +354,12 @@ def test_quantized_skinny_gemm_small_tiles_and_strided_rows(w_first):
 def test_w8a8_scaled_mm_is_within_activation_rounding():
     x = torch.randn(80, 256, dtype=torch.bfloat16)
     weight = fp8.quantize_fp8(torch.randn(96, 256) / 16)
+    bias = torch.randn(96, dtype=torch.bfloat16)
     try:
-        got = fp8.scaled_mm(x, weight).float()
+        got = fp8.scaled_mm(x, weight, bias).float()
     except (RuntimeError, NotImplementedError) as error:  # a torch build without _scaled_mm on this device
         pytest.skip(f"torch._scaled_mm unavailable: {error}")
-    expected = F.linear(x.float(), weight.dequantize(torch.float32))
+    expected = F.linear(x.float(), weight.dequantize(torch.float32), bias.float())
     # Each activation is rounded to E4M3 (2^-4 relative): the error is a few percent of |y|'s scale.
     assert (got - expected).abs().max() <= 0.06 * expected.abs().max()
 
@@ -440,3 +441,21 @@ def test_speculative_greedy_equals_plain_greedy_on_a_quantised_target(tiny_llama
     for out in llm.generate(SPEC_PROMPTS[:8], params, use_tqdm=False):
         assert out.outputs[0].token_ids == truth[tuple(out.prompt_token_ids)]
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_quant_decode_bench_counts_the_bytes_a_step_reads(tiny_llama_dir):
+    from bench.quant_decode import add_speedups, weight_bytes_read
+
+    config = load_config(tiny_llama_dir)
+    model = build_model(config, random_state_dict(config, torch.float32, "cpu", quantization="fp8"), torch.float32, "cpu")
+    projections = sum(m.quantized.nbytes for m in model.modules() if isinstance(m, QuantizedLinear))
+    h = config.hidden_size
+    rest = sum(p.nbytes for name, p in model.named_parameters() if name != "embed_tokens.weight")
+    elements = config.num_parameters() - 2 * config.vocab_size * h - (2 * config.num_layers + 1) * h  # untied: embed + lm_head
+    output_rows = config.num_layers * (config.q_size + 2 * config.kv_size + h + 2 * config.intermediate_size + h)
+    assert projections == elements + 4 * output_rows  # one byte per weight, a float32 scale per output channel
+    assert weight_bytes_read(model, batch=3) == projections + rest + 3 * h * 4
+    rows = [dict(section="decode", quantization="none", batch=1, tokens_per_s=100.0),
+            dict(section="decode", quantization="fp8", batch=1, tokens_per_s=180.0)]
+    add_speedups(rows)
+    assert [r["speedup_vs_none"] for r in rows] == [1.0, 1.8]

@@ -45,10 +45,10 @@ class Int4Weight:
 
     def dequantize_stored(self, dtype: torch.dtype) -> torch.Tensor:
         """W_stored in `dtype` (columns in stored order), each element rounded once from float32."""
-        n, k = self.shape
-        group = torch.arange(k, device=self.qweight.device) // self.group_size
-        zeros = SYMMETRIC_ZERO if self.zeros is None else self.zeros[:, group].float()
-        return ((self.codes().float() - zeros) * self.scales[:, group].float()).to(dtype)
+        k = self.shape[1]
+        per_column = lambda groups: groups.float().repeat_interleave(self.group_size, dim=1)[:, :k]  # noqa: E731
+        zeros = SYMMETRIC_ZERO if self.zeros is None else per_column(self.zeros)
+        return ((self.codes().float() - zeros) * per_column(self.scales)).to(dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """W in `dtype`, columns in the input's order."""
