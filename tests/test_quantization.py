@@ -77,6 +77,8 @@ def test_fused_int4_weights_need_one_grouping():
     a, b = int4.quantize_int4(torch.randn(8, 64), 32), int4.quantize_int4(torch.randn(8, 64), 16)
     with pytest.raises(ValueError, match="group size"):
         int4.Int4Weight.cat([a, b])
+    with pytest.raises(ValueError, match="even number of columns"):
+        int4.quantize_int4(torch.randn(8, 64), 33)
     mixed = int4.Int4Weight.cat([a, int4.quantize_int4(torch.randn(8, 64), 32, symmetric=True)])
     assert torch.equal(mixed.zeros[8:], torch.full((8, 2), 8, dtype=torch.uint8))
 

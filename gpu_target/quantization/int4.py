@@ -31,6 +31,10 @@ class Int4Weight:
     group_size: int
     perm: Optional[torch.Tensor] = None
 
+    def __post_init__(self) -> None:
+        if self.group_size % 2:
+            raise ValueError(f"4-bit groups must hold an even number of columns (a byte's two), got group_size={self.group_size}")
+
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.qweight.shape[0], 2 * self.qweight.shape[1]))

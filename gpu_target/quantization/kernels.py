@@ -84,8 +84,8 @@ def _quantized_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K, 
         k = start + cols
         k_mask = k < K
         x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-        w = _dequantized_tile(x_ptr, q_ptr, s_ptr, z_ptr, rows, k, row_mask[:, None] & k_mask[None, :], stride_qn,
-                              stride_sn, INT4, HAS_ZEROS, GROUP)
+        w = _dequantized_tile(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_qn, stride_sn, INT4, HAS_ZEROS,
+                              GROUP, BLOCK_K)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if not INT4:
@@ -96,23 +96,29 @@ def _quantized_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K, 
 
 
 @device_function
-def _dequantized_tile(x_ptr, q_ptr, s_ptr, z_ptr, rows, k, mask, stride_qn, stride_sn, INT4: tl.constexpr,
-                      HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr):
-    """W[rows, k] in x's dtype: FP8 codes as they are (their row scale applies after the K
-    loop), or 4-bit codes as (q - z) * s of their group, rounded once from float32 as
-    `Int4Weight.dequantize` rounds them. Masked elements are 0."""
+def _dequantized_tile(x_ptr, q_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_qn, stride_sn, INT4: tl.constexpr,
+                      HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[rows, start:start + BLOCK_K] in x's dtype (0 where masked): FP8 codes as they are (their
+    row scale applies after the K loop), or 4-bit codes as (q - z) * s of their group, rounded
+    once from float32 as `Int4Weight.dequantize` rounds them. A 4-bit tile reads each byte
+    once: its low and high nibbles (columns 2j and 2j + 1) are dequantised apart, then interleaved."""
     w_rows = rows.to(tl.int64)[:, None] * stride_qn
     if INT4:
-        packed = tl.load(q_ptr + w_rows + (k // 2)[None, :], mask=mask, other=0)
-        codes = (packed >> ((k % 2) * 4).to(tl.uint8)[None, :]) & 15
-        groups = rows.to(tl.int64)[:, None] * stride_sn + (k // GROUP)[None, :]
+        pairs = start // 2 + tl.arange(0, BLOCK_K // 2)  # K is even: a pair is in or out whole
+        mask = row_mask[:, None] & (pairs < K // 2)[None, :]
+        packed = tl.load(q_ptr + w_rows + pairs[None, :], mask=mask, other=0)
+        groups = rows.to(tl.int64)[:, None] * stride_sn + (2 * pairs // GROUP)[None, :]  # G is even: one group per pair
         scale = tl.load(s_ptr + groups, mask=mask, other=0.0).to(tl.float32)
         if HAS_ZEROS:
             zero = tl.load(z_ptr + groups, mask=mask, other=0).to(tl.float32)
         else:
             zero = 8.0  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
-        w = ((codes.to(tl.float32) - zero) * scale).to(x_ptr.dtype.element_ty)
+        low = (((packed & 15).to(tl.float32) - zero) * scale).to(x_ptr.dtype.element_ty)
+        high = (((packed >> 4).to(tl.float32) - zero) * scale).to(x_ptr.dtype.element_ty)
+        w = tl.interleave(low, high)
     else:
+        k = start + tl.arange(0, BLOCK_K)
+        mask = row_mask[:, None] & (k < K)[None, :]
         w = tl.load(q_ptr + w_rows + k[None, :], mask=mask, other=0.0).to(x_ptr.dtype.element_ty)
     return w
 
@@ -152,8 +158,8 @@ def _quantized_skinny_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N
         k = start + ks
         k_mask = k < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = _dequantized_tile(x_ptr, q_ptr, s_ptr, z_ptr, cols, k, col_mask[:, None] & k_mask[None, :], stride_qn,
-                              stride_sn, INT4, HAS_ZEROS, GROUP)
+        w = _dequantized_tile(x_ptr, q_ptr, s_ptr, z_ptr, cols, col_mask, start, K, stride_qn, stride_sn, INT4, HAS_ZEROS,
+                              GROUP, BLOCK_K)
         if DOT_IN_FP32:  # Triton's interpreter (see gemv._interpreting): exact products, summed per element
             x, w = x.to(tl.float32), w.to(tl.float32)
             if W_FIRST:
