@@ -23,9 +23,8 @@ import torch.nn.functional as F
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from bench.gemv import GEMV_SWEEP, SHAPES, SKINNY_SWEEP, fastest, skinny_tile_fits, tile_label, tiles, time_per_call_us
-from gpu_target.gemv import linear
+from gpu_target.gemv import gemv, linear, skinny_gemm
 from gpu_target.quantization import quantize
-from gpu_target.quantization.kernels import quantized_gemv, quantized_skinny_gemm
 from gpu_target.quantization.linear import QuantizedLinear
 
 try:
@@ -61,7 +60,7 @@ def bench_shape(name: str, n: int, k: int, row_counts: list[int], sweep: bool, r
                              bf16_us=round(bf16_us, 2), speedup_vs_bf16=round(bf16_us / us, 3), max_rel_err=f"{error.item():.1e}"))
             print(rows[-1], flush=True)
         if sweep:
-            for m, grid, kernel in ((1, GEMV_SWEEP, quantized_gemv), (17, SKINNY_SWEEP, quantized_skinny_gemm)):
+            for m, grid, kernel in ((1, GEMV_SWEEP, gemv), (17, SKINNY_SWEEP, skinny_gemm)):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 swept = []
                 for tile in tiles(grid):

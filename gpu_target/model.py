@@ -86,15 +86,24 @@ class Linear(nn.Linear):
         return gemv.linear(x, self.weight, self.bias)
 
 
+def _streamed_weight(projection: nn.Module):
+    """The weight gpu_target/gemv.py's kernels stream for `projection`: a `Linear`'s, a
+    `QuantizedLinear`'s quantised one, or None (swapped projections: the draft's Int8Linear)."""
+    if isinstance(projection, Linear):
+        return projection.weight
+    return projection.quantized if isinstance(projection, QuantizedLinear) else None
+
+
 def _fuses_epilogue(x: torch.Tensor, projection: nn.Module) -> bool:
     """Where the projection streams W itself (see gpu_target/gemv.py): at one row (batch-1
     decode) through its GEMV, at 2..32 rows (batch-1 tree verification) where the plain path
-    would take the skinny GEMM, its kernel applies the op after it (rotary and the KV write
-    after qkv, SiLU-and-mul after gate_up) in its epilogue, bit for bit as the separate
-    kernels would. Swapped projections (the draft's Int8Linear) keep their own forward."""
-    if not (isinstance(projection, Linear) and gemv.streaming_applies(x, projection.weight)):
+    would take the skinny GEMM (a quantised W always does), its kernel applies the op after
+    it (rotary and the KV write after qkv, SiLU-and-mul after gate_up) in its epilogue, bit
+    for bit as the separate kernels would. Swapped projections keep their own forward."""
+    weight = _streamed_weight(projection)
+    if weight is None or not gemv.streaming_applies(x, weight):
         return False
-    return x.shape[0] == 1 or gemv.skinny_wins(x.shape[0], projection.weight.shape[0])
+    return x.shape[0] == 1 or not isinstance(weight, torch.Tensor) or gemv.skinny_wins(x.shape[0], weight.shape[0])
 
 
 class Attention(nn.Module):
@@ -108,14 +117,15 @@ class Attention(nn.Module):
     def forward(self, x, positions, rotary, kv_cache, meta, attention_fn: AttentionFn):
         c = self.config
         fused = _fuses_epilogue(x, self.qkv_proj)
+        weight = _streamed_weight(self.qkv_proj)
         if fused and x.shape[0] == 1:
-            q = gemv.gemv_rotary_and_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, rotary.cos, rotary.sin,
+            q = gemv.gemv_rotary_and_store_kv(x, weight, self.qkv_proj.bias, rotary.cos, rotary.sin,
                                               positions, *kv_cache, meta.slot_mapping, c.num_heads)
         elif (fused and x.dtype == torch.bfloat16
-              and gemv.skinny_rotary_fits(x.shape[0], self.qkv_proj.weight.shape[0], c.head_dim)):
+              and gemv.skinny_rotary_fits(x.shape[0], weight.shape[0], c.head_dim)):
             # bf16 only: on the H100 the fp16 kernel differed from skinny_gemm + the rotary
             # kernel in a few elements by a rounding step (tests/test_gemv.py), bf16 bit for bit.
-            q = gemv.skinny_gemm_rotary_and_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, rotary.cos,
+            q = gemv.skinny_gemm_rotary_and_store_kv(x, weight, self.qkv_proj.bias, rotary.cos,
                                                      rotary.sin, positions, *kv_cache, meta.slot_mapping, c.num_heads)
         else:
             q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -136,7 +146,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _fuses_epilogue(x, self.gate_up_proj):
             fused = gemv.gemv_silu_and_mul if x.shape[0] == 1 else gemv.skinny_gemm_silu_and_mul
-            return self.down_proj(fused(x, self.gate_up_proj.weight))
+            return self.down_proj(fused(x, _streamed_weight(self.gate_up_proj)))
         return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
 
 

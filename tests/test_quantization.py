@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from gpu_target import gemv
 from gpu_target.loader import load_config, load_state_dict, random_state_dict
 from gpu_target.model import build_model
-from gpu_target.quantization import fp8, int4, kernels
+from gpu_target.quantization import fp8, int4
 from gpu_target.quantization.checkpoint import AWQ_PACK_ORDER
 from gpu_target.quantization.linear import QuantizedLinear
 from hetero import LLM, SamplingParams
@@ -321,14 +321,14 @@ def _tolerance(dtype: torch.dtype, fmt: str) -> dict:
 @pytest.mark.parametrize("n,k,bias", [(37, 300, False), (64, 256, True), (6, 2050, False)])
 def test_quantized_gemv_matches_dequantised_matmul(fmt, dtype, n, k, bias):
     x, weight, b, expected = _kernel_case(fmt, 1, n, k, dtype, bias)
-    got = kernels.quantized_gemv(x, weight, b)
+    got = gemv.gemv(x, weight, b)
     assert got.shape == (1, n) and got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, **_tolerance(dtype, fmt))
 
 
 def test_quantized_gemv_small_tiles_cover_every_row_and_column():
     x, weight, _, expected = _kernel_case("int4-g32", 1, 9, 70, torch.float16, False)
-    got = kernels.quantized_gemv(x, weight, block_n=4, block_k=16, num_warps=1)
+    got = gemv.gemv(x, weight, block_n=4, block_k=16, num_warps=1)
     torch.testing.assert_close(got.float(), expected, **_tolerance(torch.float16, "int4"))
 
 
@@ -337,7 +337,7 @@ def test_quantized_gemv_small_tiles_cover_every_row_and_column():
 @pytest.mark.parametrize("m,n,k,bias", [(2, 37, 300, False), (17, 70, 256, True), (64, 33, 130, False)])
 def test_quantized_skinny_gemm_matches_dequantised_matmul(fmt, dtype, m, n, k, bias):
     x, weight, b, expected = _kernel_case(fmt, m, n, k, dtype, bias)
-    got = kernels.quantized_skinny_gemm(x, weight, b)
+    got = gemv.skinny_gemm(x, weight, b)
     assert got.shape == (m, n) and got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, **_tolerance(dtype, fmt))
 
@@ -348,7 +348,7 @@ def test_quantized_skinny_gemm_small_tiles_and_strided_rows(w_first):
     wide = torch.zeros(5, 128, dtype=torch.bfloat16, device=DEVICE)
     wide[:, :96] = x
     view = wide[:, :96]  # rows 128 apart
-    got = kernels.quantized_skinny_gemm(view, weight, block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=w_first)
+    got = gemv.skinny_gemm(view, weight, block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=w_first)
     expected = F.linear(x.float(), weight.dequantize(torch.bfloat16).float())
     torch.testing.assert_close(got.float(), expected, **_tolerance(torch.bfloat16, "int4"))
 
@@ -370,9 +370,9 @@ def test_quantized_linear_dispatches_by_rows(monkeypatch):
     linear = QuantizedLinear(256, 64, bias=False)
     linear.load_weight(int4.quantize_int4(torch.randn(64, 256) / 16, 128))
     calls = []
-    for name in ("quantized_gemv", "quantized_skinny_gemm"):
-        original = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    for name in ("gemv", "skinny_gemm"):
+        original = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
     reference = linear.quantized.dequantize(torch.bfloat16)
     for m in (1, 17, 65):
         x = torch.randn(m, 256, dtype=torch.bfloat16)
@@ -382,7 +382,7 @@ def test_quantized_linear_dispatches_by_rows(monkeypatch):
     for m in (1, 17, 65):
         x = torch.randn(m, 256, dtype=torch.bfloat16)
         torch.testing.assert_close(linear(x).float(), F.linear(x, reference).float(), rtol=2.0**-6, atol=2e-2)
-    assert calls == (["quantized_gemv", "quantized_skinny_gemm"] if gemv._interpreting() else [])
+    assert calls == (["gemv", "skinny_gemm"] if gemv._interpreting() else [])
     with pytest.raises(ValueError, match="does not fit"):
         linear.load_weight(fp8.quantize_fp8(torch.randn(64, 128)))
 
@@ -461,3 +461,85 @@ def test_quant_decode_bench_counts_the_bytes_a_step_reads(tiny_llama_dir):
             dict(section="decode", quantization="fp8", batch=1, tokens_per_s=180.0)]
     add_speedups(rows)
     assert [r["speedup_vs_none"] for r in rows] == [1.0, 1.8]
+
+
+# --------------------------------------------------------------------------- fused epilogues on quantised weights
+
+
+def _quantized_runner(model_dir, quantization):
+    from gpu_target.kv_cache import KVCachePool
+    from gpu_target.runner import ModelRunner
+
+    config = load_config(model_dir)
+    dtype = torch.bfloat16
+    model = build_model(config, load_state_dict(model_dir, config, dtype, DEVICE, quantization=quantization), dtype, DEVICE)
+    return config, ModelRunner(model, KVCachePool(config, 6, 16, dtype, DEVICE), DEVICE)
+
+
+PROMPT = [5, 17, 42, 8, 99, 3, 61, 7, 12, 13, 40, 41, 2, 9, 77, 30, 31, 33, 28]
+
+
+def _fused_and_unfused(runner, chunk, monkeypatch, names):
+    """(fused logits, fused KV, unfused logits, unfused KV, the fused run's calls of `names`)."""
+    from gpu_target import model as model_module
+    from gpu_target.runner import SequenceChunk
+
+    runner.forward([SequenceChunk(PROMPT, range(len(PROMPT)), [4, 1], 0, [len(PROMPT) - 1])])
+    kv_before = runner.kv_pool.storage.clone()
+    calls = []
+    for name in names:
+        original = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda *args, _f=original, _n=name, **kw: calls.append(_n) or _f(*args, **kw))
+    fused = runner.forward([chunk])
+    fused_kv = runner.kv_pool.storage.clone()
+    runner.kv_pool.storage.copy_(kv_before)
+    monkeypatch.setattr(model_module, "_fuses_epilogue", lambda x, projection: False)
+    unfused = runner.forward([chunk])
+    assert not torch.equal(fused_kv, kv_before)
+    return fused, fused_kv, unfused, runner.kv_pool.storage, calls
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2: the qkv bias
+def test_quantized_decode_step_through_the_fused_gemvs_equals_the_unfused_kernels(architecture, quantization, request,
+                                                                                 monkeypatch):
+    """gemv.py's fused GEMVs stream quantised weights too: a bf16 decode step of a quantised
+    tiny model gives the same logits and KV cache, bit for bit, fused and unfused."""
+    from gpu_target import fused_ops
+    from gpu_target.runner import SequenceChunk
+
+    config, runner = _quantized_runner(request.getfixturevalue(f"tiny_{architecture}_dir"), quantization)
+    if not CUDA:
+        monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+    monkeypatch.setattr(fused_ops, "_wants_triton", lambda x, use_triton: True)
+    decode = SequenceChunk([23], [len(PROMPT)], [4, 1], len(PROMPT), [0])
+    fused, fused_kv, unfused, unfused_kv, calls = _fused_and_unfused(
+        runner, decode, monkeypatch, ("gemv_silu_and_mul", "gemv_rotary_and_store_kv"))
+    if gemv._interpreting() or CUDA:
+        assert sorted(calls) == sorted(["gemv_rotary_and_store_kv", "gemv_silu_and_mul"] * config.num_layers)
+    assert torch.equal(fused, unfused) and torch.equal(fused_kv, unfused_kv)
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_quantized_tree_verification_through_the_fused_skinny_gemms_equals_the_unfused_kernels(architecture, quantization,
+                                                                                              request, monkeypatch):
+    """The same at 5 rows (tree nodes sharing positions), through the fused skinny GEMMs,
+    on a tile whose 8 rotary pairs fit the 16-dim heads."""
+    from gpu_target import fused_ops
+    from gpu_target.runner import SequenceChunk
+
+    config, runner = _quantized_runner(request.getfixturevalue(f"tiny_{architecture}_dir"), quantization)
+    if not CUDA:
+        monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+    monkeypatch.setattr(fused_ops, "_wants_triton", lambda x, use_triton: True)
+    tile = dict(block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=True)
+    monkeypatch.setattr(gemv, "skinny_tile", lambda n, block_m: tile)
+    n = len(PROMPT)
+    tree = SequenceChunk([23, 50, 51, 60, 61], [n, n + 1, n + 1, n + 2, n + 2], [4, 1], n, list(range(5)),
+                         [0b1, 0b11, 0b101, 0b1011, 0b10101])
+    fused, fused_kv, unfused, unfused_kv, calls = _fused_and_unfused(
+        runner, tree, monkeypatch, ("skinny_gemm_silu_and_mul", "skinny_gemm_rotary_and_store_kv"))
+    if gemv._interpreting() or CUDA:
+        assert sorted(calls) == sorted(["skinny_gemm_rotary_and_store_kv", "skinny_gemm_silu_and_mul"] * config.num_layers)
+    assert torch.equal(fused, unfused) and torch.equal(fused_kv, unfused_kv)

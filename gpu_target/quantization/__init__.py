@@ -8,7 +8,8 @@
 - "gptq", "awq": 4-bit checkpoints in those packed layouts (`checkpoint.py`).
 
 Only the decoder layers' projections are quantised; embeddings, norms and lm_head stay in
-the compute dtype. `linear.QuantizedLinear` runs them (`kernels.py` on the GPU).
+the compute dtype. `linear.QuantizedLinear` runs them (on the GPU through gpu_target/gemv.py's
+kernels, which dequantise W in registers).
 """
 from __future__ import annotations
 

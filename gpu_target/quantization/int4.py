@@ -54,6 +54,10 @@ class Int4Weight:
         zeros = SYMMETRIC_ZERO if self.zeros is None else per_column(self.zeros)
         return ((self.codes().float() - zeros) * per_column(self.scales)).to(dtype)
 
+    def in_stored_order(self) -> "Int4Weight":
+        """The same tensors read as a weight over x[:, perm] (no permutation left)."""
+        return replace(self, perm=None)
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """W in `dtype`, columns in the input's order."""
         stored = self.dequantize_stored(dtype)

@@ -1,7 +1,7 @@
 """The quantised linear layer: (quantised weight, bias) and a forward that picks a kernel by rows.
 
-- 1 row: `kernels.quantized_gemv`; 2..64 rows: `kernels.quantized_skinny_gemm` (CUDA, or
-  Triton's interpreter in tests), W dequantised in registers.
+- 1 row: `gemv.gemv`; 2..64 rows: `gemv.skinny_gemm` (CUDA, or Triton's interpreter in
+  tests), W dequantised in registers (gpu_target/gemv.py's `_weight_tile`).
 - more rows, FP8 on CUDA in bf16: `fp8.scaled_mm` (W8A8, per-token activation scales).
 - otherwise (the CPU, 4-bit prefill): W dequantised to x's dtype, then F.linear.
 """
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_target.quantization import fp8, kernels
-from gpu_target.quantization.kernels import QuantizedWeight
+from gpu_target import gemv
+from gpu_target.quantization import QuantizedWeight, fp8
 
 
 class QuantizedLinear(nn.Module):
@@ -42,17 +42,13 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.quantized
-        perm = getattr(weight, "perm", None)
-        if perm is not None:
-            x = x.index_select(-1, perm)
-        if kernels.streaming_applies(x):
-            if x.shape[0] == 1:
-                return kernels.quantized_gemv(x, weight, self.bias)
-            return kernels.quantized_skinny_gemm(x, weight, self.bias)
+        if getattr(weight, "perm", None) is not None:  # act-order: gather x's columns into the stored order
+            x, weight = x.index_select(-1, weight.perm), weight.in_stored_order()
+        if gemv.streaming_applies(x, weight):
+            return gemv.gemv(x, weight, self.bias) if x.shape[0] == 1 else gemv.skinny_gemm(x, weight, self.bias)
         if isinstance(weight, fp8.Fp8Weight) and fp8.scaled_mm_applies(x, weight):
             return fp8.scaled_mm(x, weight, self.bias)
-        stored = weight.dequantize_stored(x.dtype) if perm is not None else weight.dequantize(x.dtype)
-        return F.linear(x, stored, self.bias)
+        return F.linear(x, weight.dequantize(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         kind = type(self.quantized).__name__ if self.quantized is not None else "empty"
