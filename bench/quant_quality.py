@@ -21,6 +21,8 @@ import torch
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from gpu_target.loader import DEFAULT_MODEL_NAMES
+from gpu_target.model import Linear
+from gpu_target.quantization.linear import PROJECTIONS
 from gpu_target.runner import SequenceChunk
 from hetero import LLM, SamplingParams
 
@@ -44,6 +46,22 @@ def teacher_forced_logits(llm: LLM, tokens: list[int], start: int) -> torch.Tens
     return engine.runner.forward([SequenceChunk(tokens, range(len(tokens)), blocks, 0, rows)])
 
 
+def dequantize_once(model) -> None:
+    """Give each `QuantizedLinear` its dequantised weight as a plain `Linear`: what its CPU
+    forward computes (F.linear on the weight dequantised to the compute dtype), without
+    dequantising again at every call."""
+    for layer in model.layers:
+        for block_name, proj_name in PROJECTIONS:
+            block = getattr(layer, block_name)
+            quantized = getattr(block, proj_name)
+            weight = quantized.quantized.dequantize(model.embed_tokens.weight.dtype)
+            linear = Linear(quantized.in_features, quantized.out_features, bias=quantized.bias is not None)
+            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+            if quantized.bias is not None:
+                linear.bias = quantized.bias
+            setattr(block, proj_name, linear)
+
+
 def compare(reference: torch.Tensor, quantized: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-position top-1 agreement, per-position KL(P_reference || P_quantized) in nats)."""
     log_p, log_q = reference.log_softmax(-1), quantized.log_softmax(-1)
@@ -58,6 +76,8 @@ def run(model: str, formats: list[str], new_tokens: int, num_prompts: int) -> li
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     sequences = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in full.generate(prompts, greedy, use_tqdm=False)]
     quantized = {fmt: LLM(**options, quantization=fmt) for fmt in formats}
+    for llm in quantized.values():
+        dequantize_once(llm.llm_engine.model)
     agree: dict[str, list[torch.Tensor]] = {fmt: [] for fmt in formats}
     kls: dict[str, list[torch.Tensor]] = {fmt: [] for fmt in formats}
     for number, (prompt, continuation) in enumerate(sequences):
@@ -88,7 +108,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_NAMES[0], help="HF directory or .gguf (default: packaged SmolLM2-135M)")
     parser.add_argument("--formats", default="fp8,int4", help="comma-separated quantization methods to compare")
-    parser.add_argument("--new-tokens", type=int, default=48, help="greedy continuation length per prompt")
+    parser.add_argument("--new-tokens", type=int, default=32, help="greedy continuation length per prompt")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
