@@ -543,3 +543,27 @@ def test_quantized_tree_verification_through_the_fused_skinny_gemms_equals_the_u
     if gemv._interpreting() or CUDA:
         assert sorted(calls) == sorted(["skinny_gemm_rotary_and_store_kv", "skinny_gemm_silu_and_mul"] * config.num_layers)
     assert torch.equal(fused, unfused) and torch.equal(fused_kv, unfused_kv)
+
+
+def test_quant_decode_bench_damps_quantised_output_projections(tiny_llama_dir):
+    from bench.quant_decode import damp_layer_outputs
+
+    config = load_config(tiny_llama_dir)
+    model = build_model(config, random_state_dict(config, torch.float32, "cpu", quantization="int4"), torch.float32, "cpu")
+    before = [layer.mlp.down_proj.quantized.scales.clone() for layer in model.layers]
+    qkv_before = model.layers[0].self_attn.qkv_proj.quantized.scales.clone()
+    damp_layer_outputs(model, 0.5)
+    assert all(torch.equal(layer.mlp.down_proj.quantized.scales, b * 0.5) for layer, b in zip(model.layers, before))
+    assert torch.equal(model.layers[0].self_attn.qkv_proj.quantized.scales, qkv_before)
+
+
+def test_fp8_needs_a_gpu_with_fp8(monkeypatch):
+    from gpu_target import quantization
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match="quantization='fp8' needs a GPU of compute capability 8.9"):
+        quantization.check_device("fp8", "cuda")
+    quantization.check_device("int4", "cuda")  # 4-bit kernels need no FP8 hardware
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    quantization.check_device("fp8", "cuda")
