@@ -33,6 +33,11 @@ result then splits into the pairs' halves in registers. The model takes them whe
 plain path would call `skinny_gemm` for that projection (`skinny_wins`), and the separate
 kernels elsewhere.
 
+Every kernel also streams quantised weights (gpu_target/quantization: `Fp8Weight`, `Int4Weight`),
+chosen by the constexpr W_FORMAT: `_weight_tile` loads a tile of W and dequantises it in
+registers (an FP8 row's scale multiplies its sum once, after the K loop), so the fused
+epilogues serve quantised targets unchanged. `weight_arguments` passes either kind.
+
 `linear` is the entry point for a plain projection and dispatches on M. Results are
 rounded to the input dtype, as cuBLAS rounds its fp32 accumulator. Nothing in the
 dispatch syncs with the device, so the calls capture into CUDA graphs (each M compiles
@@ -42,13 +47,15 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from gpu_target import fused_ops
 from gpu_target.fused_ops import device_function
+from gpu_target.quantization.fp8 import Fp8Weight
+from gpu_target.quantization.int4 import Int4Weight
 
 try:
     import triton
@@ -57,6 +64,8 @@ except ImportError:  # CPU-only installs
     triton = tl = None
 
 STREAMING_DTYPES = (torch.bfloat16, torch.float16)
+PLAIN, FP8, INT4 = 0, 1, 2  # W_FORMAT: W in x's dtype, FP8 E4M3 codes + row scales, 4-bit codes + group scales
+StreamedWeight = Union[torch.Tensor, Fp8Weight, Int4Weight]
 MAX_STREAMING_ROWS = 64  # above this many rows, cuBLAS's tiled GEMMs win: W is reused enough
 
 
@@ -81,16 +90,20 @@ def _jit(kernel: Callable, do_not_specialize: tuple[str, ...] = ()) -> Callable:
 _stream_cpu_tensors_when_interpreting = False
 
 
-def streaming_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """1..MAX_STREAMING_ROWS rows on a CUDA device, half-precision weights, contiguous K."""
+def streaming_applies(x: torch.Tensor, weight: StreamedWeight) -> bool:
+    """1..MAX_STREAMING_ROWS rows on a CUDA device, half precision, contiguous K; W in x's
+    dtype, or quantised (stored contiguous) with its columns in x's order (no act-order `perm`)."""
+    if isinstance(weight, torch.Tensor):
+        weight_streams = weight.dtype == x.dtype and weight.stride(1) == 1
+    else:
+        weight_streams = getattr(weight, "perm", None) is None
     return (
         triton is not None
         and (x.is_cuda or (_stream_cpu_tensors_when_interpreting and _interpreting()))
         and x.dim() == 2
         and 1 <= x.shape[0] <= MAX_STREAMING_ROWS
         and x.dtype in STREAMING_DTYPES
-        and weight.dtype == x.dtype
-        and weight.stride(1) == 1
+        and weight_streams
         and x.stride(1) == 1
     )
 
@@ -117,6 +130,19 @@ def skinny_wins(m: int, n: int) -> bool:
     return n >= MIN_SKINNY_COLUMNS and (m <= 32 or n >= 16384)
 
 
+def weight_arguments(weight: StreamedWeight) -> tuple[tuple, dict]:
+    """The kernels' W arguments: (W, scales, zeros, W's row stride, the scales' row stride)
+    and the format constexprs (W_FORMAT, HAS_ZEROS, GROUP). Unused pointers repeat W's."""
+    if isinstance(weight, torch.Tensor):
+        return (weight, weight, weight, weight.stride(0), 0), dict(W_FORMAT=PLAIN, HAS_ZEROS=False, GROUP=1)
+    if isinstance(weight, Fp8Weight):
+        return (weight.qweight, weight.scales, weight.scales, weight.qweight.stride(0), 0), dict(
+            W_FORMAT=FP8, HAS_ZEROS=False, GROUP=1)
+    zeros = weight.zeros if weight.zeros is not None else weight.scales
+    return (weight.qweight, weight.scales, zeros, weight.qweight.stride(0), weight.scales.stride(0)), dict(
+        W_FORMAT=INT4, HAS_ZEROS=weight.zeros is not None, GROUP=weight.group_size)
+
+
 # The GEMV's tile (see `gemv`); the fused GEMVs stream two rows per program with the same
 # K tile and warps, so each row's dot product is summed in the same order as here.
 GEMV_BLOCK_K = 2048
@@ -126,7 +152,7 @@ GEMV_NUM_STAGES = 1
 
 def gemv(
     x: torch.Tensor,  # [1, K]
-    weight: torch.Tensor,  # [N, K], rows contiguous
+    weight: StreamedWeight,  # [N, K], rows contiguous (or quantised: see weight_arguments)
     bias: Optional[torch.Tensor] = None,  # [N]
     *,
     block_n: int = 2,
@@ -141,16 +167,21 @@ def gemv(
     against cuBLAS's 2.1-2.9 (`python -m bench.gemv --sweep`, bench/results/gemv-*).
     """
     N, K = weight.shape
+    (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     _jit(_gemv_kernel)[(triton.cdiv(N, block_n),)](
         x,
-        weight,
+        w,
+        scales,
+        zeros,
         bias if bias is not None else out,
         out,
         N,
         K,
-        weight.stride(0),
+        stride_wn,
+        stride_sn,
         HAS_BIAS=bias is not None,
+        **formats,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,
@@ -159,34 +190,69 @@ def gemv(
     return out
 
 
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K, stride_wn, stride_sn, HAS_BIAS: tl.constexpr,
+                 W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    y = _gemv_rows(x_ptr, w_ptr, bias_ptr, rows, row_mask, K, stride_wn, HAS_BIAS, BLOCK_N, BLOCK_K)
+    y = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, rows, row_mask, K, stride_wn, stride_sn, HAS_BIAS, W_FORMAT,
+                   HAS_ZEROS, GROUP, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + rows, y, mask=row_mask)
 
 
 @device_function
-def _gemv_rows(x_ptr, w_ptr, bias_ptr, rows, row_mask, K, stride_wn, HAS_BIAS: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, rows, row_mask, K, stride_wn, stride_sn, HAS_BIAS: tl.constexpr,
+               W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
     """(x W^T + b)[rows] in x's dtype, for the BLOCK_N `rows` of W (any rows: the fused
     kernels pair rows far apart). The products accumulate in a [BLOCK_N, BLOCK_K] fp32 tile
     reduced once at the end, so the inner loop is loads and FMAs only; each row's sum order
     depends only on the tile's shape and warps, not on which rows share it."""
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         k = start + cols
         k_mask = k < K
         x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = _weight_tile(x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, W_FORMAT, HAS_ZEROS,
+                         GROUP, BLOCK_K)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
+    if W_FORMAT == 1:  # FP8: the row's scale, once
+        y *= tl.load(s_ptr + rows, mask=row_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     return y.to(x_ptr.dtype.element_ty)
+
+
+@device_function
+def _weight_tile(x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, W_FORMAT: tl.constexpr,
+                 HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[rows, start:start + BLOCK_K], 0 where masked: as stored (W_FORMAT 0), FP8 codes in x's
+    dtype (1; their row scale applies after the K loop), or 4-bit codes (2) as (q - z) * s of
+    their group in x's dtype, rounded once from float32 as `Int4Weight.dequantize` rounds
+    them. A 4-bit tile reads each byte once: its low and high nibbles (columns 2j, 2j + 1)
+    are dequantised apart, then interleaved (K and the group size are even)."""
+    w_rows = rows.to(tl.int64)[:, None] * stride_wn
+    if W_FORMAT == 2:
+        pairs = start // 2 + tl.arange(0, BLOCK_K // 2)
+        mask = row_mask[:, None] & (pairs < K // 2)[None, :]
+        packed = tl.load(w_ptr + w_rows + pairs[None, :], mask=mask, other=0)
+        groups = rows.to(tl.int64)[:, None] * stride_sn + (2 * pairs // GROUP)[None, :]
+        scale = tl.load(s_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + groups, mask=mask, other=0).to(tl.float32)
+        else:
+            zero = 8.0  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
+        low = (((packed & 15).to(tl.float32) - zero) * scale).to(x_ptr.dtype.element_ty)
+        high = (((packed >> 4).to(tl.float32) - zero) * scale).to(x_ptr.dtype.element_ty)
+        w = tl.interleave(low, high)
+    else:
+        k = start + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + w_rows + k[None, :], mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
+        if W_FORMAT == 1:
+            w = w.to(x_ptr.dtype.element_ty)
+    return w
 
 
 # --------------------------------------------------------------------------- GEMVs with an epilogue
@@ -196,7 +262,7 @@ def _gemv_rows(x_ptr, w_ptr, bias_ptr, rows, row_mask, K, stride_wn, HAS_BIAS: t
 
 def gemv_silu_and_mul(
     x: torch.Tensor,  # [1, K]
-    weight: torch.Tensor,  # [2I, K]: the gate rows, then the up rows; rows contiguous
+    weight: StreamedWeight,  # [2I, K]: the gate rows, then the up rows; rows contiguous
     *,
     block_k: int = GEMV_BLOCK_K,
     num_warps: int = GEMV_NUM_WARPS,
@@ -210,17 +276,21 @@ def gemv_silu_and_mul(
     if x.shape != (1, K) or N % 2:
         raise ValueError(f"gemv_silu_and_mul needs x [1, K] and weight [2I, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     inter = N // 2
+    (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     out = torch.empty((1, inter), dtype=x.dtype, device=x.device)
     _jit(_gemv_silu_and_mul_kernel)[(inter,)](
-        x, weight, out, N, K, weight.stride(0), BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages
+        x, w, scales, zeros, out, N, K, stride_wn, stride_sn, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        **formats,
     )
     return out
 
 
-def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_K: tl.constexpr):
+def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sn, W_FORMAT: tl.constexpr,
+                              HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     j = tl.program_id(0)
     rows = j + tl.arange(0, 2) * (N // 2)  # gate row j, up row I + j
-    gate, up = tl.split(_gemv_rows(x_ptr, w_ptr, x_ptr, rows, rows < N, K, stride_wn, False, 2, BLOCK_K))
+    gate, up = tl.split(_gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, x_ptr, rows, rows < N, K, stride_wn, stride_sn, False,
+                                   W_FORMAT, HAS_ZEROS, GROUP, 2, BLOCK_K))
     tl.store(out_ptr + j, fused_ops._silu_mul(gate, up))
 
 
@@ -242,7 +312,7 @@ def _check_qkv_and_caches(name: str, weight: torch.Tensor, num_heads: int, k_cac
 
 def gemv_rotary_and_store_kv(
     x: torch.Tensor,  # [1, K]
-    weight: torch.Tensor,  # [(H + 2 KVH) D, K]: the q heads' rows, then k's, then v's; rows contiguous
+    weight: StreamedWeight,  # [(H + 2 KVH) D, K]: the q heads' rows, then k's, then v's; rows contiguous
     bias: Optional[torch.Tensor],  # [(H + 2 KVH) D] (Qwen2) or None
     cos: torch.Tensor,  # fp32 [max_positions, D/2], rows contiguous
     sin: torch.Tensor,
@@ -268,10 +338,13 @@ def gemv_rotary_and_store_kv(
         raise ValueError(f"gemv_rotary_and_store_kv needs x [1, {K}], got {tuple(x.shape)}")
     num_kv_heads, head_dim = _check_qkv_and_caches("gemv_rotary_and_store_kv", weight, num_heads, k_cache, v_cache)
     half = head_dim // 2
+    (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     q_out = torch.empty((1, num_heads, head_dim), dtype=x.dtype, device=x.device)
     _jit(_gemv_rotary_kv_kernel)[(N // 2,)](
         x,
-        weight,
+        w,
+        scales,
+        zeros,
         bias if bias is not None else x,
         q_out,
         k_cache,
@@ -282,13 +355,15 @@ def gemv_rotary_and_store_kv(
         slot_mapping,
         N,
         K,
-        weight.stride(0),
+        stride_wn,
+        stride_sn,
         cos.stride(0),
         sin.stride(0),
         num_heads,
         num_kv_heads,
         half,
         HAS_BIAS=bias is not None,
+        **formats,
         BLOCK_K=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -296,9 +371,10 @@ def gemv_rotary_and_store_kv(
     return q_out
 
 
-def _gemv_rotary_kv_kernel(x_ptr, w_ptr, bias_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr,
-                           positions_ptr, slots_ptr, N, K, stride_wn, stride_cos, stride_sin, num_heads,
-                           num_kv_heads, half, HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_rotary_kv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr,
+                           positions_ptr, slots_ptr, N, K, stride_wn, stride_sn, stride_cos, stride_sin, num_heads,
+                           num_kv_heads, half, HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                           GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program p owns dimension d = p % (D/2) of head p // (D/2), counting the q heads,
     then the k heads, then the v heads, as the fused weight's rows are ordered."""
     pair = tl.program_id(0)
@@ -306,7 +382,8 @@ def _gemv_rotary_kv_kernel(x_ptr, w_ptr, bias_ptr, q_out_ptr, k_cache_ptr, v_cac
     d = pair % half
     head_dim = 2 * half
     rows = head * head_dim + d + tl.arange(0, 2) * half
-    x1, x2 = tl.split(_gemv_rows(x_ptr, w_ptr, bias_ptr, rows, rows < N, K, stride_wn, HAS_BIAS, 2, BLOCK_K))
+    x1, x2 = tl.split(_gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, rows, rows < N, K, stride_wn, stride_sn, HAS_BIAS,
+                                 W_FORMAT, HAS_ZEROS, GROUP, 2, BLOCK_K))
     position = tl.load(positions_ptr).to(tl.int64)
     cos = tl.load(cos_ptr + position * stride_cos + d).to(tl.float32)
     sin = tl.load(sin_ptr + position * stride_sin + d).to(tl.float32)
@@ -349,7 +426,7 @@ def skinny_tile(n: int, block_m: int) -> dict:
 
 def skinny_gemm(
     x: torch.Tensor,  # [M, K], 2 <= M <= 64, K contiguous
-    weight: torch.Tensor,  # [N, K], rows contiguous
+    weight: StreamedWeight,  # [N, K], rows contiguous (or quantised: see weight_arguments)
     bias: Optional[torch.Tensor] = None,  # [N]
     **tile,
 ) -> torch.Tensor:
@@ -362,34 +439,41 @@ def skinny_gemm(
     M, K = x.shape
     N = weight.shape[0]
     options = _skinny_launch_options(M, K, N, tile)
+    (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     # M is not specialised (Triton would compile M % 16 == 0 apart from the rest), so each
     # BLOCK_M (16, 32, 64) compiles once, whatever tree sizes a server sees.
     _jit(_skinny_gemm_kernel, ("M",))[(triton.cdiv(N, options["BLOCK_N"]),)](
         x,
-        weight,
+        w,
+        scales,
+        zeros,
         bias if bias is not None else out,
         out,
         M,
         N,
         K,
         x.stride(0),
-        weight.stride(0),
+        stride_wn,
+        stride_sn,
         out.stride(0),
         HAS_BIAS=bias is not None,
+        **formats,
         **options,
     )
     return out
 
 
-def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                        HAS_BIAS: tl.constexpr, DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, W_FIRST: tl.constexpr,
+def _skinny_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
+                        HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
+                        DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, W_FIRST: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.arange(0, BLOCK_M)  # rows of x (tokens)
     row_mask = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     col_mask = cols < N
-    acc = _skinny_rows(x_ptr, w_ptr, cols, row_mask, col_mask, K, stride_xm, stride_wn, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, cols, row_mask, col_mask, K, stride_xm, stride_wn, stride_sn, W_FORMAT,
+                       HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
@@ -397,11 +481,13 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, str
 
 
 @device_function
-def _skinny_rows(x_ptr, w_ptr, cols, row_mask, col_mask, K, stride_xm, stride_wn, DOT_IN_FP32: tl.constexpr,
+def _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, cols, row_mask, col_mask, K, stride_xm, stride_wn, stride_sn,
+                 W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, DOT_IN_FP32: tl.constexpr,
                  EVEN_K: tl.constexpr, W_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The fp32 [BLOCK_M, BLOCK_N] product of x's rows with the BLOCK_N rows ``cols`` of W
     (any rows: the fused kernels gather pairs far apart), streamed over K. Each element's
-    sum depends only on the tile's shape and warps, not on which W rows share it."""
+    sum depends only on the tile's shape and warps, not on which W rows share it. A
+    quantised W's tiles come from `_weight_tile` (always masked); FP8 row scales apply last."""
     rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + rows[:, None] * stride_xm + ks[None, :]
@@ -411,11 +497,16 @@ def _skinny_rows(x_ptr, w_ptr, cols, row_mask, col_mask, K, stride_xm, stride_wn
     for start in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_tile + start, mask=row_mask[:, None], other=0.0)
-            w = tl.load(w_tile + start, mask=col_mask[:, None], other=0.0)
+            if W_FORMAT == 0:
+                w = tl.load(w_tile + start, mask=col_mask[:, None], other=0.0)
         else:
             k_mask = (start + ks) < K
             x = tl.load(x_tile + start, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_tile + start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            if W_FORMAT == 0:
+                w = tl.load(w_tile + start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        if W_FORMAT != 0:
+            w = _weight_tile(x_ptr, w_ptr, s_ptr, z_ptr, cols, col_mask, start, K, stride_wn, stride_sn, W_FORMAT,
+                             HAS_ZEROS, GROUP, BLOCK_K)
         if DOT_IN_FP32:  # Triton's interpreter (see `_interpreting`): exact products, summed per element
             x, w = x.to(tl.float32), w.to(tl.float32)
             if W_FIRST:
@@ -428,6 +519,8 @@ def _skinny_rows(x_ptr, w_ptr, cols, row_mask, col_mask, K, stride_xm, stride_wn
             acc = tl.dot(x, tl.trans(w), acc)
     if W_FIRST:
         acc = tl.trans(acc)
+    if W_FORMAT == 1:  # FP8: each output column's (W row's) scale, once
+        acc *= tl.load(s_ptr + cols, mask=col_mask, other=0.0)[None, :]
     return acc
 
 
@@ -461,7 +554,7 @@ def _skinny_launch_options(m: int, k: int, n: int, tile: dict) -> dict:
 
 def skinny_gemm_silu_and_mul(
     x: torch.Tensor,  # [M, K], 2 <= M <= 64, K contiguous
-    weight: torch.Tensor,  # [2I, K]: the gate rows, then the up rows; rows contiguous
+    weight: StreamedWeight,  # [2I, K]: the gate rows, then the up rows; rows contiguous
     **tile,
 ) -> torch.Tensor:
     """[M, I] = `fused_ops.silu_and_mul(skinny_gemm(x, weight))`, bit for bit, in one kernel.
@@ -475,23 +568,29 @@ def skinny_gemm_silu_and_mul(
         raise ValueError(f"skinny_gemm_silu_and_mul needs x [M, K] and weight [2I, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     inter = N // 2
     options = _skinny_launch_options(M, K, N, tile)
+    (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     out = torch.empty((M, inter), dtype=x.dtype, device=x.device)
     _jit(_skinny_silu_and_mul_kernel, ("M",))[(triton.cdiv(inter, options["BLOCK_N"] // 2),)](
         x,
-        weight,
+        w,
+        scales,
+        zeros,
         out,
         M,
         inter,
         K,
         x.stride(0),
-        weight.stride(0),
+        stride_wn,
+        stride_sn,
         out.stride(0),
+        **formats,
         **options,
     )
     return out
 
 
-def _skinny_silu_and_mul_kernel(x_ptr, w_ptr, out_ptr, M, inter, K, stride_xm, stride_wn, stride_om,
+def _skinny_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, inter, K, stride_xm, stride_wn, stride_sn,
+                                stride_om, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
                                 DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, W_FIRST: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     PAIRS: tl.constexpr = BLOCK_N // 2
@@ -500,8 +599,8 @@ def _skinny_silu_and_mul_kernel(x_ptr, w_ptr, out_ptr, M, inter, K, stride_xm, s
     lanes = tl.arange(0, BLOCK_N)
     j = tl.program_id(0) * PAIRS + lanes // 2  # the output column each W row feeds
     w_rows = j + (lanes % 2) * inter  # gate row j, up row I + j
-    acc = _skinny_rows(x_ptr, w_ptr, w_rows, row_mask, j < inter, K, stride_xm, stride_wn, DOT_IN_FP32, EVEN_K,
-                       W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, w_rows, row_mask, j < inter, K, stride_xm, stride_wn, stride_sn, W_FORMAT,
+                       HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
     gate, up = tl.split(tl.reshape(acc.to(out_ptr.dtype.element_ty), [BLOCK_M, PAIRS, 2]))
     cols = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
@@ -517,7 +616,7 @@ def skinny_rotary_fits(m: int, n: int, head_dim: int) -> bool:
 
 def skinny_gemm_rotary_and_store_kv(
     x: torch.Tensor,  # [M, K], 2 <= M <= 64, K contiguous
-    weight: torch.Tensor,  # [(H + 2 KVH) D, K]: the q heads' rows, then k's, then v's; rows contiguous
+    weight: StreamedWeight,  # [(H + 2 KVH) D, K]: the q heads' rows, then k's, then v's; rows contiguous
     bias: Optional[torch.Tensor],  # [(H + 2 KVH) D] (Qwen2) or None
     cos: torch.Tensor,  # fp32 [max_positions, D/2], rows contiguous
     sin: torch.Tensor,
@@ -548,10 +647,13 @@ def skinny_gemm_rotary_and_store_kv(
     half = head_dim // 2
     if half % (block_n // 2):
         raise ValueError(f"skinny_gemm_rotary_and_store_kv: {block_n // 2} rotary pairs per program do not divide {half}")
+    (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     q_out = torch.empty((M, num_heads, head_dim), dtype=x.dtype, device=x.device)
     _jit(_skinny_rotary_kv_kernel, ("M",))[(N // block_n,)](
         x,
-        weight,
+        w,
+        scales,
+        zeros,
         bias if bias is not None else x,
         q_out,
         k_cache,
@@ -563,21 +665,24 @@ def skinny_gemm_rotary_and_store_kv(
         M,
         K,
         x.stride(0),
-        weight.stride(0),
+        stride_wn,
+        stride_sn,
         cos.stride(0),
         sin.stride(0),
         num_heads,
         num_kv_heads,
         half,
         HAS_BIAS=bias is not None,
+        **formats,
         **options,
     )
     return q_out
 
 
-def _skinny_rotary_kv_kernel(x_ptr, w_ptr, bias_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr,
-                             positions_ptr, slots_ptr, M, K, stride_xm, stride_wn, stride_cos, stride_sin, num_heads,
-                             num_kv_heads, half, HAS_BIAS: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+def _skinny_rotary_kv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr,
+                             positions_ptr, slots_ptr, M, K, stride_xm, stride_wn, stride_sn, stride_cos, stride_sin,
+                             num_heads, num_kv_heads, half, HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr,
+                             HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, DOT_IN_FP32: tl.constexpr,
                              EVEN_K: tl.constexpr, W_FIRST: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program p owns dimensions d0 .. d0 + BLOCK_N/2 of one head (and their partners + D/2),
@@ -592,8 +697,8 @@ def _skinny_rotary_kv_kernel(x_ptr, w_ptr, bias_ptr, q_out_ptr, k_cache_ptr, v_c
     row_mask = rows < M
     lanes = tl.arange(0, BLOCK_N)
     w_rows = head * head_dim + d0 + lanes // 2 + (lanes % 2) * half  # dim d0 + i, then its partner
-    acc = _skinny_rows(x_ptr, w_ptr, w_rows, row_mask, lanes < BLOCK_N, K, stride_xm, stride_wn, DOT_IN_FP32,
-                       EVEN_K, W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, w_rows, row_mask, lanes < BLOCK_N, K, stride_xm, stride_wn, stride_sn,
+                       W_FORMAT, HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
     x1, x2 = tl.split(tl.reshape(acc.to(x_ptr.dtype.element_ty), [BLOCK_M, PAIRS, 2]))

@@ -136,9 +136,14 @@ def _file_of_each_tensor(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     return owners
 
 
+def tensor_names(directory: pathlib.Path) -> set[str]:
+    return set(_file_of_each_tensor(directory))
+
+
 def load_tensors(
-    directory: pathlib.Path, names: list[str], dtype: torch.dtype, device: torch.device
+    directory: pathlib.Path, names: list[str], dtype: Optional[torch.dtype], device: torch.device
 ) -> dict[str, torch.Tensor]:
+    """The named tensors on `device`, in `dtype` (None: as stored, e.g. a quantised checkpoint's packed words)."""
     owners = _file_of_each_tensor(directory)
     missing = [name for name in names if name not in owners]
     if missing:
@@ -154,7 +159,8 @@ def load_tensors(
     for file, file_names in by_file.items():
         with safe_open(file, framework="pt", device=safetensors_device) as f:
             for name in file_names:
-                tensors[name] = f.get_tensor(name).to(dtype=dtype)
+                tensor = f.get_tensor(name)
+                tensors[name] = tensor if dtype is None else tensor.to(dtype=dtype)
     return tensors
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import transformers
 
 from . import gguf_checkpoint, hf_checkpoint
+from . import quantization as methods
+from .quantization import checkpoint as quantized_checkpoint
 from .model_config import ModelConfig
 
 PathLike = Union[str, pathlib.Path]
@@ -119,21 +121,46 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_state_dict(
-    path: PathLike, config: ModelConfig, dtype: torch.dtype, device: Union[torch.device, str]
-) -> dict[str, torch.Tensor]:
+    path: PathLike,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: Union[torch.device, str],
+    quantization: Optional[str] = None,
+) -> dict[str, Union[torch.Tensor, methods.QuantizedWeight]]:
     """The model's weights under HF names, each read straight to `device` in `dtype`.
 
     Tensors are read one at a time, so peak memory is the model plus one tensor. A GGUF with
     Llama 3.1 style `rope_freqs` also yields `model.rope_freq_factors` (float32): llama.cpp
     divides each rotary frequency by its factor.
+
+    With `quantization` (or a checkpoint whose config.json has a `quantization_config`) the
+    decoder projections' weights come back as `Fp8Weight` / `Int4Weight` (gpu_target/quantization),
+    quantised as they are read or unpacked from the checkpoint's own layout.
     """
     path = resolve_model_path(path)
     shapes = parameter_shapes(config)
     device = torch.device(device)
+    stored_config = None if is_gguf(path) else quantized_checkpoint.read_quantization_config(path)
+    stored_method = quantized_checkpoint.checkpoint_method(stored_config, str(path))
+    method = methods.resolve_method(quantization, stored_method, str(path))
+    methods.check_device(method, device)
     if is_gguf(path):
         tensors = gguf_checkpoint.load_tensors(path, config, list(shapes), dtype, device)
+    elif stored_method is not None:
+        plain = [name for name in shapes if not methods.is_projection_weight(name)]
+        tensors = hf_checkpoint.load_tensors(path, plain, dtype, device)
+        available = hf_checkpoint.tensor_names(path)
+        read = lambda names: hf_checkpoint.load_tensors(path, names, None, device)  # noqa: E731
+        for name in shapes:
+            if methods.is_projection_weight(name):
+                prefix = name.removesuffix(".weight")
+                tensors[name] = quantized_checkpoint.load_projection(read, available, prefix, stored_method, stored_config)
     else:
         tensors = hf_checkpoint.load_tensors(path, list(shapes), dtype, device)
+    if method is not None and stored_method is None:
+        for name in shapes:
+            if methods.is_projection_weight(name):
+                tensors[name] = methods.quantize(tensors.pop(name), method)
     for name, shape in shapes.items():
         if tuple(tensors[name].shape) != shape:
             raise ValueError(
@@ -144,13 +171,22 @@ def load_state_dict(
 
 
 def random_state_dict(
-    config: ModelConfig, dtype: torch.dtype, device: Union[torch.device, str], seed: int = 0
-) -> dict[str, torch.Tensor]:
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: Union[torch.device, str],
+    seed: int = 0,
+    quantization: Optional[str] = None,
+) -> dict[str, Union[torch.Tensor, methods.QuantizedWeight]]:
     """Random weights in the model's real shapes, made on `device` (vLLM's load_format="dummy").
 
     For timing: a large model's weights need not exist anywhere to measure its speed.
-    Norm weights are ones and matrices N(0, 0.02), so activations stay finite in bf16.
+    Norm weights are ones and matrices N(0, 0.02), so activations stay finite in bf16. With
+    `quantization`, each projection is quantised as soon as it is drawn, so the
+    full-precision model never exists (a 70B target fits one 80 GB GPU in FP8).
     """
+    method = {"gptq": "int4", "awq": "int4"}.get(quantization, quantization)  # the same kernels, random codes
+    methods.check_quantization(quantization)
+    methods.check_device(method, device)
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     tensors = {}
@@ -158,8 +194,10 @@ def random_state_dict(
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(shape, dtype=dtype, device=device)
         else:
-            tensor = torch.empty(shape, dtype=dtype, device=device)
-            tensors[name] = tensor.normal_(0.0, 0.02, generator=generator)
+            tensor = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=generator)
+            if method is not None and methods.is_projection_weight(name):
+                tensor = methods.quantize(tensor, method)
+            tensors[name] = tensor
     return tensors
 
 

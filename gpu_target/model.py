@@ -17,6 +17,8 @@ from gpu_target import fused_ops, gemv
 from gpu_target.attention import AttentionMetadata, reference_attention
 from gpu_target.gguf_checkpoint import ROPE_FREQ_FACTORS_NAME
 from gpu_target.model_config import ModelConfig
+from gpu_target.quantization import contains_quantized
+from gpu_target.quantization.linear import QuantizedLinear, fuse_weights, replace_projections
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
@@ -84,15 +86,24 @@ class Linear(nn.Linear):
         return gemv.linear(x, self.weight, self.bias)
 
 
+def _streamed_weight(projection: nn.Module):
+    """The weight gpu_target/gemv.py's kernels stream for `projection`: a `Linear`'s, a
+    `QuantizedLinear`'s quantised one, or None (swapped projections: the draft's Int8Linear)."""
+    if isinstance(projection, Linear):
+        return projection.weight
+    return projection.quantized if isinstance(projection, QuantizedLinear) else None
+
+
 def _fuses_epilogue(x: torch.Tensor, projection: nn.Module) -> bool:
     """Where the projection streams W itself (see gpu_target/gemv.py): at one row (batch-1
     decode) through its GEMV, at 2..32 rows (batch-1 tree verification) where the plain path
-    would take the skinny GEMM, its kernel applies the op after it (rotary and the KV write
-    after qkv, SiLU-and-mul after gate_up) in its epilogue, bit for bit as the separate
-    kernels would. Swapped projections (the draft's Int8Linear) keep their own forward."""
-    if not (isinstance(projection, Linear) and gemv.streaming_applies(x, projection.weight)):
+    would take the skinny GEMM (a quantised W always does), its kernel applies the op after
+    it (rotary and the KV write after qkv, SiLU-and-mul after gate_up) in its epilogue, bit
+    for bit as the separate kernels would. Swapped projections keep their own forward."""
+    weight = _streamed_weight(projection)
+    if weight is None or not gemv.streaming_applies(x, weight):
         return False
-    return x.shape[0] == 1 or gemv.skinny_wins(x.shape[0], projection.weight.shape[0])
+    return x.shape[0] == 1 or not isinstance(weight, torch.Tensor) or gemv.skinny_wins(x.shape[0], weight.shape[0])
 
 
 class Attention(nn.Module):
@@ -106,14 +117,15 @@ class Attention(nn.Module):
     def forward(self, x, positions, rotary, kv_cache, meta, attention_fn: AttentionFn):
         c = self.config
         fused = _fuses_epilogue(x, self.qkv_proj)
+        weight = _streamed_weight(self.qkv_proj)
         if fused and x.shape[0] == 1:
-            q = gemv.gemv_rotary_and_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, rotary.cos, rotary.sin,
+            q = gemv.gemv_rotary_and_store_kv(x, weight, self.qkv_proj.bias, rotary.cos, rotary.sin,
                                               positions, *kv_cache, meta.slot_mapping, c.num_heads)
         elif (fused and x.dtype == torch.bfloat16
-              and gemv.skinny_rotary_fits(x.shape[0], self.qkv_proj.weight.shape[0], c.head_dim)):
+              and gemv.skinny_rotary_fits(x.shape[0], weight.shape[0], c.head_dim)):
             # bf16 only: on the H100 the fp16 kernel differed from skinny_gemm + the rotary
             # kernel in a few elements by a rounding step (tests/test_gemv.py), bf16 bit for bit.
-            q = gemv.skinny_gemm_rotary_and_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, rotary.cos,
+            q = gemv.skinny_gemm_rotary_and_store_kv(x, weight, self.qkv_proj.bias, rotary.cos,
                                                      rotary.sin, positions, *kv_cache, meta.slot_mapping, c.num_heads)
         else:
             q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -134,7 +146,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _fuses_epilogue(x, self.gate_up_proj):
             fused = gemv.gemv_silu_and_mul if x.shape[0] == 1 else gemv.skinny_gemm_silu_and_mul
-            return self.down_proj(fused(x, self.gate_up_proj.weight))
+            return self.down_proj(fused(x, _streamed_weight(self.gate_up_proj)))
         return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -209,17 +221,28 @@ class CausalLM(nn.Module):
             hf, ours = f"model.layers.{i}.", f"layers.{i}."
             own[ours + "input_layernorm.weight"].copy_(take(hf + "input_layernorm.weight"))
             own[ours + "post_attention_layernorm.weight"].copy_(take(hf + "post_attention_layernorm.weight"))
-            qkv = [take(f"{hf}self_attn.{p}_proj.weight") for p in "qkv"]
-            own[ours + "self_attn.qkv_proj.weight"].copy_(torch.cat(qkv, 0))
+            layer = self.layers[i]
+            _load_projection(layer.self_attn.qkv_proj, [take(f"{hf}self_attn.{p}_proj.weight") for p in "qkv"])
             if self.config.attention_bias:
                 bias = [take(f"{hf}self_attn.{p}_proj.bias") for p in "qkv"]
                 own[ours + "self_attn.qkv_proj.bias"].copy_(torch.cat(bias, 0))
-            own[ours + "self_attn.o_proj.weight"].copy_(take(hf + "self_attn.o_proj.weight"))
-            gate_up = [take(f"{hf}mlp.{p}_proj.weight") for p in ("gate", "up")]
-            own[ours + "mlp.gate_up_proj.weight"].copy_(torch.cat(gate_up, 0))
-            own[ours + "mlp.down_proj.weight"].copy_(take(hf + "mlp.down_proj.weight"))
+            _load_projection(layer.self_attn.o_proj, [take(hf + "self_attn.o_proj.weight")])
+            _load_projection(layer.mlp.gate_up_proj, [take(f"{hf}mlp.{p}_proj.weight") for p in ("gate", "up")])
+            _load_projection(layer.mlp.down_proj, [take(hf + "mlp.down_proj.weight")])
         if state:
             raise ValueError(f"unexpected weights in checkpoint: {sorted(state)[:5]}")
+
+
+def _load_projection(module: nn.Module, parts: list) -> None:
+    """The HF projections `parts` (fused along N when several) into `module`: copied into a
+    `Linear`'s weight, or moved into a `QuantizedLinear` (see `fuse_weights`)."""
+    quantized = [not isinstance(part, torch.Tensor) for part in parts]
+    if isinstance(module, QuantizedLinear) and all(quantized):
+        module.load_weight(fuse_weights(parts))
+    elif not any(quantized) and not isinstance(module, QuantizedLinear):
+        module.weight.copy_(torch.cat(parts, 0))
+    else:
+        raise ValueError("checkpoint mixes quantised and full-precision decoder projections")
 
 
 def _pop_required(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -237,11 +260,15 @@ def build_model(
     """Allocate the model on `device` in `dtype` (no CPU or float32 copy), then copy the weights in.
 
     The rotary tables are built on the CPU in float64 from the config (and a Llama 3.1
-    GGUF's frequency factors, wherever they were loaded), then moved once.
+    GGUF's frequency factors, wherever they were loaded), then moved once. Quantised
+    projection weights (gpu_target/quantization, from the loader) make the decoder layers'
+    projections `QuantizedLinear`s, which take the weights over (`fuse_weights`).
     """
     freq_factors = state.get(ROPE_FREQ_FACTORS_NAME)
     with torch.device("meta"):
         model = CausalLM(config).to(dtype)
+        if contains_quantized(state):
+            replace_projections(model)
     model = model.to_empty(device=device)  # leaves buffers uninitialised: the rotary tables are rebuilt
     model.rotary = RotaryEmbedding(config, None if freq_factors is None else freq_factors.to("cpu")).to(device)
     model.load_hf_state_dict(state)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import yaml
 
 from hetero import __version__
+from gpu_target.quantization import QUANTIZATION_METHODS
 from hetero.config import EngineConfig
 
 _NO_DEFAULT = object()
@@ -83,6 +84,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("skip_tokenizer_init", "Load no tokenizer: prompts must be token ids and outputs carry no text.", None),
     Flag("load_format", "auto (the checkpoint), or dummy: random weights in its shapes, for timing."),
     Flag("dtype", "Weights and activations: auto, float32, float16 (half) or bfloat16."),
+    Flag("quantization", "Target weights: fp8 or int4 (quantised at load), or gptq / awq (the checkpoint's own; "
+         "default: the checkpoint's quantization_config, else none).", choices=QUANTIZATION_METHODS),
     Flag("seed", "Random seed for sampling without a per-request seed.", int),
     Flag("max_model_len", "Context length: prompt plus output (default: the model's).", int),
     Flag("max_num_seqs", "Most sequences in one batch.", int),

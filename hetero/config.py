@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 import torch
 
+from gpu_target.quantization import check_quantization
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -50,6 +52,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     device: str = "auto"
     load_format: str = "auto"  # "dummy": random weights in the checkpoint's shapes (vLLM's name), for timing
+    # Target weights: "fp8", "int4" (quantised at load) or a "gptq" / "awq" checkpoint (gpu_target/quantization).
+    quantization: Optional[str] = None
     skip_tokenizer_init: bool = False  # prompts as token ids, outputs without text (vLLM's name)
     # CPU only: each token's KV, hidden states and logits bit-identical whatever the batch
     # (gpu_target/batch_invariant.py); HETERO_BATCH_INVARIANT=1 turns it on too (vLLM: VLLM_BATCH_INVARIANT).
@@ -94,6 +98,7 @@ class EngineConfig:
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size, "must be one of 8, 16, 32, 64, 128")
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device, "must be 'auto', 'cpu' or 'cuda'")
         _check(self.load_format in ("auto", "dummy"), "load_format", self.load_format, "must be 'auto' or 'dummy'")
+        check_quantization(self.quantization)
         _check(isinstance(self.batch_invariant, bool), "batch_invariant", self.batch_invariant, "must be True or False")
         self.batch_invariant = self.batch_invariant or _env_flag(BATCH_INVARIANT_ENV)
         _check(0 < self.cpu_decoding_memory_utilization <= 1, "cpu_decoding_memory_utilization", self.cpu_decoding_memory_utilization, "must be in (0, 1]")

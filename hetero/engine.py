@@ -163,9 +163,9 @@ class LLMEngine:
                 f"max_position_embeddings ({self.model_config.max_position_embeddings})"
             )
         if real_weights:
-            state = load_state_dict(model_path, self.model_config, self.dtype, self.device)
+            state = load_state_dict(model_path, self.model_config, self.dtype, self.device, config.quantization)
         else:
-            state = random_state_dict(self.model_config, self.dtype, self.device, config.seed)
+            state = random_state_dict(self.model_config, self.dtype, self.device, config.seed, config.quantization)
         self.model = build_model(self.model_config, state, self.dtype, self.device)
         if config.batch_invariant:
             make_batch_invariant(self.model)

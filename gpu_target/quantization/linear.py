@@ -1,0 +1,83 @@
+"""The quantised linear layer: (quantised weight, bias) and a forward that picks a kernel by rows.
+
+- 1 row: `gemv.gemv`; 2..64 rows: `gemv.skinny_gemm` (CUDA, or Triton's interpreter in
+  tests), W dequantised in registers (gpu_target/gemv.py's `_weight_tile`).
+- more rows, FP8 on CUDA in bf16: `fp8.scaled_mm` (W8A8, per-token activation scales).
+- otherwise (the CPU, 4-bit prefill): W dequantised to x's dtype, then F.linear.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_target import gemv
+from gpu_target.quantization import QuantizedWeight, fp8
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T (+ b) with W held quantised (`Fp8Weight` or `Int4Weight`), b in the compute dtype.
+
+    Built empty (the model is allocated on the meta device first) and given its weight by
+    `load_weight`, so no full-precision copy of W is ever allocated.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.quantized: Optional[QuantizedWeight] = None
+
+    def load_weight(self, weight: QuantizedWeight) -> None:
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"quantised weight of shape {tuple(weight.shape)} does not fit a linear layer "
+                f"[{self.out_features}, {self.in_features}]"
+            )
+        self.quantized = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.quantized
+        if getattr(weight, "perm", None) is not None:  # act-order: gather x's columns into the stored order
+            x, weight = x.index_select(-1, weight.perm), weight.in_stored_order()
+        if gemv.streaming_applies(x, weight):
+            return gemv.gemv(x, weight, self.bias) if x.shape[0] == 1 else gemv.skinny_gemm(x, weight, self.bias)
+        if isinstance(weight, fp8.Fp8Weight) and fp8.scaled_mm_applies(x, weight):
+            return fp8.scaled_mm(x, weight, self.bias)
+        return F.linear(x, weight.dequantize(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        kind = type(self.quantized).__name__ if self.quantized is not None else "empty"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kind}"
+
+
+PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+
+
+def replace_projections(model: nn.Module) -> None:
+    """Swap every decoder layer's projections for empty `QuantizedLinear`s (embeddings and
+    lm_head stay in the compute dtype). Call on the meta-device model, before allocation."""
+    for layer in model.layers:
+        for block_name, proj_name in PROJECTIONS:
+            block = getattr(layer, block_name)
+            old = getattr(block, proj_name)
+            replacement = QuantizedLinear(old.in_features, old.out_features, old.bias is not None)
+            setattr(block, proj_name, replacement.to(old.weight.dtype))
+
+
+def fuse_weights(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """The parts stacked along N (q/k/v, gate/up), consuming them: each part's tensors are
+    dropped once copied, so fusing a loaded model's projections needs memory for one layer's
+    copy, not the model's."""
+    if len(parts) == 1:
+        return parts[0]
+    fused = type(parts[0]).cat(parts)
+    for part in parts:
+        for field in dataclasses.fields(part):
+            if isinstance(getattr(part, field.name), torch.Tensor) and field.name != "perm":
+                setattr(part, field.name, None)
+    return fused

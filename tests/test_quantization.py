@@ -1,0 +1,569 @@
+"""Quantised targets (gpu_target/quantization): formats, checkpoint layouts, kernels, engine.
+
+- FP8 / int4 quantise-dequantise round trips stay within each format's error bound.
+- GPTQ, AWQ and FP8 checkpoints written here in their published layouts load to the weights
+  their tensors encode (dequantised reference computed here, independently of the loader).
+- The Triton weight-only GEMV / skinny GEMM (Triton's interpreter without a GPU) match a
+  dequantise-then-matmul reference; `QuantizedLinear` dispatches by rows.
+- An engine generates with each method; speculative greedy equals plain greedy (float32)
+  on a quantised target; bad combinations fail naming `quantization`.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from gpu_target import gemv
+from gpu_target.loader import load_config, load_state_dict, random_state_dict
+from gpu_target.model import build_model
+from gpu_target.quantization import fp8, int4
+from gpu_target.quantization.checkpoint import AWQ_PACK_ORDER
+from gpu_target.quantization.linear import QuantizedLinear
+from hetero import LLM, SamplingParams
+from hetero.config import EngineConfig
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+PROMPTS = ["Hello, my name is", "The capital of France is", "def add(a, b):", "Once upon a time"]
+
+
+# --------------------------------------------------------------------------- formats
+
+
+def test_fp8_round_trip_within_e4m3_rounding():
+    weight = torch.randn(48, 200) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different scales
+    weight[5] = 0.0
+    quantized = fp8.quantize_fp8(weight)
+    assert quantized.qweight.dtype == torch.float8_e4m3fn and quantized.scales.shape == (48,)
+    scale = quantized.scales[:, None]
+    # E4M3: 3 mantissa bits (half a step = 2^-4 relative); subnormals step 2^-9 (half: 2^-10) times the scale.
+    bound = torch.maximum(weight.abs() * 2.0**-4, scale * 2.0**-10) * 1.0001
+    assert ((quantized.dequantize(torch.float32) - weight).abs() <= bound).all()
+    assert quantized.dequantize(torch.float32)[5].eq(0).all()
+    assert torch.allclose((weight.abs().amax(1) / 448).clamp(min=1e-12), quantized.scales)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("k,group", [(256, 128), (576, 128), (64, 32)])  # 576: a last group of 64
+def test_int4_round_trip_within_half_a_step(symmetric, k, group):
+    weight = torch.randn(40, k) * 0.05 + (0.0 if symmetric else 0.01)
+    quantized = int4.quantize_int4(weight, group, symmetric=symmetric)
+    groups = -(-k // group)
+    assert quantized.qweight.shape == (40, k // 2) and quantized.scales.shape == (40, groups)
+    assert (quantized.zeros is None) == symmetric
+    step = quantized.scales.float()[:, torch.arange(k) // group]
+    error = (quantized.dequantize(torch.float32) - weight).abs()
+    # Half a step, plus the fp16 rounding of the scale at the grid's ends (15 steps x 2^-11, relative).
+    assert (error <= step * (0.5 + 15 * 2.0**-11) + 1e-7).all()
+    assert quantized.codes().max() <= 15
+
+
+def test_nibble_packing_round_trips_with_even_k_low():
+    codes = torch.randint(0, 16, (5, 12), dtype=torch.uint8)
+    packed = int4.pack_nibbles(codes)
+    assert packed.shape == (5, 6) and torch.equal(packed[:, 0] & 15, codes[:, 0]) and torch.equal(packed[:, 0] >> 4, codes[:, 1])
+    assert torch.equal(int4.unpack_nibbles(packed), codes)
+
+
+def test_fused_int4_weights_need_one_grouping():
+    a, b = int4.quantize_int4(torch.randn(8, 64), 32), int4.quantize_int4(torch.randn(8, 64), 16)
+    with pytest.raises(ValueError, match="group size"):
+        int4.Int4Weight.cat([a, b])
+    with pytest.raises(ValueError, match="even number of columns"):
+        int4.quantize_int4(torch.randn(8, 64), 33)
+    mixed = int4.Int4Weight.cat([a, int4.quantize_int4(torch.randn(8, 64), 32, symmetric=True)])
+    assert torch.equal(mixed.zeros[8:], torch.full((8, 2), 8, dtype=torch.uint8))
+
+
+# --------------------------------------------------------------------------- checkpoints in the published layouts
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _pack_rows_of_8(values: np.ndarray) -> np.ndarray:
+    """AutoGPTQ's qweight packing: int [K, N] -> int32 [K/8, N], code 8i + j in bits 4j of word i."""
+    packed = np.zeros((values.shape[0] // 8, values.shape[1]), dtype=np.uint32)
+    for j in range(8):
+        packed |= values[j::8].astype(np.uint32) << (4 * j)
+    return packed.view(np.int32)
+
+
+def _pack_columns_of_8(values: np.ndarray, order=tuple(range(8))) -> np.ndarray:
+    """int [R, N] -> int32 [R, N/8], nibble i of word c holding column 8c + order[i] (GPTQ's qzeros;
+    AWQ's qweight and qzeros with its interleaved order)."""
+    packed = np.zeros((values.shape[0], values.shape[1] // 8), dtype=np.uint32)
+    for i in range(8):
+        packed |= values[:, order[i]::8].astype(np.uint32) << (4 * i)
+    return packed.view(np.int32)
+
+
+def _quantized_copy(source: pathlib.Path, target: pathlib.Path, quantization_config: dict, write_projection) -> dict:
+    """A copy of the tiny checkpoint whose projections `write_projection(name, weight) -> (tensors,
+    reference dequantised weight)` rewrites; returns the references by HF weight name."""
+    target.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, target / file.name)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (target / "config.json").write_text(json.dumps(config))
+    tensors, references = {}, {}
+    for file in source.glob("*.safetensors"):
+        for name, tensor in load_file(file).items():
+            if any(f".{p}.weight" in name for p in PROJECTIONS):
+                written, references[name] = write_projection(name, tensor)
+                tensors.update({name.removesuffix("weight") + key: value for key, value in written.items()})
+            else:
+                tensors[name] = tensor
+    save_file(tensors, target / "model.safetensors")
+    return references
+
+
+def _input_of(name: str) -> str:
+    """Projections that read the same input share GPTQ's act-order (its Hessian is the input's): q/k/v, gate/up."""
+    layer = name.split(".")[2]
+    return layer + ("qkv" if any(f"{p}_proj" in name for p in "qkv") else "gate_up" if "gate" in name or "up_" in name else name)
+
+
+def _random_int4_tensors(name: str, weight: torch.Tensor, group: int, generator: torch.Generator, g_idx_by_input: dict):
+    """Random codes, fp16 scales, zero points 1..15 and a group index for an [N, K] weight:
+    (codes [K, N], scales [G, N], zeros [G, N], g_idx [K], the dequantised [N, K] weight).
+    With `g_idx_by_input` (act-order) each input's columns are assigned to groups at random."""
+    n, k = weight.shape
+    codes = torch.randint(0, 16, (k, n), generator=generator)
+    scales = (torch.rand(k // group, n, generator=generator) * 0.02 + 0.001).half()
+    zeros = torch.randint(1, 16, (k // group, n), generator=generator)
+    g_idx = torch.arange(k) // group
+    if g_idx_by_input is not None:
+        g_idx = g_idx_by_input.setdefault(_input_of(name), g_idx[torch.randperm(k, generator=generator)])
+    reference = (codes - zeros[g_idx]).float() * scales[g_idx].float()  # [K, N]
+    return codes, scales, zeros, g_idx, reference.t().contiguous()
+
+
+def _assert_loads_to(directory: pathlib.Path, references: dict, **kwargs):
+    config = load_config(directory)
+    state = load_state_dict(directory, config, torch.float32, "cpu", **kwargs)
+    model = build_model(config, state, torch.float32, "cpu")
+    for i, layer in enumerate(model.layers):
+        hf = f"model.layers.{i}."
+        fused = {
+            layer.self_attn.qkv_proj: [hf + f"self_attn.{p}_proj.weight" for p in "qkv"],
+            layer.self_attn.o_proj: [hf + "self_attn.o_proj.weight"],
+            layer.mlp.gate_up_proj: [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"],
+            layer.mlp.down_proj: [hf + "mlp.down_proj.weight"],
+        }
+        for module, names in fused.items():
+            assert isinstance(module, QuantizedLinear)
+            expected = torch.cat([references[name] for name in names])
+            torch.testing.assert_close(module.quantized.dequantize(torch.float32), expected, rtol=0, atol=0)
+    return model
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("checkpoint_format", ["gptq", "gptq_v2"])
+def test_gptq_checkpoint_loads_its_weights(tiny_llama_dir, tmp_path, act_order, checkpoint_format):
+    generator = torch.Generator().manual_seed(1)
+    g_idx_by_input = {} if act_order else None
+
+    def write(name, weight):
+        codes, scales, zeros, g_idx, reference = _random_int4_tensors(name, weight, 32, generator, g_idx_by_input)
+        stored_zeros = (zeros - 1) if checkpoint_format == "gptq" else zeros  # v1 stores zero points minus one
+        tensors = {
+            "qweight": torch.from_numpy(_pack_rows_of_8(codes.numpy())),
+            "qzeros": torch.from_numpy(_pack_columns_of_8(stored_zeros.numpy())),
+            "scales": scales,
+            "g_idx": g_idx.to(torch.int32),
+        }
+        return tensors, reference
+
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": act_order, "sym": False,
+              "checkpoint_format": checkpoint_format}
+    references = _quantized_copy(tiny_llama_dir, tmp_path / "gptq", config, write)
+    model = _assert_loads_to(tmp_path / "gptq", references)
+    assert (model.layers[0].self_attn.qkv_proj.quantized.perm is not None) == act_order
+    # An act-order layer runs on its permuted columns: the output is x @ W^T all the same.
+    x = torch.randn(3, 64)
+    expected = F.linear(x, torch.cat([references[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]))
+    torch.testing.assert_close(model.layers[0].self_attn.qkv_proj(x), expected)
+
+
+def test_awq_checkpoint_loads_its_weights(tiny_qwen2_dir, tmp_path):
+    generator = torch.Generator().manual_seed(2)
+
+    def write(name, weight):
+        codes, scales, zeros, _, reference = _random_int4_tensors(name, weight, 32, generator, None)
+        tensors = {
+            "qweight": torch.from_numpy(_pack_columns_of_8(codes.numpy(), AWQ_PACK_ORDER)),
+            "qzeros": torch.from_numpy(_pack_columns_of_8(zeros.numpy(), AWQ_PACK_ORDER)),
+            "scales": scales,
+        }
+        return tensors, reference
+
+    config = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    references = _quantized_copy(tiny_qwen2_dir, tmp_path / "awq", config, write)
+    model = _assert_loads_to(tmp_path / "awq", references, quantization="awq")
+    assert model.layers[0].self_attn.qkv_proj.bias is not None  # Qwen2's q/k/v bias, full precision
+
+
+def test_awq_pack_order_is_autoawqs():
+    """AutoAWQ packs column order_map[i] of each 8 into nibble i with order_map = [0, 2, 4, 6, 1, 3, 5, 7]."""
+    row = np.arange(8)[None, :]
+    word = int(_pack_columns_of_8(row, AWQ_PACK_ORDER).view(np.uint32)[0, 0])
+    assert [(word >> (4 * i)) & 15 for i in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+@pytest.mark.parametrize("scheme", ["fp8-per-tensor", "compressed-tensors-channel", "fp8-block"])
+def test_fp8_checkpoint_loads_its_weights(tiny_llama_dir, tmp_path, scheme):
+    def write(name, weight):
+        if scheme == "fp8-per-tensor":  # vLLM's serialised FP8: one scale per tensor, a static input scale
+            scale = weight.abs().max() / 448
+            codes = (weight / scale).to(torch.float8_e4m3fn)
+            return {"weight": codes, "weight_scale": scale.reshape(()), "input_scale": torch.tensor(0.1)}, codes.float() * scale
+        if scheme == "compressed-tensors-channel":
+            scale = weight.abs().amax(1, keepdim=True) / 448
+            codes = (weight / scale).to(torch.float8_e4m3fn)
+            return {"weight": codes, "weight_scale": scale}, codes.float() * scale
+        scale_inv = torch.rand(-(-weight.shape[0] // 16), -(-weight.shape[1] // 16)) * 0.01 + 0.001  # 16 x 16 blocks
+        codes = torch.randn(weight.shape).clamp(-400, 400).to(torch.float8_e4m3fn)
+        expanded = scale_inv.repeat_interleave(16, 0)[: weight.shape[0]].repeat_interleave(16, 1)[:, : weight.shape[1]]
+        return {"weight": codes, "weight_scale_inv": scale_inv}, codes.float() * expanded
+
+    config = {
+        "fp8-per-tensor": {"quant_method": "fp8", "activation_scheme": "static"},
+        "compressed-tensors-channel": {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                                          "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}},
+        },
+        "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]},
+    }[scheme]
+    references = _quantized_copy(tiny_llama_dir, tmp_path / scheme, config, write)
+    if scheme != "fp8-block":
+        _assert_loads_to(tmp_path / scheme, references, quantization="fp8")
+        return
+    # Blocks are re-quantised per channel: within E4M3's rounding of the block-dequantised weight.
+    config_ = load_config(tmp_path / scheme)
+    model = build_model(config_, load_state_dict(tmp_path / scheme, config_, torch.float32, "cpu"), torch.float32, "cpu")
+    got = model.layers[1].mlp.down_proj.quantized.dequantize(torch.float32)
+    expected = references["model.layers.1.mlp.down_proj.weight"]
+    assert ((got - expected).abs() <= expected.abs() * 2.0**-4 + 1e-6).all()
+
+
+def test_mismatched_and_unknown_methods_fail_naming_quantization(tiny_llama_dir, tmp_path):
+    config = load_config(tiny_llama_dir)
+    with pytest.raises(ValueError, match="quantization must be None or one of"):
+        EngineConfig(model=str(tiny_llama_dir), quantization="nf4")
+    with pytest.raises(ValueError, match="quantization='gptq' needs a checkpoint"):
+        load_state_dict(tiny_llama_dir, config, torch.float32, "cpu", quantization="gptq")
+    references = _quantized_copy(tiny_llama_dir, tmp_path / "ckpt", {"quant_method": "fp8"},
+                                 lambda name, w: ({"weight": w.to(torch.float8_e4m3fn), "weight_scale": torch.tensor(1.0)}, w))
+    assert references
+    with pytest.raises(ValueError, match="quantization='int4' does not match .*'fp8'"):
+        load_state_dict(tmp_path / "ckpt", config, torch.float32, "cpu", quantization="int4")
+    (tmp_path / "bad").mkdir()
+    for file in (tmp_path / "ckpt").iterdir():
+        shutil.copy(file, tmp_path / "bad" / file.name)
+    bad = json.loads((tmp_path / "bad" / "config.json").read_text())
+    bad["quantization_config"] = {"quant_method": "gptq", "bits": 3}
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="3 bits are not supported"):
+        load_state_dict(tmp_path / "bad", config, torch.float32, "cpu")
+
+
+def test_cli_takes_quantization():
+    from hetero.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "some-model", "--quantization", "fp8"])
+    assert args.quantization == "fp8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "some-model", "--quantization", "nf4"])
+
+
+# --------------------------------------------------------------------------- kernels
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+FORMATS = {
+    "fp8": fp8.quantize_fp8,
+    "int4-asym": lambda w: int4.quantize_int4(w, 128),
+    "int4-sym": lambda w: int4.quantize_int4(w, 128, symmetric=True),
+    "int4-g32": lambda w: int4.quantize_int4(w, 32),
+}
+
+
+def _kernel_case(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, bias: bool):
+    generator = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=generator).to(DEVICE, dtype)
+    weight = FORMATS[fmt]((torch.randn(n, k, generator=generator) / k**0.5).to(DEVICE))
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
+    # The reference: W dequantised to the compute dtype, then a float32 matmul.
+    expected = F.linear(x.float(), weight.dequantize(dtype).float(), None if b is None else b.float())
+    return x, weight, b, expected
+
+
+def _tolerance(dtype: torch.dtype, fmt: str) -> dict:
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    # FP8 scales each output once after the sum, the reference each rounded weight: a few ulps apart.
+    return dict(rtol=4 * ulp if fmt == "fp8" else ulp, atol=2e-2 if dtype == torch.bfloat16 else 4e-3)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,bias", [(37, 300, False), (64, 256, True), (6, 2050, False)])
+def test_quantized_gemv_matches_dequantised_matmul(fmt, dtype, n, k, bias):
+    x, weight, b, expected = _kernel_case(fmt, 1, n, k, dtype, bias)
+    got = gemv.gemv(x, weight, b)
+    assert got.shape == (1, n) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, **_tolerance(dtype, fmt))
+
+
+def test_quantized_gemv_small_tiles_cover_every_row_and_column():
+    x, weight, _, expected = _kernel_case("int4-g32", 1, 9, 70, torch.float16, False)
+    got = gemv.gemv(x, weight, block_n=4, block_k=16, num_warps=1)
+    torch.testing.assert_close(got.float(), expected, **_tolerance(torch.float16, "int4"))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k,bias", [(2, 37, 300, False), (17, 70, 256, True), (64, 33, 130, False)])
+def test_quantized_skinny_gemm_matches_dequantised_matmul(fmt, dtype, m, n, k, bias):
+    x, weight, b, expected = _kernel_case(fmt, m, n, k, dtype, bias)
+    got = gemv.skinny_gemm(x, weight, b)
+    assert got.shape == (m, n) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, **_tolerance(dtype, fmt))
+
+
+@pytest.mark.parametrize("w_first", [False, True])
+def test_quantized_skinny_gemm_small_tiles_and_strided_rows(w_first):
+    x, weight, _, _ = _kernel_case("int4-g32", 5, 40, 96, torch.bfloat16, False)
+    wide = torch.zeros(5, 128, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, :96] = x
+    view = wide[:, :96]  # rows 128 apart
+    got = gemv.skinny_gemm(view, weight, block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=w_first)
+    expected = F.linear(x.float(), weight.dequantize(torch.bfloat16).float())
+    torch.testing.assert_close(got.float(), expected, **_tolerance(torch.bfloat16, "int4"))
+
+
+def test_w8a8_scaled_mm_is_within_activation_rounding():
+    x = torch.randn(80, 256, dtype=torch.bfloat16)
+    weight = fp8.quantize_fp8(torch.randn(96, 256) / 16)
+    bias = torch.randn(96, dtype=torch.bfloat16)
+    try:
+        got = fp8.scaled_mm(x, weight, bias).float()
+    except (RuntimeError, NotImplementedError) as error:  # a torch build without _scaled_mm on this device
+        pytest.skip(f"torch._scaled_mm unavailable: {error}")
+    expected = F.linear(x.float(), weight.dequantize(torch.float32), bias.float())
+    # Each activation is rounded to E4M3 (2^-4 relative): the error is a few percent of |y|'s scale.
+    assert (got - expected).abs().max() <= 0.06 * expected.abs().max()
+
+
+def test_quantized_linear_dispatches_by_rows(monkeypatch):
+    linear = QuantizedLinear(256, 64, bias=False)
+    linear.load_weight(int4.quantize_int4(torch.randn(64, 256) / 16, 128))
+    calls = []
+    for name in ("gemv", "skinny_gemm"):
+        original = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    reference = linear.quantized.dequantize(torch.bfloat16)
+    for m in (1, 17, 65):
+        x = torch.randn(m, 256, dtype=torch.bfloat16)
+        torch.testing.assert_close(linear(x).float(), F.linear(x, reference).float(), rtol=2.0**-6, atol=2e-2)
+    assert calls == []  # CPU tensors: dequantise, then F.linear
+    monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+    for m in (1, 17, 65):
+        x = torch.randn(m, 256, dtype=torch.bfloat16)
+        torch.testing.assert_close(linear(x).float(), F.linear(x, reference).float(), rtol=2.0**-6, atol=2e-2)
+    assert calls == (["gemv", "skinny_gemm"] if gemv._interpreting() else [])
+    with pytest.raises(ValueError, match="does not fit"):
+        linear.load_weight(fp8.quantize_fp8(torch.randn(64, 128)))
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+def _prompt_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    """The engine's logits at every position of one prefill of `tokens`."""
+    from gpu_target.runner import SequenceChunk
+
+    return llm.llm_engine.runner.forward([SequenceChunk(tokens, range(len(tokens)), [1, 2], 0, range(len(tokens)))])
+
+
+@pytest.mark.parametrize("quantization, min_agreement", [("fp8", 0.9), ("int4", 0.6)])
+def test_engine_generates_and_stays_close_to_full_precision(tiny_llama_dir, quantization, min_agreement):
+    plain = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32")
+    quantized = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", quantization=quantization)
+    assert isinstance(quantized.llm_engine.model.layers[0].mlp.down_proj, QuantizedLinear)
+    assert not isinstance(quantized.llm_engine.model.lm_head, QuantizedLinear)  # lm_head stays full precision
+    assert all(len(o.outputs[0].token_ids) == 16 for o in quantized.generate(PROMPTS, GREEDY, use_tqdm=False))
+    tokens = list(torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(0)).tolist())
+    expected, got = _prompt_logits(plain, tokens), _prompt_logits(quantized, tokens)
+    agreement = (expected.argmax(-1) == got.argmax(-1)).float().mean().item()
+    assert agreement >= min_agreement and not torch.equal(expected, got)
+
+
+def test_quantized_multi_step_decoding_equals_single_step(tiny_llama_dir):
+    outs = []
+    for steps in (1, 4):
+        llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", quantization="int4", num_scheduler_steps=steps)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+def test_dummy_weights_are_quantised_as_drawn(tiny_llama_dir, quantization):
+    config = load_config(tiny_llama_dir)
+    state = random_state_dict(config, torch.float32, "cpu", quantization=quantization)
+    kind = fp8.Fp8Weight if quantization == "fp8" else int4.Int4Weight
+    assert isinstance(state["model.layers.0.self_attn.q_proj.weight"], kind)
+    assert isinstance(state["model.embed_tokens.weight"], torch.Tensor)
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", quantization=quantization, load_format="dummy")
+    assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+def test_speculative_greedy_equals_plain_greedy_on_a_quantised_target(tiny_llama_dir, quantization):
+    from test_speculative import PROMPTS as SPEC_PROMPTS
+    from test_speculative import OracleProposer, speculative_llm
+
+    plain = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", quantization=quantization)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in plain.generate(SPEC_PROMPTS[:8], params, use_tqdm=False)}
+    proposer = OracleProposer(truth, "random", 24, 0.8, vocab=320, seed=3)
+    llm = speculative_llm(tiny_llama_dir, proposer, quantization=quantization)
+    llm.llm_engine.spec_control.always_speculate = True
+    for out in llm.generate(SPEC_PROMPTS[:8], params, use_tqdm=False):
+        assert out.outputs[0].token_ids == truth[tuple(out.prompt_token_ids)]
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_quant_decode_bench_counts_the_bytes_a_step_reads(tiny_llama_dir):
+    from bench.quant_decode import add_speedups, weight_bytes_read
+
+    config = load_config(tiny_llama_dir)
+    model = build_model(config, random_state_dict(config, torch.float32, "cpu", quantization="fp8"), torch.float32, "cpu")
+    projections = sum(m.quantized.nbytes for m in model.modules() if isinstance(m, QuantizedLinear))
+    h = config.hidden_size
+    rest = sum(p.nbytes for name, p in model.named_parameters() if name != "embed_tokens.weight")
+    elements = config.num_parameters() - 2 * config.vocab_size * h - (2 * config.num_layers + 1) * h  # untied: embed + lm_head
+    output_rows = config.num_layers * (config.q_size + 2 * config.kv_size + h + 2 * config.intermediate_size + h)
+    assert projections == elements + 4 * output_rows  # one byte per weight, a float32 scale per output channel
+    assert weight_bytes_read(model, batch=3) == projections + rest + 3 * h * 4
+    rows = [dict(section="decode", quantization="none", batch=1, tokens_per_s=100.0),
+            dict(section="decode", quantization="fp8", batch=1, tokens_per_s=180.0)]
+    add_speedups(rows)
+    assert [r["speedup_vs_none"] for r in rows] == [1.0, 1.8]
+
+
+# --------------------------------------------------------------------------- fused epilogues on quantised weights
+
+
+def _quantized_runner(model_dir, quantization):
+    from gpu_target.kv_cache import KVCachePool
+    from gpu_target.runner import ModelRunner
+
+    config = load_config(model_dir)
+    dtype = torch.bfloat16
+    model = build_model(config, load_state_dict(model_dir, config, dtype, DEVICE, quantization=quantization), dtype, DEVICE)
+    return config, ModelRunner(model, KVCachePool(config, 6, 16, dtype, DEVICE), DEVICE)
+
+
+PROMPT = [5, 17, 42, 8, 99, 3, 61, 7, 12, 13, 40, 41, 2, 9, 77, 30, 31, 33, 28]
+
+
+def _fused_and_unfused(runner, chunk, monkeypatch, names):
+    """(fused logits, fused KV, unfused logits, unfused KV, the fused run's calls of `names`)."""
+    from gpu_target import model as model_module
+    from gpu_target.runner import SequenceChunk
+
+    runner.forward([SequenceChunk(PROMPT, range(len(PROMPT)), [4, 1], 0, [len(PROMPT) - 1])])
+    kv_before = runner.kv_pool.storage.clone()
+    calls = []
+    for name in names:
+        original = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda *args, _f=original, _n=name, **kw: calls.append(_n) or _f(*args, **kw))
+    fused = runner.forward([chunk])
+    fused_kv = runner.kv_pool.storage.clone()
+    runner.kv_pool.storage.copy_(kv_before)
+    monkeypatch.setattr(model_module, "_fuses_epilogue", lambda x, projection: False)
+    unfused = runner.forward([chunk])
+    assert not torch.equal(fused_kv, kv_before)
+    return fused, fused_kv, unfused, runner.kv_pool.storage, calls
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2: the qkv bias
+def test_quantized_decode_step_through_the_fused_gemvs_equals_the_unfused_kernels(architecture, quantization, request,
+                                                                                 monkeypatch):
+    """gemv.py's fused GEMVs stream quantised weights too: a bf16 decode step of a quantised
+    tiny model gives the same logits and KV cache, bit for bit, fused and unfused."""
+    from gpu_target import fused_ops
+    from gpu_target.runner import SequenceChunk
+
+    config, runner = _quantized_runner(request.getfixturevalue(f"tiny_{architecture}_dir"), quantization)
+    if not CUDA:
+        monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+    monkeypatch.setattr(fused_ops, "_wants_triton", lambda x, use_triton: True)
+    decode = SequenceChunk([23], [len(PROMPT)], [4, 1], len(PROMPT), [0])
+    fused, fused_kv, unfused, unfused_kv, calls = _fused_and_unfused(
+        runner, decode, monkeypatch, ("gemv_silu_and_mul", "gemv_rotary_and_store_kv"))
+    if gemv._interpreting() or CUDA:
+        assert sorted(calls) == sorted(["gemv_rotary_and_store_kv", "gemv_silu_and_mul"] * config.num_layers)
+    assert torch.equal(fused, unfused) and torch.equal(fused_kv, unfused_kv)
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_quantized_tree_verification_through_the_fused_skinny_gemms_equals_the_unfused_kernels(architecture, quantization,
+                                                                                              request, monkeypatch):
+    """The same at 5 rows (tree nodes sharing positions), through the fused skinny GEMMs,
+    on a tile whose 8 rotary pairs fit the 16-dim heads."""
+    from gpu_target import fused_ops
+    from gpu_target.runner import SequenceChunk
+
+    config, runner = _quantized_runner(request.getfixturevalue(f"tiny_{architecture}_dir"), quantization)
+    if not CUDA:
+        monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+    monkeypatch.setattr(fused_ops, "_wants_triton", lambda x, use_triton: True)
+    tile = dict(block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=True)
+    monkeypatch.setattr(gemv, "skinny_tile", lambda n, block_m: tile)
+    n = len(PROMPT)
+    tree = SequenceChunk([23, 50, 51, 60, 61], [n, n + 1, n + 1, n + 2, n + 2], [4, 1], n, list(range(5)),
+                         [0b1, 0b11, 0b101, 0b1011, 0b10101])
+    fused, fused_kv, unfused, unfused_kv, calls = _fused_and_unfused(
+        runner, tree, monkeypatch, ("skinny_gemm_silu_and_mul", "skinny_gemm_rotary_and_store_kv"))
+    if gemv._interpreting() or CUDA:
+        assert sorted(calls) == sorted(["skinny_gemm_rotary_and_store_kv", "skinny_gemm_silu_and_mul"] * config.num_layers)
+    assert torch.equal(fused, unfused) and torch.equal(fused_kv, unfused_kv)
+
+
+def test_quant_decode_bench_damps_quantised_output_projections(tiny_llama_dir):
+    from bench.quant_decode import damp_layer_outputs
+
+    config = load_config(tiny_llama_dir)
+    model = build_model(config, random_state_dict(config, torch.float32, "cpu", quantization="int4"), torch.float32, "cpu")
+    before = [layer.mlp.down_proj.quantized.scales.clone() for layer in model.layers]
+    qkv_before = model.layers[0].self_attn.qkv_proj.quantized.scales.clone()
+    damp_layer_outputs(model, 0.5)
+    assert all(torch.equal(layer.mlp.down_proj.quantized.scales, b * 0.5) for layer, b in zip(model.layers, before))
+    assert torch.equal(model.layers[0].self_attn.qkv_proj.quantized.scales, qkv_before)
+
+
+def test_fp8_needs_a_gpu_with_fp8(monkeypatch):
+    from gpu_target import quantization
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match="quantization='fp8' needs a GPU of compute capability 8.9"):
+        quantization.check_device("fp8", "cuda")
+    quantization.check_device("int4", "cuda")  # 4-bit kernels need no FP8 hardware
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    quantization.check_device("fp8", "cuda")
