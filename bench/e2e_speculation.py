@@ -66,7 +66,7 @@ def write_model_dir(config: dict) -> str:
     return directory
 
 
-def draft_weights(draft_dir: str, seed: int, hot_tokens: int, cold_scale: float) -> dict[str, torch.Tensor]:
+def draft_weights(draft_dir: str, seed: int, hot_tokens: int = 0, cold_scale: float = 1.0) -> dict[str, torch.Tensor]:
     """Random draft weights (the loader's dummy format) with its layers' outputs damped like the target's,
     and the head rows of the tokens past the ``hot_tokens`` most frequent (the lowest ids) scaled by ``cold_scale``."""
     weights = random_state_dict(load_config(draft_dir, require_weights=False), torch.bfloat16, "cpu", seed)
