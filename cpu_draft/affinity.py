@@ -64,10 +64,13 @@ def default_draft_cpus(spec: Optional[str] = None) -> list[int]:
 
 def pin_coordinator(draft_cpus: Sequence[int]) -> list[int]:
     """Bind the calling thread (and the threads it starts later) to the usable cores the draft
-    does not use; returns them (empty, and nothing changed, when the draft uses them all)."""
+    does not use, and size torch's intra-op pool to them, so that no OpenMP thread of the
+    coordinator spins on a core the draft's threads need; returns those cores (empty, and
+    nothing changed, when the draft uses them all)."""
     rest = sorted(set(usable_cpus()) - set(draft_cpus))
     if rest:
         os.sched_setaffinity(0, rest)
+        torch.set_num_threads(len(rest))
     return rest
 
 

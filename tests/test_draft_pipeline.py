@@ -91,13 +91,15 @@ def test_the_coordinator_keeps_one_core_in_eight_and_pins_itself_off_the_draft(m
     pinned = []
     monkeypatch.delenv(affinity.DRAFT_CPUS_ENV, raising=False)
     monkeypatch.setattr(affinity.os, "sched_setaffinity", lambda pid, cpus: pinned.append(sorted(cpus)))
+    threads = []
+    monkeypatch.setattr(affinity.torch, "set_num_threads", threads.append)
     for usable, draft in [(range(16), list(range(2, 16))), (range(2), [1]), (range(1), [0]), (range(4, 12), list(range(5, 12)))]:
         monkeypatch.setattr(affinity, "_process_cpus", None)
         monkeypatch.setattr(affinity.os, "sched_getaffinity", lambda pid, usable=usable: set(usable))
         assert affinity.default_draft_cpus() == draft
     monkeypatch.setattr(affinity, "_process_cpus", None)
     monkeypatch.setattr(affinity.os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert affinity.pin_coordinator(range(2, 16)) == [0, 1] and pinned == [[0, 1]]
+    assert affinity.pin_coordinator(range(2, 16)) == [0, 1] and pinned == [[0, 1]] and threads == [2]
     monkeypatch.setattr(affinity.os, "sched_getaffinity", lambda pid: {0, 1})  # the pinned thread's own set now
     assert affinity.default_draft_cpus() == list(range(2, 16))  # a second engine's draft is not shrunk by the pin
     assert affinity.pin_coordinator(range(16)) == [] and pinned == [[0, 1]]  # nothing left: not pinned
