@@ -223,17 +223,23 @@ def main(argv=None) -> None:
                 row["predraft_hit_rate"] = round(hits / (hits + misses), 3) if hits + misses else ""
             rows.append(row)
             print(row, flush=True)
-        close = getattr(engine.proposer, "close", None)
-        if callable(close):
-            close()
+        release_engine(engine)
         del engine
-        gc.collect()
-        torch.cuda.empty_cache()
     plain = {r["batch"]: r["tokens_per_s"] for r in rows if r["config"] == "plain"}
     for row in rows:
         if row["batch"] in plain:
             row["speedup_vs_plain"] = round(row["tokens_per_s"] / plain[row["batch"]], 2)
     write(args, rows)
+
+
+def release_engine(engine: LLMEngine) -> None:
+    """Stop the engine's draft worker (if any) and give its GPU memory back before the next engine."""
+    close = getattr(engine.proposer, "close", None)
+    if callable(close):
+        close()
+    engine.__dict__.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _worker_stats(engine: LLMEngine):

@@ -35,7 +35,7 @@ import torch
 
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
-from bench.e2e_speculation import DRAFT, draft_weights, write_model_dir
+from bench.e2e_speculation import DRAFT, draft_weights, release_engine, write_model_dir
 from bench.gpu_decode import DAMPING, LLAMA3_8B, ChainOracle, copy_bandwidth, graph_replay_ms, random_prompts, timed_decode, timed_steps
 from gpu_target.quantization.linear import QuantizedLinear
 from hetero.config import EngineConfig
@@ -167,12 +167,8 @@ def bench_spec(shape: dict, quantization, batches, prompt_len, new_tokens, k, ut
                              mean_accepted_length=round((accepted + steps) / steps, 2) if steps else "",
                              speedup_vs_plain=round(tokens_per_s[name, batch] / tokens_per_s["plain", batch], 2)))
             print(rows[-1], flush=True)
-        close = getattr(engine.proposer, "close", None)
-        if callable(close):
-            close()
+        release_engine(engine)
         del engine
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def add_speedups(rows: list[dict]) -> None:

@@ -74,7 +74,7 @@ def bench_shape(name: str, n: int, k: int, row_counts: list[int], sweep: bool, r
                     swept.append(dict(shape=name, format=fmt, m=m, tile=tile_label(tile), us=round(us, 2),
                                       TBps=round(gigabytes / us * 1e3, 2)))
                 best += fastest([dict(r, hetero_us=r["us"]) for r in swept])
-        del layers
+        layers.clear()  # free this format's copies before the next one
         torch.cuda.empty_cache()
 
 
