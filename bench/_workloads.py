@@ -11,6 +11,8 @@ import json
 import pathlib
 from typing import Any, Optional
 
+from hetero.llm import render_chat_prompt
+
 DATA_DIR = pathlib.Path(__file__).parent / "data"
 WORKLOADS = ("code", "rewrite", "chat", "summarise")
 
@@ -30,8 +32,9 @@ def spread(items: list, count: Optional[int]) -> list:
 
 
 def prompt_token_ids(tokenizer, item: dict[str, Any]) -> list[int]:
+    """The ids `LLM.chat` (messages) or `LLM.generate` (a raw prompt) would feed the model."""
     if "messages" in item:
-        return list(tokenizer.apply_chat_template(item["messages"], tokenize=True, add_generation_prompt=True))
+        return render_chat_prompt(tokenizer, item["messages"], None, True, False)["prompt_token_ids"]
     return list(tokenizer(item["prompt"]).input_ids)
 
 

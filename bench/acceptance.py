@@ -53,8 +53,9 @@ def draft_top2(draft: str, target: str, workload: str, references: list[dict], d
             return [by_id[i] for i in ids]
     from hetero import LLM, SamplingParams
 
-    llm = LLM(model=draft, device="cpu", dtype=dtype, max_model_len=4096, kv_cache_space=1, skip_tokenizer_init=True)
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    llm = LLM(model=draft, device="cpu", dtype=dtype, max_model_len=4096, kv_cache_space=1, skip_tokenizer_init=True,
+              max_num_batched_tokens=512)  # each chunk scores all its positions over the whole vocabulary
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": r["prompt_ids"] + r["output_ids"]} for r in references], params,
                            use_tqdm=False)
     items = []

@@ -109,3 +109,32 @@ def test_trace_names_that_do_not_exist(tmp_path):
         traces.load_trace("chat", tmp_path)
     with pytest.raises(ValueError, match="has no proposer 'lookahead-raw'; it has draft-chain-16"):
         traces.load_trace("code/lookahead-raw", tmp_path)
+
+
+@pytest.fixture
+def smollm2():
+    from gpu_target import loader
+
+    try:
+        return loader.resolve_model_path("SmolLM2-135M-Instruct")
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+def test_a_draft_equal_to_the_target_is_always_right(smollm2, tmp_path, monkeypatch):
+    """End to end on the real small model: the reference continuation from the engine, then the
+    same model's teacher-forced top-2 from one prefill; the greedy top-1 must be the continuation."""
+    from bench.acceptance import draft_top2
+    from hetero import LLM
+
+    items = _workloads.spread(_workloads.load_workload("chat"), 2)
+    monkeypatch.setattr(_workloads, "DATA_DIR", tmp_path)  # the caches
+    factory = lambda: LLM(model="SmolLM2-135M-Instruct", device="cpu", dtype="float32", max_model_len=512)
+    refs = _workloads.greedy_references("SmolLM2-135M-Instruct", "chat", items, 12, "float32", factory)
+    assert [len(r["output_ids"]) for r in refs] == [12, 12]
+    assert _workloads.greedy_references("SmolLM2-135M-Instruct", "chat", items, 12, "float32", None) == refs  # cached
+    tops = draft_top2("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct", "chat", refs, "float32")
+    assert [t["top1"] for t in tops] == [r["output_ids"] for r in refs]
+    assert all(a != b for t in tops for a, b in zip(t["top1"], t["top2"]))
+    logs = measure_draft(refs, tops)
+    assert logs["draft-chain-4"].accepted == [4, 4, 0] * 2  # 11 tokens after the prefill's: 4 + 1, 4 + 1, bonus
