@@ -156,10 +156,10 @@ def main(argv=None) -> None:
                 holder["llm"] = LLM(model=model, device="cpu", dtype=args.dtype, max_model_len=4096, kv_cache_space=2)
             return holder["llm"]
 
-        for workload in workloads:
-            items = _workloads.spread(_workloads.load_workload(workload), args.num_prompts)
-            references[model, workload] = _workloads.greedy_references(model, workload, items, args.new_tokens,
-                                                                      args.dtype, factory)
+        items = {w: _workloads.spread(_workloads.load_workload(w), args.num_prompts) for w in workloads}
+        for workload, refs in _workloads.greedy_references_of_workloads(model, items, args.new_tokens, args.dtype,
+                                                                         factory).items():
+            references[model, workload] = refs
         holder.clear()
         gc.collect()
 
