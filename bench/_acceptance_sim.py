@@ -110,9 +110,10 @@ def tree_depth(tree: TokenTree) -> int:
 
 
 def replay_lookahead(cache, request_id: str, prompt: Sequence[int], out: Sequence[int], max_nodes: int,
-                     other: StepFn | None = None, start: int = 1) -> StepLog:
+                     other: StepFn | None = None, other_depth: int = 0, start: int = 1) -> StepLog:
     """The lookahead cache proposing along `out`; with `other`, each step accepts the longer of the
-    cache's tree and `other`'s proposal (a draft model and the cache side by side). Releases the
+    cache's tree and `other`'s proposal `other_depth` deep (a draft model and the cache side by
+    side, the step's depth the deeper of the two). Releases the
     request at the end, so its tokens enter the cache's global history as the engine's would."""
     log = StepLog()
     i = start
@@ -125,7 +126,7 @@ def replay_lookahead(cache, request_id: str, prompt: Sequence[int], out: Sequenc
         new = list(out[i:i + accepted + 1])
         cache.commit([Verdict(request_id, new[:-1], new[-1], len(tree.token_list))])
         log.accepted.append(accepted)
-        log.depth.append(tree_depth(tree))
+        log.depth.append(max(tree_depth(tree), other_depth if other is not None else 0))
         tokens += new
         i += accepted + 1
     cache.release(request_id)

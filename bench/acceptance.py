@@ -108,7 +108,7 @@ def measure_lookahead(references: list[dict], copy_length: int, max_nodes: int, 
             if chain_depth is not None:
                 other = sim.chain_steps(tops[index]["top1"], reference["output_ids"], chain_depth)
             log.extend(sim.replay_lookahead(cache, reference["id"], reference["prompt_ids"], reference["output_ids"],
-                                            max_nodes, other))
+                                            max_nodes, other, chain_depth or 0))
     return logs
 
 

@@ -138,3 +138,11 @@ def test_a_draft_equal_to_the_target_is_always_right(smollm2, tmp_path, monkeypa
     assert all(a != b for t in tops for a, b in zip(t["top1"], t["top2"]))
     logs = measure_draft(refs, tops)
     assert logs["draft-chain-4"].accepted == [4, 4, 0] * 2  # 11 tokens after the prefill's: 4 + 1, 4 + 1, bonus
+
+
+def test_draft_plus_lookahead_steps_are_as_deep_as_the_deeper_proposal():
+    out = list(range(100, 140))
+    refs = [{"id": "a", "prompt_ids": [1, 2, 3], "output_ids": out}]
+    log = measure_lookahead(refs, 8, 16, [], [{"top1": out, "top2": [0] * len(out)}])["draft-chain-8+lookahead-hybrid"]
+    assert min(log.depth) == 8
+    assert all(0.0 <= rate <= 1.0 for rate in log.per_position_acceptance(16))
