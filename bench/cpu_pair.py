@@ -39,6 +39,7 @@ def main(argv=None) -> None:
     parser.add_argument("--workloads", default="code,rewrite,chat")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--label", default="vm")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     common = dict(model=args.target, device="cpu", dtype=args.dtype, max_model_len=2048, kv_cache_space=0.5)
@@ -76,7 +77,7 @@ def main(argv=None) -> None:
     body = [f"target {args.target}, draft {args.draft} in the CPU draft worker, k = {args.num_speculative_tokens}, "
             f"{args.dtype}, batch 1, greedy, {args.max_tokens} new tokens; the first prompt of each workload", "",
             *markdown_table(rows)]
-    print(write_markdown_and_json(f"{args.out}/cpu-pair-{args.target}", "Real pair on the CPU: plain vs speculative",
+    print(write_markdown_and_json(f"{args.out}/cpu_pair-{args.label}", "Real pair on the CPU: plain vs speculative",
                                   command, describe_machine(), rows, body))
 
 
