@@ -11,6 +11,9 @@ Sections (all in one run, side by side):
            share of the time @ tokens/s within those steps / mean ms per step; ``pair_ratios``
            is each speculative run's tokens/s over the plain run just before it; ``--draft-mix``
            makes a share of the sequences draft worse (prompts unlike their drafter's);
+           ``--trace NAME[,NAME...]`` in place of ``--draft-p``: each step's accepted length is
+           drawn from an acceptance trace measured on real text (`bench.traces`, e.g. ``code``,
+           ``chat/lookahead-hybrid``) instead of an i.i.d. p;
   floor    (only when named in --sections) speculation where it does not pay, against plain
            decoding's own run-to-run noise: per round, in shuffled order, two plain runs (no
            proposer), one with the proposer attached and the controller held to plain
@@ -49,6 +52,7 @@ import torch
 from bench._cuda_timing import median_replay_ms
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
+from bench.traces import Trace, load_trace
 from hetero.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.protocols import TokenTree
@@ -274,6 +278,8 @@ class ChainOracle:
         return self.p * factor if zlib.crc32(request_id.encode()) % 1000 < 1000 * share else self.p
 
     def propose(self, batch):
+        if isinstance(self.p, Trace):
+            return [self.trace_chain(request) for request in batch]
         trees = []
         for request in batch:
             tokens, last, right = [], request.token_ids[-1], self.right(request.request_id)
@@ -282,6 +288,21 @@ class ChainOracle:
                 tokens.append(last)
             trees.append(TokenTree.chain(tokens))
         return trees
+
+    def trace_chain(self, request) -> TokenTree:
+        """A chain whose first `self.p.sample_accepted(depth)` tokens are right, the next one wrong."""
+        depth = min(self.k, request.max_nodes)
+        right = self.p.sample_accepted(depth, self.rng)
+        tokens, last = [], request.token_ids[-1]
+        for position in range(depth):
+            successor = self.successors[last]
+            if position < right:
+                last = successor
+            else:  # any token but the right one
+                last = self.rng.randrange(self.vocab - 1)
+                last += last >= successor
+            tokens.append(last)
+        return TokenTree.chain(tokens)
 
     def commit(self, verdicts):
         pass
@@ -454,7 +475,7 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
                 drafted += stats.num_draft_tokens - before[2]
             plain, spec = float(np.median(plain_runs)), float(np.median(spec_runs))
             rows.append(dict(section="spec", batch=batch, waves=waves, caller="generate" if engine.waits_for_all else "server",
-                             new_tokens=f"{min(lengths)}-{max(lengths)}", draft_p=p, draft_mix=f"{mix[0]:g} at {mix[1]:g}p", k=k, repeats=repeats,
+                             new_tokens=f"{min(lengths)}-{max(lengths)}", draft_p=getattr(p, "name", p), draft_mix=f"{mix[0]:g} at {mix[1]:g}p", k=k, repeats=repeats,
                              spec_seq_steps=steps, mean_tree_nodes=round(drafted / max(steps, 1), 2),
                              mean_accepted_length=round((accepted + steps) / max(steps, 1), 2),
                              same_tokens_as_plain=f"{matching}/{outputs}",
@@ -550,6 +571,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tree-sizes", default="1,4,8,16,32,63")
     parser.add_argument("--verify-batches", default="1,16")
     parser.add_argument("--draft-p", default="0.0,0.5,0.8,0.95")
+    parser.add_argument("--trace", default=None,
+                        help="acceptance traces in place of --draft-p (spec section), e.g. code,chat,rewrite,summarise")
     parser.add_argument("--draft-mix", default="0,1",
                         help="SHARE,FACTOR: that share of the sequences draft right with probability p * FACTOR (spec section)")
     parser.add_argument("--spec-k", type=int, default=8)
@@ -591,7 +614,8 @@ def main(argv=None) -> None:
         gc.collect()
         torch.cuda.empty_cache()
     if "spec" in sections:
-        bench_spec(model_dir, truth, batches, [float(p) for p in args.draft_p.split(",")], args.spec_k, args.target_parallelism,
+        acceptances = [load_trace(n) for n in args.trace.split(",")] if args.trace else [float(p) for p in args.draft_p.split(",")]
+        bench_spec(model_dir, truth, batches, acceptances, args.spec_k, args.target_parallelism,
                    args.prompt_len, args.new_tokens, args.repeats, rows, args.waves,
                    tuple(float(x) for x in args.draft_mix.split(",")), args.offline, args.min_new_tokens)
         gc.collect()

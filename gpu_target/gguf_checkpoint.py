@@ -4,7 +4,9 @@ Two things differ from an HF checkpoint beyond the names:
 - llama.cpp's converter permutes the rows of q_proj/k_proj in Llama-family models (it pairs
   rotary dimensions (i, i + d/2) as adjacent rows for its own RoPE kernel); we undo that so
   the weights fit HF's rotate-half RoPE.
-- tensors may be quantised; they are dequantised one at a time with `gguf.quants`.
+- tensors may be quantised (`SUPPORTED_TYPES`: llama.cpp's float, legacy and K-quant types);
+  they are dequantised one at a time, with `gguf.quants`' reference routines (vectorised numpy)
+  or, for the commonest legacy types, the same arithmetic in torch on the target device.
 """
 from __future__ import annotations
 
@@ -221,10 +223,22 @@ _TORCH_DEQUANTIZERS = {
 }
 
 
+_Q = gguf.GGMLQuantizationType
+# Every tensor type the loader reads; tests check each against gguf.quants' reference.
+SUPPORTED_TYPES = (
+    _Q.F32, _Q.F16, _Q.BF16,
+    _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0,
+    _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
+)
+
+
 def dequantize(tensor: gguf.ReaderTensor, device: torch.device) -> torch.Tensor:
     """One GGUF tensor as float32 on `device`, in HF shape (ggml's `ne` reversed, row-major)."""
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     kind = tensor.tensor_type
+    if kind not in SUPPORTED_TYPES:
+        names = ", ".join(t.name for t in SUPPORTED_TYPES)
+        raise ValueError(f"GGUF tensor {tensor.name!r} has type {kind.name}, which hetero does not read (it reads {names})")
     if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
         values = torch.from_numpy(np.array(tensor.data)).to(device).float()
     elif kind == gguf.GGMLQuantizationType.BF16:

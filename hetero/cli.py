@@ -142,7 +142,8 @@ def _add_flag(group: argparse._ArgumentGroup, flag: Flag, default: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetero", description="hetero: speculative-decoding LLM inference.")
     parser.add_argument("--version", action="version", version=f"hetero {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,models}")
+    commands.add_parser("models", help="Install and list models known by name (`hetero models -h`).", add_help=False)
     serve = commands.add_parser(
         "serve",
         help="Start the OpenAI-compatible HTTP server.",
@@ -278,8 +279,13 @@ def build_server_app(args: argparse.Namespace):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["models"]:
+        from hetero import model_store
+
+        raise SystemExit(model_store.main(argv[1:]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = parse_serve_args(sys.argv[1:] if argv is None else argv)
+    args = parse_serve_args(argv)
     try:
         app = build_server_app(args)
     except (ValueError, TypeError, FileNotFoundError) as exc:

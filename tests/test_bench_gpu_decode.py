@@ -45,3 +45,23 @@ def test_requests_of_several_lengths_each_end_at_their_own(tiny_llama_dir, monke
     by_prompt = {tuple(prompt["prompt_token_ids"]): length for prompt, length in zip(prompts, lengths)}
     assert {prompt: len(out) for prompt, out in outputs.items()} == by_prompt
     assert tokens <= sum(lengths)  # less what the first batch decoded before the clock started
+
+
+def test_trace_oracle_drafts_right_prefixes_as_the_trace_accepts():
+    from bench.traces import Trace
+    from hetero.protocols import ProposalRequest
+
+    successors = [(t * 7 + 3) % VOCAB for t in range(VOCAB)]
+    trace = Trace("test", (0.8, 0.5), 2.0)
+    oracle = ChainOracle(successors, k=4, p=trace, vocab=VOCAB, target_parallelism=64)
+    rights = []
+    for i in range(4000):
+        (tree,) = oracle.propose([ProposalRequest(str(i), [5, i % VOCAB], 1, max_nodes=3)])
+        tokens, last, right = tree.token_list, i % VOCAB, 0
+        assert len(tokens) == 3  # the node budget caps the chain
+        while right < len(tokens) and tokens[right] == successors[last]:
+            last, right = tokens[right], right + 1
+        rights.append(right)
+    assert sum(r >= 1 for r in rights) / len(rights) == pytest.approx(0.8, abs=0.02)
+    assert sum(r >= 2 for r in rights) / sum(r >= 1 for r in rights) == pytest.approx(0.5, abs=0.03)
+    assert sum(r >= 3 for r in rights) / sum(r >= 2 for r in rights) == pytest.approx(0.5, abs=0.05)  # the last rate beyond

@@ -482,3 +482,60 @@ def test_missing_gguf_tensor_names_it(tmp_path):
     config = loader.load_config(path)
     with pytest.raises(ValueError, match=r"no tensor 'blk\.1\.attn_v\.weight'.*v_proj"):
         loader.load_state_dict(path, config, torch.float32, "cpu")
+
+
+# ------------------------------------------------------------------ every GGUF tensor type
+def _random_tensor_bytes(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    """A tensor of `qtype` as the GGUF stores it: random values, or random block bytes below 0x7C,
+    so every float16 scale inside a block is finite whatever its position."""
+    rng = np.random.default_rng(seed)
+    if qtype == Q.F32:
+        return rng.standard_normal((rows, cols), dtype=np.float32)
+    if qtype == Q.F16:
+        return rng.standard_normal((rows, cols), dtype=np.float32).astype(np.float16)
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    return rng.integers(0, 0x7C, (rows, cols // block_size * block_bytes), dtype=np.uint8)
+
+
+def _write_one_tensor_gguf(path: pathlib.Path, qtype: Q, stored: np.ndarray) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", stored, raw_dtype=qtype if qtype not in (Q.F32, Q.F16) else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("qtype", gguf_checkpoint.SUPPORTED_TYPES, ids=lambda t: t.name)
+def test_every_supported_type_equals_gguf_reference_dequantisation(tmp_path, qtype):
+    rows, cols = 3, 512  # two K-quant super-blocks per row
+    stored = _random_tensor_bytes(qtype, rows, cols, seed=int(qtype))
+    path = tmp_path / f"{qtype.name}.gguf"
+    _write_one_tensor_gguf(path, qtype, stored)
+
+    (tensor,) = gguf.GGUFReader(str(path)).tensors
+    loaded = gguf_checkpoint.dequantize(tensor, torch.device("cpu"))
+    reference = torch.from_numpy(np.asarray(gguf.quants.dequantize(stored, qtype), dtype=np.float32))
+    assert loaded.shape == (rows, cols) and loaded.dtype == torch.float32
+    assert torch.isfinite(reference).all()
+    assert torch.equal(loaded, reference)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda t: t.name)
+def test_legacy_quantised_weights_load_close_to_the_originals(tmp_path, qtype):
+    values = np.random.default_rng(4).standard_normal((4, 256), dtype=np.float32)
+    path = tmp_path / "q.gguf"
+    _write_one_tensor_gguf(path, qtype, gguf.quants.quantize(values, qtype))
+    (tensor,) = gguf.GGUFReader(str(path)).tensors
+    loaded = gguf_checkpoint.dequantize(tensor, torch.device("cpu"))
+    step = np.abs(values).max() / 7  # a 4-bit block's coarsest step
+    assert torch.allclose(loaded, torch.from_numpy(values), atol=step)
+
+
+def test_unsupported_tensor_type_names_it(tmp_path):
+    qtype = Q.IQ4_NL
+    path = tmp_path / "iq.gguf"
+    _write_one_tensor_gguf(path, qtype, _random_tensor_bytes(qtype, 2, 64, seed=0))
+    (tensor,) = gguf.GGUFReader(str(path)).tensors
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' has type IQ4_NL.*Q6_K"):
+        gguf_checkpoint.dequantize(tensor, torch.device("cpu"))
