@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
