@@ -19,3 +19,9 @@ def test_a_reduced_head_reads_only_its_rows():
     full = bytes_per_forward(untied, "fp32", "fp32", 0, 0)
     assert bytes_per_forward(untied, "fp32", "fp32", 0, 0, head_rows=100) == full - 4 * 900 * 64
     assert bytes_per_forward(untied, "fp32", "fp32", 0, 0, head_rows=5000) == full  # no more rows than the vocabulary
+
+
+def test_head_coverage_counts_the_tokens_below_each_head_size():
+    from bench.head_coverage import coverage
+
+    assert coverage([0, 5, 9, 10, 20], [10, 21]) == {"head_10": 0.6, "head_21": 1.0}
