@@ -257,28 +257,30 @@ class Drafter:
     def assume_accepted(self, seq_ids: Sequence[SeqId]) -> list[SeqId]:
         """Extend each sequence's context by its last chain and the draft's guess of the bonus token.
 
-        One batched forward (the chain's last token); returns the sequences extended (those
-        with a chain whose KV is still in place). Used to draft step t+1 during step t.
+        One batched forward (the chain's last token; for a sequence without a chain, its root:
+        the guess is then of the token the target decodes next); returns the sequences
+        extended (those whose KV holds all but that token). Used to draft step t+1 during step t.
         """
         states = []
         for seq_id in seq_ids:
             state = self._seqs.get(seq_id)
-            if state is None or not state.chain:
+            if state is None or not state.context:
                 continue
-            expected = state.context + state.chain[:-1]
-            if len(state.kv_tokens) != len(expected) or state.kv_tokens[-len(state.chain) :] != expected[-len(state.chain) :]:
+            known = state.context + state.chain  # the last of these is fed now
+            cached, checked = len(known) - 1, max(len(state.chain), 1)  # the chain's K/V (or the root's predecessor) must be in place
+            if len(state.kv_tokens) != cached or state.kv_tokens[cached - checked :] != known[cached - checked : cached]:
                 continue
-            if len(expected) + 2 > self.max_positions or not self._reserve(state, len(expected) + 1, set(seq_ids)):
+            if len(known) + 1 > self.max_positions or not self._reserve(state, len(known), set(seq_ids)):
                 continue
-            states.append((seq_id, state))
+            states.append((seq_id, state, known))
         if not states:
             return []
-        logits = self._forward([s for _, s in states], [[s.chain[-1]] for _, s in states])
+        logits = self._forward([s for _, s, _ in states], [[known[-1]] for _, _, known in states])
         guesses = self._token_ids(logits.argmax(dim=-1)).tolist()
-        for (_, state), guess in zip(states, guesses):
-            state.context = state.context + state.chain + [guess]
+        for (_, state, known), guess in zip(states, guesses):
+            state.context = known + [guess]
             state.chain = []
-        return [seq_id for seq_id, _ in states]
+        return [seq_id for seq_id, _, _ in states]
 
     # -------------------------------------------------------------- internals
     def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:

@@ -99,12 +99,14 @@ class DraftService:
     stale: set[int] = field(default_factory=set)  # sequences told of new tokens, with no tree drafted from them yet
     capacity: DraftCapacity = field(default_factory=DraftCapacity)
     offered: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # per sequence: (context length, chain) last proposed
+    unserved: set[int] = field(default_factory=set)  # stale sequences the last proposal answered without a tree (a prompt to prefill)
 
     def apply_updates(self, arrays) -> None:
         for seq_id in arrays["released"].tolist():
             self.contexts.pop(seq_id, None)
             self.predrafted.pop(seq_id, None)
             self.offered.pop(seq_id, None)
+            self.unserved.discard(seq_id)
             self.capacity.forget(seq_id)
             self.stale.discard(seq_id)
             self.drafter.release(seq_id)
@@ -114,6 +116,7 @@ class DraftService:
                 raise RuntimeError(f"sequence {update.seq_id}: told to keep {update.keep} tokens of {len(context)}")
             context = self.contexts[update.seq_id] = context[: update.keep] + update.new_tokens
             self.stale.add(update.seq_id)
+            self.unserved.discard(update.seq_id)
             offered = self.offered.pop(update.seq_id, None)
             if offered is not None and len(context) > offered[0]:  # the tree was verified: how much of its chain held
                 start, chain = offered
@@ -140,18 +143,23 @@ class DraftService:
         (``pending()``: the waiting message, or None)."""
         if not self.overlap or not self.budget or pending() is not None:
             return
-        requests = [(seq_id, self.budget) for seq_id in sorted(self.stale)]
-        for seq_id, _ in requests:
+        stale = sorted(self.stale)
+        for seq_id in stale:
             self.drafter.set_context(seq_id, self.contexts[seq_id])
-        prompts = [seq_id for seq_id, _ in requests if self.drafter.uncached(seq_id) > SHORT_FEED_TOKENS]  # the rest: fed with the first level
-        if not requests or not self.drafter.prefill(prompts, interrupt=lambda: pending() is not None):
+        prompts = [seq_id for seq_id in stale if self.drafter.uncached(seq_id) > SHORT_FEED_TOKENS]  # the rest: fed with the first level
+        if not stale or not self.drafter.prefill(prompts, interrupt=lambda: pending() is not None):
             return
-        trees = self.drafter.draft(requests, interrupt=self._interrupt(pending, [s for s, _ in requests]))
+        # A sequence answered without a tree is decoding its next token on the GPU now: draft from the guess of it.
+        guessed = set(self.drafter.assume_accepted([s for s in stale if s in self.unserved]))
+        requests = [(seq_id, self.budget) for seq_id in stale]
+        trees = self.drafter.draft(requests, interrupt=self._interrupt(pending, stale))
         if trees is None:
             return
         for (seq_id, max_nodes), tree in zip(requests, trees):
-            self.predrafted[seq_id] = _Predrafted(list(self.contexts[seq_id]), max_nodes, tree)
+            context = self.drafter.context(seq_id) if seq_id in guessed else self.contexts[seq_id]
+            self.predrafted[seq_id] = _Predrafted(list(context), max_nodes, tree)
         self.stale.clear()
+        self.unserved.clear()
 
     def propose(self, batch: list[tuple[int, int]]) -> list[TokenTree]:
         """Trees for (seq_id, max_nodes): drafted ahead where the guess held, else drafted now;
@@ -177,6 +185,7 @@ class DraftService:
             self.drafter.set_context(seq_id, context)
             if self.overlap and self.drafter.uncached(seq_id) > SHORT_FEED_TOKENS:
                 self.stale.add(seq_id)  # a prompt to prefill: no tree now, `catch_up` drafts one after the reply
+                self.unserved.add(seq_id)
                 continue
             to_draft.append((seq_id, max_nodes))
         trees.update(zip((s for s, _ in to_draft), self.drafter.draft(to_draft)))

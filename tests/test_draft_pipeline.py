@@ -110,9 +110,12 @@ def test_a_prompt_to_prefill_gets_no_tree_now_and_is_drafted_after_the_reply(tin
     service.apply_updates(update_arrays([ContextUpdate(1, 0, PROMPT), ContextUpdate(2, 0, PROMPT[:5])]))
     trees = service.propose([(1, 4), (2, 4)])
     assert len(trees[0]) == 0 and len(trees[1]) == 4  # the long prompt waits for its prefill; the short one is drafted
-    assert service.stale == {1}
+    assert service.stale == {1} and service.unserved == {1}
     service.catch_up(lambda: None)
-    assert service.predrafted[1].context == PROMPT
+    # the engine decodes the prompt's next token meanwhile: the tree is drafted from the draft's guess of it
+    guessed = service.predrafted[1].context
+    assert guessed[:-1] == PROMPT and len(guessed) == len(PROMPT) + 1
+    _sync(service, 1, len(PROMPT), guessed[-1:])  # the target decoded the guessed token
     assert len(service.propose([(1, 4)])[0]) == 4 and service.stats.predraft_hits == 1
 
 
