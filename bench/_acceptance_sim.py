@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from hetero.protocols import ProposalRequest, TokenTree, Verdict
+from hetero.core.protocols import ProposalRequest, TokenTree, Verdict
 
 # A proposer's accepted length for a step starting at output position i (never beyond the end).
 StepFn = Callable[[int], int]

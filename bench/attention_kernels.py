@@ -36,7 +36,7 @@ import torch
 from bench._machine import describe_machine
 from bench._report import write_csv_with_context
 from gpu_target.attention import AttentionMetadata, reference_attention
-from hetero.protocols import TokenTree
+from hetero.core.protocols import TokenTree
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ROTATE_BYTES = 256 << 20  # KV bytes cycled through per timing loop: several times H100's 50 MB L2

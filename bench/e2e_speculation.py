@@ -38,10 +38,10 @@ from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from bench.gpu_decode import DAMPING, LLAMA3_8B, random_prompts, stabilise_greedy, timed_decode
 from gpu_target.loader import load_config, load_tokenizer, random_state_dict
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.proposers import build_proposer
-from hetero.protocols import DraftsAhead, Proposer, TokenTree
+from hetero.core.protocols import DraftsAhead, Proposer, TokenTree
 
 DRAFT = dict(LLAMA3_8B, hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
              num_attention_heads=9, num_key_value_heads=3, torch_dtype="bfloat16")

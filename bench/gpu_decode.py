@@ -53,10 +53,10 @@ from bench._cuda_timing import median_replay_ms
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from bench.traces import Trace, load_trace
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
-from hetero.protocols import TokenTree
-from hetero.sampling_params import RequestOutputKind, SamplingParams
+from hetero.core.protocols import TokenTree
+from hetero.core.sampling_params import RequestOutputKind, SamplingParams
 from hetero.spec_control import SpeculationController
 
 DAMPING = 1e-5  # scale of the random models' layer output projections (see stabilise_greedy)

@@ -37,7 +37,7 @@ from bench._report import write_csv_with_context
 from bench.e2e_speculation import write_model_dir
 from bench.gpu_decode import ChainOracle, greedy
 from gpu_target.cuda_graphs import allocate_buffers, bucket_view, fill_host_inputs
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.spec_control import SpeculationController
 

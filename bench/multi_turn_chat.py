@@ -38,9 +38,9 @@ from bench._report import markdown_table, write_markdown_and_json
 from bench.gpu_decode import LLAMA3_8B
 from gpu_target.kv_cache import KVCachePool
 from gpu_target.loader import load_config
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
-from hetero.sampling_params import RequestOutputKind, SamplingParams
+from hetero.core.sampling_params import RequestOutputKind, SamplingParams
 
 SMALL_CPU_MODEL = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=2048, hidden_size=256,

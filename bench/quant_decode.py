@@ -38,7 +38,7 @@ from bench._report import markdown_table, write_markdown_and_json
 from bench.e2e_speculation import DRAFT, draft_weights, release_engine, write_model_dir
 from bench.gpu_decode import DAMPING, LLAMA3_8B, ChainOracle, copy_bandwidth, graph_replay_ms, random_prompts, timed_decode, timed_steps
 from gpu_target.quantization.linear import QuantizedLinear
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 
 LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,

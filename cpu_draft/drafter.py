@@ -30,7 +30,7 @@ from cpu_draft.draft_kv import PagedDraftKV, SlotDraftKV, default_layout
 from cpu_draft.draft_vocab import draft_head_ids
 from gpu_target.loader import load_config, load_state_dict, resolve_model_path
 from gpu_target.model import CausalLM, build_model
-from hetero.protocols import TokenTree
+from hetero.core.protocols import TokenTree
 
 logger = logging.getLogger("hetero.cpu_draft")
 

@@ -18,7 +18,7 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from hetero.protocols import TokenTree
+from hetero.core.protocols import TokenTree
 
 SYNC, PROPOSE, SHUTDOWN = 1, 2, 3
 READY, TREES = 101, 102

@@ -52,8 +52,8 @@ from cpu_draft.messages import (
 from cpu_draft.worker import WorkerOptions, launch_command
 from gpu_target.loader import load_config, load_tokenizer, resolve_model_path
 from gpu_target.model_config import ModelConfig
-from hetero.config import EngineConfig
-from hetero.protocols import ProposalRequest, TokenTree, Verdict
+from hetero.core.config import EngineConfig
+from hetero.core.protocols import ProposalRequest, TokenTree, Verdict
 from ipc import Channel, IPCError, RecvTimeoutError
 
 logger = logging.getLogger("hetero.cpu_draft")

@@ -40,7 +40,7 @@ from cpu_draft.affinity import pin_current_process
 from cpu_draft.draft_capacity import DraftCapacity
 from cpu_draft.drafter import SHORT_FEED_TOKENS, DraftModelOptions, Drafter, common_prefix_length, tree_levels
 from cpu_draft.messages import PROPOSE, READY, SHUTDOWN, STAT_NAMES, SYNC, TREES, read_updates, tree_arrays
-from hetero.protocols import TokenTree
+from hetero.core.protocols import TokenTree
 from ipc import Channel, Message, PeerDeadError
 
 logger = logging.getLogger("hetero.cpu_draft.worker")

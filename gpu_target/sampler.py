@@ -21,8 +21,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from hetero.protocols import TokenTree
-from hetero.sampling_params import SamplingParams
+from hetero.core.protocols import TokenTree
+from hetero.core.sampling_params import SamplingParams
 
 
 @dataclass

@@ -7,11 +7,11 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "hetero.llm",
-    "SamplingParams": "hetero.sampling_params",
-    "StructuredOutputsParams": "hetero.sampling_params",
+    "SamplingParams": "hetero.core.sampling_params",
+    "StructuredOutputsParams": "hetero.core.sampling_params",
     "RequestOutput": "hetero.outputs",
     "CompletionOutput": "hetero.outputs",
-    "EngineConfig": "hetero.config",
+    "EngineConfig": "hetero.core.config",
     "LLMEngine": "hetero.engine",
 }
 
@@ -19,7 +19,7 @@ __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    """Import lazily so that `import hetero.protocols` does not load torch and the model code."""
+    """Import lazily so that `import hetero.core.protocols` does not load torch and the model code."""
     if name in _EXPORTS:
         import importlib
 

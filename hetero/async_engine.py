@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Protocol, TypeVar, Un
 from hetero.engine import LLMEngine
 from hetero.metrics import EngineSnapshot, snapshot_engine
 from hetero.outputs import RequestOutput
-from hetero.sampling_params import SamplingParams
+from hetero.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("hetero")
 

@@ -20,8 +20,8 @@ from typing import Any, Callable, Optional, Sequence
 import yaml
 
 from hetero import __version__
-from gpu_target.quantization import QUANTIZATION_METHODS
-from hetero.config import EngineConfig
+from hetero.core.config import QUANTIZATION_METHODS
+from hetero.core.config import EngineConfig
 
 _NO_DEFAULT = object()
 _UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]

@@ -31,12 +31,12 @@ from gpu_target.sampler import (
     target_probs,
     verify_tree,
 )
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.detokenizer import decode_new_text, find_stop_string
 from hetero.outputs import CompletionOutput, Logprob, RequestOutput
 from hetero.proposers import build_proposer
-from hetero.protocols import MAX_TREE_NODES, DraftsAhead, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict, tree_row_layout
-from hetero.sampling_params import RequestOutputKind, SamplingParams
+from hetero.core.protocols import MAX_TREE_NODES, DraftsAhead, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict, tree_row_layout
+from hetero.core.sampling_params import RequestOutputKind, SamplingParams
 from hetero.scheduler import ScheduledSeq, Scheduler, Sequence, SequenceGroup
 from hetero.spec_control import DrainingBatch, SpeculationController
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hetero.protocols import DraftsAhead, ProposalRequest, Proposer, TokenTree, Verdict
+from hetero.core.protocols import DraftsAhead, ProposalRequest, Proposer, TokenTree, Verdict
 
 
 def merge_trees(first: TokenTree, second: TokenTree, max_nodes: int) -> TokenTree:

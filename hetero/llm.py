@@ -7,10 +7,10 @@ from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.outputs import RequestOutput
-from hetero.sampling_params import RequestOutputKind, SamplingParams
+from hetero.core.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = Union[str, dict[str, Any]]
 

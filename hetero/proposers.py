@@ -5,8 +5,8 @@ import dataclasses
 from typing import Optional
 
 from gpu_target.model_config import ModelConfig
-from hetero.config import EngineConfig
-from hetero.protocols import Proposer
+from hetero.core.config import EngineConfig
+from hetero.core.protocols import Proposer
 
 
 def build_proposer(config: EngineConfig, target_config: ModelConfig, tokenizer) -> Optional[Proposer]:

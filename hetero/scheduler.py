@@ -25,8 +25,8 @@ from gpu_target.kv_cache import BlockAllocator, OutOfBlocks, extend_block_hashes
 from gpu_target.sampler import is_plain_greedy
 from hetero.detokenizer import DetokenizerState, init_state
 from hetero.outputs import Logprob, RequestMetrics
-from hetero.protocols import SpecStats, TokenTree
-from hetero.sampling_params import SamplingParams
+from hetero.core.protocols import SpecStats, TokenTree
+from hetero.core.sampling_params import SamplingParams
 from hetero.spec_control import DraftBackoff
 
 

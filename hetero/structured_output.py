@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
-from hetero.protocols import TokenTree
-from hetero.sampling_params import StructuredOutputsParams
+from hetero.core.protocols import TokenTree
+from hetero.core.sampling_params import StructuredOutputsParams
 
 # JSON without free whitespace between tokens (vLLM's `disable_any_whitespace`): a model
 # that may put any whitespace anywhere can loop on it, small models often do.

@@ -23,7 +23,7 @@ import logging
 import os
 from typing import Optional, Sequence
 
-from hetero.protocols import MAX_TREE_NODES, ProposalRequest, SpecStats, TokenTree, Verdict
+from hetero.core.protocols import MAX_TREE_NODES, ProposalRequest, SpecStats, TokenTree, Verdict
 from lookahead.config import LookaheadConfig
 from lookahead.memory import default_memory_budget
 from lookahead.proposal import Draft, Match, frequency_tree, recent_copies

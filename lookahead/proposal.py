@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from hetero.protocols import TokenTree
+from hetero.core.protocols import TokenTree
 from lookahead.trie import Trie
 
 Match = tuple[Trie, int, float]  # (trie, node reached by a context, weight of that history)

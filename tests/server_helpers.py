@@ -9,7 +9,7 @@ from typing import Iterator, Optional
 
 import uvicorn
 
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.server import ServerSettings, build_app
 

@@ -10,7 +10,7 @@ import pytest
 from bench import _acceptance_sim as sim
 from bench import _workloads, traces
 from bench.acceptance import lookahead_cache, measure_draft, measure_lookahead
-from hetero.protocols import TokenTree
+from hetero.core.protocols import TokenTree
 
 OUT = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
 # The draft's greedy token at each position: wrong at positions 3 and 7.

@@ -7,9 +7,9 @@ import threading
 import pytest
 
 from hetero.async_engine import AsyncLLMEngine, EngineDeadError, EngineShutdownError
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
-from hetero.sampling_params import SamplingParams
+from hetero.core.sampling_params import SamplingParams
 
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

@@ -18,7 +18,7 @@ from gpu_target.kv_cache import KVCachePool
 from gpu_target.loader import load_config, load_state_dict
 from gpu_target.model import build_model
 from gpu_target.runner import ModelRunner, SequenceChunk
-from hetero.config import BATCH_INVARIANT_ENV, EngineConfig
+from hetero.core.config import BATCH_INVARIANT_ENV, EngineConfig
 from test_triton_attention import Seq, make_batch
 
 CPU = torch.device("cpu")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from bench.e2e_speculation import TraceReplay
-from hetero.protocols import TokenTree
+from hetero.core.protocols import TokenTree
 
 
 class _Fixed:

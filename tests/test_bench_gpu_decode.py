@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bench.gpu_decode import ChainOracle, StepKinds, greedy_successors, request_lengths, stabilise_greedy, timed_decode
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 
 VOCAB = 320  # tests/tiny_models.py
@@ -49,7 +49,7 @@ def test_requests_of_several_lengths_each_end_at_their_own(tiny_llama_dir, monke
 
 def test_trace_oracle_drafts_right_prefixes_as_the_trace_accepts():
     from bench.traces import Trace
-    from hetero.protocols import ProposalRequest
+    from hetero.core.protocols import ProposalRequest
 
     successors = [(t * 7 + 3) % VOCAB for t in range(VOCAB)]
     trace = Trace("test", (0.8, 0.5), 2.0)

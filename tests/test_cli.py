@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from hetero.cli import FLAGS, engine_config_from_args, main, parse_serve_args
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from server_helpers import LOOPBACK, free_port, wait_until
 
 HETERO = shutil.which("hetero", path=os.path.dirname(sys.executable))

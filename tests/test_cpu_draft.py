@@ -419,7 +419,7 @@ def test_tokenizer_mismatch_is_a_clear_error(tiny_llama_dir, tmp_path):
 
 def test_draft_dtype_knob_defaults_to_auto_and_names_a_bad_value(monkeypatch):
     from cpu_draft.proposer import DraftSettings
-    from hetero.config import EngineConfig
+    from hetero.core.config import EngineConfig
 
     monkeypatch.delenv("HETERO_DRAFT_DTYPE", raising=False)
     assert DraftSettings.from_config(EngineConfig(model="m")).cpu_dtype is None

@@ -17,7 +17,7 @@ from gpu_target.cuda_graphs import (
 )
 from gpu_target.runner import SequenceChunk
 from hetero import LLM, SamplingParams
-from hetero.protocols import TokenTree
+from hetero.core.protocols import TokenTree
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 

@@ -242,7 +242,7 @@ def test_best_of_ranks_by_logprob_even_when_logprobs_are_not_asked(llama):
 def test_final_only_requests_report_once_when_finished(llama):
     """FINAL_ONLY (what LLM.generate asks for): no output while the request runs, one when it
     ends, holding everything a CUMULATIVE request's last output holds."""
-    from hetero.sampling_params import RequestOutputKind
+    from hetero.core.sampling_params import RequestOutputKind
 
     engine = llama.llm_engine
     cumulative = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -260,7 +260,7 @@ def test_final_only_requests_report_once_when_finished(llama):
 
 
 def test_generate_asks_for_final_outputs_without_changing_the_callers_params(llama):
-    from hetero.sampling_params import RequestOutputKind
+    from hetero.core.sampling_params import RequestOutputKind
 
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outs = llama.generate(PROMPTS[:2], [params, params], use_tqdm=False)

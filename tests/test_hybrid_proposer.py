@@ -7,7 +7,7 @@ import pytest
 
 from hetero import LLM, SamplingParams
 from hetero.hybrid_proposer import HybridProposer, merge_trees
-from hetero.protocols import TokenTree
+from hetero.core.protocols import TokenTree
 from tiny_models import PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -5,7 +5,7 @@ import tracemalloc
 
 import pytest
 
-from hetero.protocols import MAX_TREE_NODES, ProposalRequest, SpecStats, Verdict
+from hetero.core.protocols import MAX_TREE_NODES, ProposalRequest, SpecStats, Verdict
 from lookahead import LookaheadCache, LookaheadConfig, default_memory_budget
 from lookahead.trie import NODE_BYTES, HistoryAppender, Trie
 

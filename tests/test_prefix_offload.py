@@ -20,7 +20,7 @@ from gpu_target.loader import load_config
 from gpu_target.model_config import ModelConfig
 from hetero import LLM, SamplingParams
 from hetero.cli import engine_config_from_args, parse_serve_args
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.metrics import ServerMetrics, snapshot_engine
 

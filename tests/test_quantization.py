@@ -27,7 +27,7 @@ from gpu_target.quantization import fp8, int4
 from gpu_target.quantization.checkpoint import AWQ_PACK_ORDER
 from gpu_target.quantization.linear import QuantizedLinear
 from hetero import LLM, SamplingParams
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")

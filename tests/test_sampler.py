@@ -13,8 +13,8 @@ from gpu_target.sampler import (
     target_probs,
     verify_tree,
 )
-from hetero.protocols import TokenTree
-from hetero.sampling_params import SamplingParams
+from hetero.core.protocols import TokenTree
+from hetero.core.sampling_params import SamplingParams
 
 
 def row(prompt=(), output=(), eos=(), generator=None, **params):

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from hetero.sampling_params import RequestOutputKind, SamplingParams
+from hetero.core.sampling_params import RequestOutputKind, SamplingParams
 
 VLLM_DEFAULTS = {
     "n": 1,

@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hetero.protocols import TokenTree
+from hetero.core.protocols import TokenTree
 from server_helpers import live_server, wait_until
 
 API_KEY = "test-key"

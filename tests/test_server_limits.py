@@ -18,9 +18,9 @@ import threading
 import httpx
 import pytest
 
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
-from hetero.sampling_params import SamplingParams
+from hetero.core.sampling_params import SamplingParams
 from hetero.scheduler import SeqStatus
 from hetero.server.errors import APIError
 from hetero.server.limits import MAX_JSON_DEPTH, RequestLimits, check_sampling, longest_token_chars

@@ -423,7 +423,7 @@ def test_a_bucket_judges_its_options_per_sequence():
 
 
 def test_spec_stats_keep_the_sum_of_squared_accepted_tokens():
-    from hetero.protocols import SpecStats
+    from hetero.core.protocols import SpecStats
 
     stats = SpecStats()
     stats.record(4, 3)
@@ -536,9 +536,9 @@ def test_a_step_is_cut_short_when_ending_requests_take_a_tenth_of_it():
 
 
 def test_engine_counts_the_callers_time_and_leaves_out_windows_cut_short(tiny_llama_dir):
-    from hetero.config import EngineConfig
+    from hetero.core.config import EngineConfig
     from hetero.engine import LLMEngine
-    from hetero.sampling_params import SamplingParams
+    from hetero.core.sampling_params import SamplingParams
 
     config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", num_scheduler_steps=4)
     engine = LLMEngine(config, proposer=_IdleProposer())
@@ -561,7 +561,7 @@ def test_offline_generate_drains_its_batch_once_no_request_waits(tiny_llama_dir)
     """`LLM.generate` returns when its last request is done, so once no request waits for a
     slot its batch drains; a server's engine (the engine alone) never does."""
     from hetero import LLM
-    from hetero.sampling_params import SamplingParams
+    from hetero.core.sampling_params import SamplingParams
 
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", device="cpu", max_num_seqs=2,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
@@ -673,7 +673,7 @@ class _RightOrWrongProposer:
     def propose(self, batch):
         import numpy as np
 
-        from hetero.protocols import TokenTree
+        from hetero.core.protocols import TokenTree
 
         trees = []
         for request in batch:
@@ -700,7 +700,7 @@ class _RightOrWrongProposer:
 
 def _greedy_truth(model_dir, prompts, max_tokens):
     from hetero import LLM
-    from hetero.sampling_params import SamplingParams
+    from hetero.core.sampling_params import SamplingParams
 
     plain = LLM(model=str(model_dir), max_model_len=256, dtype="float32", device="cpu")
     outs = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
@@ -708,7 +708,7 @@ def _greedy_truth(model_dir, prompts, max_tokens):
 
 
 def _spec_engine(model_dir, truth, **kwargs):
-    from hetero.config import EngineConfig
+    from hetero.core.config import EngineConfig
     from hetero.engine import LLMEngine
 
     proposer = _RightOrWrongProposer(truth)
@@ -729,7 +729,7 @@ def _run(engine):
 
 
 def test_a_sequence_whose_drafts_always_miss_stops_getting_trees(tiny_llama_dir):
-    from hetero.sampling_params import SamplingParams
+    from hetero.core.sampling_params import SamplingParams
 
     prompts = ["Hello, my name is", "The capital of France is"]
     truth = _greedy_truth(tiny_llama_dir, prompts, 90)
@@ -754,7 +754,7 @@ def test_a_sequence_whose_drafts_always_miss_stops_getting_trees(tiny_llama_dir)
 
 
 def test_a_lone_sequence_whose_drafts_miss_decodes_in_multi_step_windows(tiny_llama_dir):
-    from hetero.sampling_params import SamplingParams
+    from hetero.core.sampling_params import SamplingParams
 
     prompt = "Hello, my name is"
     truth = _greedy_truth(tiny_llama_dir, [prompt], 100)
@@ -783,7 +783,7 @@ def test_a_lone_sequence_whose_drafts_miss_decodes_in_multi_step_windows(tiny_ll
 
 def test_always_speculate_keeps_every_tree(tiny_llama_dir):
     """Tests and cost benchmarks that force speculation verify trees whatever they hold."""
-    from hetero.sampling_params import SamplingParams
+    from hetero.core.sampling_params import SamplingParams
 
     prompt = "Hello, my name is"
     truth = _greedy_truth(tiny_llama_dir, [prompt], 20)
@@ -888,7 +888,7 @@ def test_the_controller_sizes_trees_within_the_budget():
 
 
 def test_engine_records_how_deep_each_tree_was_accepted(tiny_llama_dir):
-    from hetero.sampling_params import SamplingParams
+    from hetero.core.sampling_params import SamplingParams
 
     prompts = [{"prompt_token_ids": [3 + i, 7, 11 + i]} for i in range(8)]
     truth = _greedy_truth(tiny_llama_dir, prompts, 48)

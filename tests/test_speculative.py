@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hetero import LLM, SamplingParams
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
-from hetero.protocols import ProposalRequest, TokenTree, Verdict
+from hetero.core.protocols import ProposalRequest, TokenTree, Verdict
 
 PROMPTS = [
     "Hello, my name is",

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from hetero import LLM, SamplingParams, StructuredOutputsParams
-from hetero.config import EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
-from hetero.protocols import ProposalRequest, TokenTree
+from hetero.core.protocols import ProposalRequest, TokenTree
 from hetero.structured_output import GrammarCompiler, grammar_of
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def add(a, b):", "x"]

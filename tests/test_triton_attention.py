@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 from gpu_target.attention import AttentionMetadata, reference_attention  # noqa: E402
 from gpu_target.triton_attention import compile_variants, paged_attention, plan_launch, tile_shapes  # noqa: E402
-from hetero.protocols import TokenTree  # noqa: E402
+from hetero.core.protocols import TokenTree  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

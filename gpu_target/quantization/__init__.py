@@ -19,20 +19,14 @@ from typing import Optional, Union
 import torch
 
 from gpu_target.quantization.fp8 import Fp8Weight, quantize_fp8
+from hetero.core.config import check_quantization
 from gpu_target.quantization.int4 import Int4Weight, quantize_int4
 
 QuantizedWeight = Union[Fp8Weight, Int4Weight]
-QUANTIZATION_METHODS = ("fp8", "int4", "gptq", "awq")
 QUANTIZED_AT_LOAD = ("fp8", "int4")  # methods a full-precision checkpoint can be quantised to
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: E4M3 in hardware
 
 _PROJECTION_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
-
-
-def check_quantization(quantization: Optional[str]) -> None:
-    """A ValueError naming the field unless `quantization` is None or a known method."""
-    if quantization is not None and quantization not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_METHODS)}, got {quantization!r}")
 
 
 def is_projection_weight(name: str) -> bool:

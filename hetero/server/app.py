@@ -26,7 +26,7 @@ from hetero.engine import LLMEngine
 from hetero.llm import render_chat_prompt
 from hetero.metrics import CONTENT_TYPE, ServerMetrics
 from hetero.outputs import RequestOutput
-from hetero.sampling_params import SamplingParams
+from hetero.core.sampling_params import SamplingParams
 from hetero.server import serving
 from hetero.server.body_limit import BodySizeLimitMiddleware
 from hetero.server.errors import APIError, error_body, install_error_handlers

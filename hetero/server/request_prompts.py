@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from hetero.async_engine import AsyncLLMEngine
-from hetero.sampling_params import SamplingParams
+from hetero.core.sampling_params import SamplingParams
 from hetero.server.errors import APIError
 from hetero.server.limits import check_context, check_roles, check_text_fits
 from hetero.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from hetero.outputs import CompletionOutput, Logprob, RequestOutput
-from hetero.sampling_params import SamplingParams, StructuredOutputsParams
+from hetero.core.sampling_params import SamplingParams, StructuredOutputsParams
 from hetero.server.errors import APIError
 from hetero.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from hetero.structured_output import grammar_of

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
-from hetero.sampling_params import StructuredOutputsParams
+from hetero.core.sampling_params import StructuredOutputsParams
 from hetero.server.errors import APIError
 
 

@@ -8,7 +8,6 @@ from typing import Any, Optional
 
 import torch
 
-from gpu_target.quantization import check_quantization
 
 _DTYPES = {
     "float32": torch.float32,
@@ -190,6 +189,15 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unexpected engine argument(s) {unknown}")
         return cls(model=model, **kwargs)
+
+
+QUANTIZATION_METHODS = ("fp8", "int4", "gptq", "awq")  # vLLM's names; gpu_target/quantization/ implements them
+
+
+def check_quantization(quantization: Optional[str]) -> None:
+    """A ValueError naming the field unless `quantization` is None or a known method."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_METHODS)}, got {quantization!r}")
 
 
 def _check(ok: bool, name: str, value: Any, why: str) -> None:
