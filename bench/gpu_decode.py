@@ -57,7 +57,7 @@ from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.core.protocols import TokenTree
 from hetero.core.sampling_params import RequestOutputKind, SamplingParams
-from hetero.spec_control import SpeculationController
+from hetero.spec.controller import SpeculationController
 
 DAMPING = 1e-5  # scale of the random models' layer output projections (see stabilise_greedy)
 LLAMA3_8B = dict(

@@ -39,7 +39,7 @@ from bench.gpu_decode import ChainOracle, greedy
 from gpu_target.cuda_graphs import allocate_buffers, bucket_view, fill_host_inputs
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
-from hetero.spec_control import SpeculationController
+from hetero.spec.controller import SpeculationController
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUERY_BUCKETS = (1, 2, 4, 8, 16)  # the GPU engine's graph query lengths for trees of up to 15 nodes

@@ -34,7 +34,9 @@ import numpy as np
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from hetero.engine import _cut_short
-from hetero.spec_control import DraftBackoff, DrainingBatch, SpeculationController
+from hetero.spec.backoff import DraftBackoff
+from hetero.spec.controller import SpeculationController
+from hetero.spec.draining import DrainingBatch
 
 QUERY_BUCKETS = (1, 2, 4, 8, 9)  # the engine's CUDA-graph query ladder at 8 nodes per sequence
 MAX_NODES = 8

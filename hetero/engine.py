@@ -38,7 +38,8 @@ from hetero.proposers import build_proposer
 from hetero.core.protocols import MAX_TREE_NODES, DraftsAhead, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict, tree_row_layout
 from hetero.core.sampling_params import RequestOutputKind, SamplingParams
 from hetero.scheduler import ScheduledSeq, Scheduler, Sequence, SequenceGroup
-from hetero.spec_control import DrainingBatch, SpeculationController
+from hetero.spec.controller import SpeculationController
+from hetero.spec.draining import DrainingBatch
 
 logger = logging.getLogger("hetero")
 

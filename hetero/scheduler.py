@@ -27,7 +27,7 @@ from hetero.detokenizer import DetokenizerState, init_state
 from hetero.outputs import Logprob, RequestMetrics
 from hetero.core.protocols import SpecStats, TokenTree
 from hetero.core.sampling_params import SamplingParams
-from hetero.spec_control import DraftBackoff
+from hetero.spec.backoff import DraftBackoff
 
 
 class SeqStatus(enum.Enum):

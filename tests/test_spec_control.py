@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from bench.spec_control_sim import Workload, speedups
-from hetero.spec_control import AcceptanceSpread, DrainingBatch, SpeculationController, TreeSizer, speculation_reach
+from hetero.spec.controller import SpeculationController
+from hetero.spec.draining import AcceptanceSpread, DrainingBatch, speculation_reach
+from hetero.spec.tree_sizer import TreeSizer
 
 
 def drive(controller, num_seqs, spec_tps, plain_tps, steps, spec_tokens_per_seq=2, plain_tokens_per_seq=2, draining=False):
@@ -593,7 +595,7 @@ def test_offline_generate_drains_its_batch_once_no_request_waits(tiny_llama_dir)
 def _outcomes(backoff, accepted_by_tree):
     """Feed a DraftBackoff decode steps; `accepted_by_tree` gives the accepted count of each tree
     it grants, in order. Returns the steps as 'T' (a tree) or '.' (withheld)."""
-    from hetero.spec_control import DraftBackoff
+    from hetero.spec.backoff import DraftBackoff
 
     assert isinstance(backoff, DraftBackoff)
     steps = []
@@ -606,7 +608,7 @@ def _outcomes(backoff, accepted_by_tree):
 
 
 def test_draft_backoff_grows_while_the_drafts_keep_missing():
-    from hetero.spec_control import DraftBackoff
+    from hetero.spec.backoff import DraftBackoff
 
     backoff = DraftBackoff()
     misses = DraftBackoff.MISSES_BEFORE_BACKOFF
@@ -617,7 +619,7 @@ def test_draft_backoff_grows_while_the_drafts_keep_missing():
 
 
 def test_an_accepted_probe_ends_the_backoff():
-    from hetero.spec_control import DraftBackoff
+    from hetero.spec.backoff import DraftBackoff
 
     backoff = DraftBackoff()
     misses = DraftBackoff.MISSES_BEFORE_BACKOFF
@@ -628,7 +630,7 @@ def test_an_accepted_probe_ends_the_backoff():
 
 
 def test_any_acceptance_resets_the_run_of_misses():
-    from hetero.spec_control import DraftBackoff
+    from hetero.spec.backoff import DraftBackoff
 
     backoff = DraftBackoff()
     run = [0] * (DraftBackoff.MISSES_BEFORE_BACKOFF - 1)
@@ -638,7 +640,7 @@ def test_any_acceptance_resets_the_run_of_misses():
 def test_drafts_right_a_third_of_the_time_keep_their_trees():
     """Chance runs of misses must not withhold trees that pay: at p = 0.3 a 3-node tree brings
     0.42 tokens a step. A back-off after 8 misses withheld them 28 % of a 90-step run."""
-    from hetero.spec_control import DraftBackoff
+    from hetero.spec.backoff import DraftBackoff
 
     rng = random.Random(0)
     granted = total = 0
@@ -743,7 +745,7 @@ def test_a_sequence_whose_drafts_always_miss_stops_getting_trees(tiny_llama_dir)
     right = proposer.budgets("right#0")
     assert right[:19] == [2] * 19 and 0 not in right[:-1]
     # The wrong one is withheld its tree after its run of misses, for 4 steps, then probed, then 8 steps ...
-    from hetero.spec_control import DraftBackoff
+    from hetero.spec.backoff import DraftBackoff
 
     misses = DraftBackoff.MISSES_BEFORE_BACKOFF
     wrong = proposer.budgets("wrong#0")
@@ -774,7 +776,7 @@ def test_a_lone_sequence_whose_drafts_miss_decodes_in_multi_step_windows(tiny_ll
     # After the prefill's token: the run of missing trees, 4 windows of 8, a probe that misses, then
     # windows of 8 to the end (8 of them before the next probe). Without the back-off every one of
     # the 99 decode steps speculates, one token each.
-    from hetero.spec_control import DraftBackoff
+    from hetero.spec.backoff import DraftBackoff
 
     assert engine.spec_stats.num_steps <= DraftBackoff.MISSES_BEFORE_BACKOFF + 4
     assert windows[:4] == [8] * 4 and sum(windows) >= 80
@@ -817,7 +819,7 @@ GRAPH_QUERY_BUCKETS = [1, 2, 4, 8, 9]  # the CUDA-graph query ladder of max_num_
 
 def _sizer_after(p_accept, tree_nodes=8, trees=4096, query_buckets=GRAPH_QUERY_BUCKETS, seed=0):
     """A TreeSizer that has verified `trees` chains of `tree_nodes` nodes, each node right with probability p."""
-    from hetero.spec_control import TreeSizer
+    from hetero.spec.tree_sizer import TreeSizer
 
     rng = random.Random(seed)
     sizer = TreeSizer(8, query_buckets)
@@ -829,7 +831,7 @@ def _sizer_after(p_accept, tree_nodes=8, trees=4096, query_buckets=GRAPH_QUERY_B
 def test_tree_size_starts_from_a_prior_until_acceptance_is_measured():
     """Until measured: the whole chain at batch 1, where rows are nearly free, three nodes (a
     4-row graph) at batch 64."""
-    from hetero.spec_control import TreeSizer
+    from hetero.spec.tree_sizer import TreeSizer
 
     sizer = TreeSizer(8, GRAPH_QUERY_BUCKETS)
     assert sizer.best_size(8, 1) == 8 and sizer.best_size(8, 64) == 3
