@@ -1,81 +1,22 @@
-"""How many tree nodes to verify per sequence this step, so speculation never loses.
+"""Whether a step speculates, so that speculation never loses to plain decoding.
 
-Two limits apply. The node budget (`target_parallelism`, summed over the batch) shrinks
-trees as the batch grows, because a large batch already fills the GPU. And the
-controller measures, per batch-size bucket (powers of two), the tokens per second per
-sequence that engine steps with and without speculation actually deliver (`record_step`; the engine
-times a step from the end of the previous one while it is busy, so the caller's work
-between steps counts, and it leaves out steps that the requests' lengths cut short).
+The controller measures, per batch-size bucket (powers of two), the tokens per second per
+sequence that whole engine steps deliver with and without speculation (`record_step`).
+Each option is judged by its mean tokens per step over its median seconds per step: the
+mean of acceptance is what pays, and the median ignores a slow step.
 
-Each option keeps its last `window` steps and is judged by their mean tokens per step over
-their median seconds per step: acceptance really varies from step to step and its mean is
-what pays, while a slow step (a cold first step, a pause) is noise that the median
-ignores, as long as it is one of at least three. The controller first alternates, starting
-with speculation, until each option has `min_samples` steps, or until a plain step has run
-and speculation has accepted no draft token in enough sequence-steps (one step at batch
-32): a step that accepts nothing emits a plain step's one token per sequence at a
-verification's cost, so no timing is needed to rank it, and drafts that never fit cost two
-steps to rule out at a large batch, not six. Then it runs the faster option (speculation
-that is not running must lead by `margin` to be turned on; plain decoding returns once it
-measures faster by more than the speculative estimate's standard error) and probes the
-other one, to notice when acceptance changes: once the winner has run for
-`probe_interval` of the loser's step times. Time, not steps: a plain
-window emits 8 tokens per sequence and a speculative step a few, and a probe should cost
-at most about 1/`probe_interval` of the time either way. The probe spacing doubles, up to
-`max_probe_interval`, only while the evidence is solid: the losing option trails by more
-than `margin` over a full window, or
-over `SOLID_SEQUENCE_STEPS` sequence-steps (two steps at batch 64: what decides a
-speculative step's worth is acceptance, and its estimate firms up with sequences, not
-steps); a verdict that is solid when it is reached starts at twice the base spacing.
-Drafts that accepted nothing are probed at `max_probe_interval` at once: no probe could
-change that verdict short of the drafts themselves changing. A close call keeps probing
-at `probe_interval`, and speculation that lost on a thin window (`_thin`) with drafts that
-accepted something at a quarter of it; a probe faster than the winner is followed by
-another at once, so a verdict that has become wrong is overturned within a few steps
-instead of being locked in.
+It first alternates, starting with speculation, until each option has `min_samples` steps.
+Then it runs the faster option and probes the other, to notice when acceptance changes.
+Speculation that is not running must lead by `margin` to be turned on.
+- Probes are spaced in time, not steps: `probe_interval` of the loser's step times.
+- The spacing doubles (up to `max_probe_interval`) while the evidence is solid.
+- Drafts that accepted nothing are probed at the longest spacing at once.
 
-A probe at the base spacing takes about 1/`probe_interval` of the time, and what it loses
-is the difference in tokens per second: 3 % of a step for speculation that trails by 3 %.
-That holds while finished requests are replaced (a server, a queue of prompts). A batch
-that drains (`DrainingBatch`: its caller waits for all of it, and no request waits to take
-a finished one's place) ends with its slowest sequence, and two things change there.
-
-Speculation's tokens per second overstate what it does for such a batch: its sequences
-drift apart as their acceptance draws differ, and a sequence whose drafts fit worse than
-the rest lags for good, so the batch ends later than its mean pace promises. The
-controller scales speculation's measured pace by its reach (`speculation_reach`), the
-share of it that reaches the batch's end, projected from each sequence's remaining tokens
-and its own acceptance (`AcceptanceSpread`), and, for sequences with few trees yet, from
-how unevenly drafts fitted earlier batches (`SpreadPrior`). On the GPU host's timings
-(`bench/spec_control_sim.py`, 8 seeds), judging by the mean pace alone lost up to 6 % (the
-worst seed) in closed batches of 4-32 sequences where speculation led by a few percent,
-and 11-19 % (the median) at batch 16-64 where a quarter of the sequences drafted badly;
-judged by its reach, under 2 % and under 2.5 %.
-
-And a speculative probe costs nearly a whole step: its slowest sequence gets one token
-from it, as from a plain token-step, at a verification's cost (at batch 32 on the GPU
-host 3.3 ms of a 9.9 ms step: closed batches lost 0.3-0.4 % to probes at the base
-spacing where speculation did not pay, bench/results/gpu_decode-20261123-122150). There,
-speculation that lost a close call is probed at a doubling spacing too. A lone sequence
-has no slower one to wait for.
-
-How many nodes a speculating step verifies per sequence is the budget's share, cut to the
-size with the most expected tokens per unit of step cost (`TreeSizer`): a node is worth
-the measured probability of getting that far, and a deep node that is rarely reached
-costs a large batch more than it brings.
-
-A bucket with no verdict of its own borrows its neighbours' (`_inherited_verdict`):
-speculation that pays at a batch size is kept at smaller ones, plain decoding that wins at
-one is kept at larger ones, and the other option is probed every `probe_interval` steps
-until the bucket has measured both. A batch whose requests finish unevenly therefore does
-not re-explore every smaller bucket on its way down.
-
-Within a speculating step, each sequence's own drafts are judged too (`DraftBackoff`): the
-bucket's verdict is an average over its sequences, and a sequence whose drafts keep
-missing pays for a tree every step while emitting one token, the same as a plain step
-would. Its tree is withheld for a while, longer each time it keeps missing; a step in
-which every sequence's tree is withheld is a plain step (multi-step windows included), and
-is recorded as one: plain decoding's pace does not depend on drafts.
+A batch whose caller waits for all of it (`DrainingBatch`) ends with its slowest sequence.
+There, speculation's pace is scaled by its reach, the share of it that reaches the
+batch's end (`hetero.spec.draining`). Tree sizes come from `TreeSizer`; sequences whose
+drafts keep missing are held back by `DraftBackoff`. Measurements behind the constants are
+in bench/results (`bench.spec_control_sim`, `bench.gpu_decode --sections spec`).
 """
 from __future__ import annotations
 
