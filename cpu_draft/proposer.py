@@ -360,14 +360,12 @@ class WorkerDraftProposer:
         their next trees while the GPU runs plain steps, so the next `propose` finds them ready."""
         if not batch or not self._ensure_ready() or not self._slot.worker.channel.can_send():
             return  # a busy worker gets the tokens with a later message (`_sent` still holds what it has)
-        seq_ids = [self._seq_id(r.request_id) for r in batch]
-        updates = [u for u in (self._update(s, r.token_ids) for s, r in zip(seq_ids, batch)) if u is not None]
-        if not updates and not self._released:
+        _, messages = self._update_messages(batch)
+        if not messages[0]["ids"].size and not messages[0]["released"].size:
             return
         try:
-            for index, group in enumerate(split_updates(updates, max_update_tokens(SLOT_BYTES, len(batch)))):
-                self._slot.worker.channel.send(SYNC, update_arrays(group, self._released if index == 0 else ()),
-                                               timeout=self.reply_timeout_s)
+            for arrays in messages:
+                self._slot.worker.channel.send(SYNC, arrays, timeout=self.reply_timeout_s)
             self._released = []
         except Exception as exc:  # noqa: BLE001 - a dead or hung worker must never stop the engine
             self._fail(exc)
@@ -377,18 +375,13 @@ class WorkerDraftProposer:
         if not batch or not self._ensure_ready():
             return empty
         worker = self._slot.worker
-        seq_ids = [self._seq_id(r.request_id) for r in batch]
-        updates = [u for u in (self._update(s, r.token_ids) for s, r in zip(seq_ids, batch)) if u is not None]
-        groups = split_updates(updates, max_update_tokens(SLOT_BYTES, len(batch)))
+        seq_ids, messages = self._update_messages(batch)
+        messages[-1]["batch"] = np.asarray(seq_ids, np.int64)
+        messages[-1]["max_nodes"] = np.asarray([r.max_nodes for r in batch], np.int64)
         try:
-            for index, group in enumerate(groups):
-                arrays = update_arrays(group, self._released if index == 0 else ())
-                if index < len(groups) - 1:
-                    worker.channel.send(SYNC, arrays, timeout=self.reply_timeout_s)
-                    continue
-                arrays["batch"] = np.asarray(seq_ids, np.int64)
-                arrays["max_nodes"] = np.asarray([r.max_nodes for r in batch], np.int64)
-                worker.channel.send(PROPOSE, arrays, timeout=self.reply_timeout_s)
+            for arrays in messages[:-1]:
+                worker.channel.send(SYNC, arrays, timeout=self.reply_timeout_s)
+            worker.channel.send(PROPOSE, messages[-1], timeout=self.reply_timeout_s)
             self._released = []
             reply = worker.channel.recv(timeout=self.reply_timeout_s)
             if reply.kind != TREES:
@@ -417,6 +410,14 @@ class WorkerDraftProposer:
         self._finalizer()
 
     # ------------------------------------------------------------- internals
+    def _update_messages(self, batch: Sequence[ProposalRequest]) -> tuple[list[int], list[dict[str, np.ndarray]]]:
+        """The batch's worker ids, and its context updates (and the released ids) as the arrays
+        of one or more messages, each within a ring slot; recorded as sent."""
+        seq_ids = [self._seq_id(r.request_id) for r in batch]
+        updates = [u for u in (self._update(s, r.token_ids) for s, r in zip(seq_ids, batch)) if u is not None]
+        groups = split_updates(updates, max_update_tokens(SLOT_BYTES, len(batch)))
+        return seq_ids, [update_arrays(group, self._released if index == 0 else ()) for index, group in enumerate(groups)]
+
     def _seq_id(self, request_id: str) -> int:
         seq_id = self._ids.get(request_id)
         if seq_id is None:
