@@ -86,7 +86,7 @@ def tree_arrays(trees: Sequence[TokenTree], stats: Sequence[float]) -> dict[str,
     else:
         tokens, parents, scores = np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
     return {
-        "counts": np.asarray([len(t) for t in trees], np.int64),
+        "counts": np.asarray([len(t) if t.ready else -1 for t in trees], np.int64),  # -1: `TokenTree.pending`
         "tokens": tokens.astype(np.int64, copy=False),
         "parents": parents.astype(np.int32, copy=False),
         "scores": scores.astype(np.float32, copy=False),
@@ -95,6 +95,8 @@ def tree_arrays(trees: Sequence[TokenTree], stats: Sequence[float]) -> dict[str,
 
 
 def read_trees(arrays: Mapping[str, np.ndarray]) -> list[TokenTree]:
-    bounds = np.concatenate([[0], np.cumsum(arrays["counts"])]).tolist()
+    counts = arrays["counts"]
+    bounds = np.concatenate([[0], np.cumsum(np.maximum(counts, 0))]).tolist()
     tokens, parents, scores = arrays["tokens"], arrays["parents"], arrays["scores"]
-    return [TokenTree(tokens[a:b].copy(), parents[a:b].copy(), scores[a:b].copy()) for a, b in zip(bounds, bounds[1:])]
+    return [TokenTree(tokens[a:b].copy(), parents[a:b].copy(), scores[a:b].copy()) if count >= 0 else TokenTree.pending()
+            for a, b, count in zip(bounds, bounds[1:], counts.tolist())]

@@ -193,7 +193,7 @@ class DraftService:
             chain = self.drafter.last_chain(seq_id)
             if len(tree) and chain:
                 self.offered[seq_id] = (len(self.contexts[seq_id]), list(chain))
-        return [trees.get(seq_id, TokenTree.empty()) for seq_id, _ in batch]
+        return [trees.get(seq_id, TokenTree.pending() if seq_id in self.unserved else TokenTree.empty()) for seq_id, _ in batch]
 
     def draft_ahead(self, batch: list[tuple[int, int]], pending) -> None:
         """Draft the next step assuming full acceptance, until done or a message is waiting

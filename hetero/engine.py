@@ -200,6 +200,7 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         self.num_trees_withheld = 0  # sequence-steps whose tree DraftBackoff withheld (drafts that kept missing)
         self.draft_wait_seconds = 0.0  # time the engine waited for the proposer's trees
+        self._proposer_pending = False  # the last proposal had trees the proposer was not ready to draft
         self._clock = time.perf_counter  # step timing for the controller (tests replace it)
         self._last_step_end: Optional[float] = None  # None: idle since, or nothing ran yet
         # Whether the caller takes its outputs only once every request is done (`LLM`, not a
@@ -417,7 +418,10 @@ class LLMEngine:
         # tokens and a speculative step not. Steps that the requests' lengths cut short (the
         # last window or trees of sequences about to finish) say nothing about either
         # option's steady pace, and are left out.
-        if self.proposer is not None and decode_only and not _cut_short(rooms, nodes_per_seq + 1 if speculated else self.num_scheduler_steps):
+        # Nor does a speculative step without a tree because the proposer was not ready yet.
+        unready = speculated and self._proposer_pending and all(item.tree is None for item in decoding)
+        if (self.proposer is not None and decode_only and not unready
+                and not _cut_short(rooms, nodes_per_seq + 1 if speculated else self.num_scheduler_steps)):
             emitted = self.num_generation_tokens_total - tokens_before
             self.spec_control.record_step(len(scheduled), speculated, emitted, self._step_seconds(started, finished))
         self._last_step_end = finished
@@ -454,8 +458,11 @@ class LLMEngine:
         keep up with its tokens. When no sequence is granted a node, the step is a plain one
         (run-ahead windows included) and the proposer is not asked. A step counts as
         speculative even when every tree comes back empty: proposing is part of what
-        speculation costs.
+        speculation costs; but one that got no tree while some were `TokenTree.pending` (the
+        proposer not ready yet, ``_proposer_pending``) says nothing about speculation's pace,
+        and the controller does not judge it.
         """
+        self._proposer_pending = False
         if self.proposer is None:
             return 0
         per_seq = self.spec_control.nodes_per_sequence(len(decoding), explore=measured, draining=self._draining_batch(decoding))
@@ -479,6 +486,7 @@ class LLMEngine:
         asked = time.perf_counter()
         trees = self.proposer.propose(requests)
         self.draft_wait_seconds += time.perf_counter() - asked
+        self._proposer_pending = any(not tree.ready for tree in trees)
         vocab = self.model_config.vocab_size
         # One range check over every node of the step; per tree only when something is out.
         nonempty = [tree.tokens for tree in trees if len(tree)]

@@ -49,7 +49,8 @@ class HybridProposer:
         trees = []
         for request, from_cache, from_draft in zip(batch, cached, drafted):
             first, second = (from_cache, from_draft) if _depth(from_cache) > _depth(from_draft) else (from_draft, from_cache)
-            trees.append(merge_trees(first, second, request.max_nodes))
+            merged = merge_trees(first, second, request.max_nodes)
+            trees.append(merged if len(merged) or from_draft.ready else from_draft)
         return trees
 
     def observe(self, batch: Sequence[ProposalRequest]) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from hetero import LLM, SamplingParams
 from hetero.hybrid_proposer import HybridProposer, merge_trees
-from hetero.core.protocols import TokenTree
+from hetero.core.protocols import ProposalRequest, TokenTree
 from tiny_models import PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -39,6 +39,22 @@ def test_the_budget_keeps_the_first_tree_whole_and_fills_with_the_second():
     assert all(-1 <= p < i for i, p in enumerate(merged.parent_list))
     # a node dropped for the budget takes its subtree with it, even where room comes back later
     assert merge_trees(TokenTree.chain([1]), TokenTree([2, 3, 4], [-1, 0, -1]), max_nodes=2).token_list == [1, 2]
+
+
+class _Fixed:
+    def __init__(self, tree):
+        self.tree = tree
+
+    def propose(self, batch):
+        return [self.tree for _ in batch]
+
+
+def test_a_draft_not_ready_stays_pending_unless_the_cache_has_a_tree():
+    batch = [ProposalRequest("r", [1, 2, 3], 3, 4)]
+    assert not HybridProposer(_Fixed(TokenTree.pending()), _Fixed(TokenTree.empty())).propose(batch)[0].ready
+    from_cache = HybridProposer(_Fixed(TokenTree.pending()), _Fixed(TokenTree.chain([4, 5]))).propose(batch)[0]
+    assert from_cache.ready and from_cache.token_list == [4, 5]
+    assert HybridProposer(_Fixed(TokenTree.empty()), _Fixed(TokenTree.empty())).propose(batch)[0].ready
 
 
 @pytest.fixture(scope="module")

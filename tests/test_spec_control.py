@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from bench.spec_control_sim import Workload, speedups
+from hetero.core.protocols import TokenTree
 from hetero.spec.controller import SpeculationController
 from hetero.spec.draining import AcceptanceSpread, DrainingBatch, speculation_reach
 from hetero.spec.tree_sizer import TreeSizer
@@ -903,3 +904,35 @@ def test_engine_records_how_deep_each_tree_was_accepted(tiny_llama_dir):
         sizer = engine.spec_control.tree_sizer
         assert sizer.offered[1] >= sizer.MIN_TREES
         assert sizer.acceptance_at_least()[0] == pytest.approx(expected)
+
+
+class _SpeculatingSpy(_PlainSpy):
+    def nodes_per_sequence(self, num_seqs, explore=True, draining=None):
+        return 4
+
+
+class _WarmingProposer(_IdleProposer):
+    """Not ready for its first two proposals (a draft worker prefilling the prompt), then ready with nothing."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def propose(self, batch):
+        self.asked += 1
+        return [TokenTree.pending() if self.asked <= 2 else TokenTree.empty() for _ in batch]
+
+
+def test_steps_without_a_tree_because_the_proposer_was_not_ready_are_not_judged(tiny_llama_dir):
+    from hetero.core.config import EngineConfig
+    from hetero.engine import LLMEngine
+    from hetero.core.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32")
+    engine = LLMEngine(config, proposer=_WarmingProposer())
+    engine.spec_control = spy = _SpeculatingSpy()
+    engine.add_request("r", "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    for _ in range(6):
+        engine.step()  # the prefill, two steps whose trees were pending, three whose proposer had nothing
+    assert engine.proposer.asked == 5
+    # An empty answer is what speculation delivered (one token at a verification's cost); a pending one is not.
+    assert [(n, speculated, tokens) for n, speculated, tokens, _ in spy.records] == [(1, True, 1)] * 3

@@ -28,6 +28,7 @@ class TokenTree:
     tokens: np.ndarray  # int64 [n]
     parents: np.ndarray  # int32 [n]; -1 = child of the root
     scores: Optional[np.ndarray] = None  # float32 [n], higher is more likely
+    ready: bool = True  # False: the proposer has no draft for this sequence yet (`pending`)
 
     def __post_init__(self) -> None:
         self.tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
@@ -54,6 +55,13 @@ class TokenTree:
     @classmethod
     def empty(cls) -> "TokenTree":
         return cls(np.zeros(0, np.int64), np.zeros(0, np.int32))
+
+    @classmethod
+    def pending(cls) -> "TokenTree":
+        """No tree because the proposer is not ready for this sequence yet (a draft worker
+        still computing its prompt's KV): unlike an empty tree, which is the proposer's
+        answer, this one says nothing about what speculation delivers."""
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int32), ready=False)
 
     @classmethod
     def chain(cls, tokens: Sequence[int]) -> "TokenTree":
