@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import random
 import sys
@@ -176,8 +177,13 @@ def main(argv=None) -> None:
     parser.add_argument("--trace", default=None,
                         help="replay a real-text acceptance trace (bench/data/traces: e.g. chat, code/draft-chain-4) "
                              "on the draft models' trees instead of the built-in agreement alone")
+    parser.add_argument("--log-level", default=None, choices=["debug", "info"],
+                        help="debug: a line per engine step and per draft-worker message on stderr (HETERO_LOGGING_LEVEL)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.log_level:
+        os.environ["HETERO_LOGGING_LEVEL"] = args.log_level.upper()  # the draft worker's
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     target_dir = write_model_dir(LLAMA3_8B)
     draft_dir = write_model_dir(DRAFT)
     draft = draft_weights(draft_dir, seed=7, hot_tokens=args.hot_tokens, cold_scale=args.cold_scale)

@@ -240,6 +240,7 @@ class _Loop:
 
     def run(self) -> None:
         answered: Optional[float] = None  # when the last proposal was answered, while no SYNC came since
+        timeline = logger.isEnabledFor(logging.DEBUG)
         while True:
             message, arrived = self.next_message()
             if message.kind == SHUTDOWN:
@@ -247,29 +248,40 @@ class _Loop:
             if message.kind not in (SYNC, PROPOSE):
                 raise RuntimeError(f"draft worker got an unknown message kind {message.kind}")
             started = time.perf_counter()
+            stats = self.service.stats
+            hits, misses = stats.predraft_hits, stats.predraft_misses
             self.service.apply_updates(message.arrays)
             if message.kind == SYNC:
                 answered = None
                 self.service.catch_up(self.pending)
-                self.service.stats.hidden_s += time.perf_counter() - started
+                stats.hidden_s += time.perf_counter() - started
+                if timeline:
+                    logger.debug("SYNC queued %.2f ms, caught up in %.2f ms", 1e3 * (started - arrived), 1e3 * (time.perf_counter() - started))
                 continue
             if answered is not None:
                 self.service.capacity.observe_cycle(arrived - answered)
             batch = list(zip(message.arrays["batch"].tolist(), message.arrays["max_nodes"].tolist()))
             trees = self.service.propose(batch)
-            stats = self.service.stats
             stats.exposed_s += time.perf_counter() - started
             self.channel.send(TREES, tree_arrays(trees, stats.as_list()))
-            answered = ahead_started = time.perf_counter()
+            replied = ahead_started = time.perf_counter()
             self.service.draft_ahead(batch, self.pending)
             self.service.catch_up(self.pending)
             stats.hidden_s += time.perf_counter() - ahead_started
+            if timeline:
+                logger.debug("PROPOSE of %d, %.2f ms after the last reply: queued %.2f ms, replied in %.2f ms (%d drafted ahead, "
+                             "%d drafted again, %d pending, %d empty); then drafted ahead for %.2f ms",
+                             len(batch), 1e3 * (arrived - answered) if answered else float("nan"), 1e3 * (started - arrived),
+                             1e3 * (replied - started), stats.predraft_hits - hits, stats.predraft_misses - misses,
+                             sum(not t.ready for t in trees), sum(t.ready and not len(t) for t in trees), 1e3 * (time.perf_counter() - replied))
+            answered = replied
 
 
 def worker_main(spec: dict, options: WorkerOptions) -> None:
     """Pin, load, attach, serve until SHUTDOWN or the owner dies."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s draft-worker %(levelname)s %(message)s")
+    level = os.environ.get("HETERO_LOGGING_LEVEL", "INFO").upper()  # DEBUG: a line per message (`_Loop.run`)
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s draft-worker %(levelname)s %(message)s")
     threads = pin_current_process(options.cpus, options.num_threads)
     drafter = Drafter.load(options.model, options.draft)
     try:

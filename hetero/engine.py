@@ -424,6 +424,10 @@ class LLMEngine:
                 and not _cut_short(rooms, nodes_per_seq + 1 if speculated else self.num_scheduler_steps)):
             emitted = self.num_generation_tokens_total - tokens_before
             self.spec_control.record_step(len(scheduled), speculated, emitted, self._step_seconds(started, finished))
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step of %d sequences (%d prefilling): %d trees, %d tokens, %.2f ms (%.2f ms waiting for drafts in all)",
+                         len(scheduled), len(scheduled) - len(decoding), sum(item.tree is not None for item in scheduled),
+                         self.num_generation_tokens_total - tokens_before, 1e3 * (finished - started), 1e3 * self.draft_wait_seconds)
         self._last_step_end = finished
         return outputs
 
