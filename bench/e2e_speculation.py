@@ -1,4 +1,4 @@
-"""End-to-end decode throughput of every proposer on an 8B Llama-3-shaped target (GPU host).
+"""End-to-end decode throughput of every proposer on a Llama-3-shaped target (GPU host).
 
 Configurations, side by side in one run: plain decoding, the lookahead cache, a draft
 model on the CPU in its own worker process, the same draft on the GPU (in the engine's
@@ -15,9 +15,12 @@ FR-Spec) relies on: the head rows of tokens beyond the `--hot-tokens` most frequ
 scaled by `--cold-scale` in both models, so greedy tokens are mostly frequent ones.
 `--head-noise` adds noise to the target's other LM-head columns to lower the agreement, and
 `--trace` caps each tree at the accepted length a real draft got on real text (`TraceReplay`).
-The bytes and FLOPs per step are those of the real shapes.
+The bytes and FLOPs per step are those of the real shapes: 8B by default, `--shape 70b`
+for Llama-3-70B's (in FP8, `--quantization fp8`, it fits one 80 GB GPU), where a
+verification step is long and the CPU draft cheap beside it.
 
     python -m bench.e2e_speculation --out bench/results
+    python -m bench.e2e_speculation --shape 70b --quantization fp8 --batches 1,8 --configs plain,cpu-draft
 """
 from __future__ import annotations
 
@@ -37,13 +40,14 @@ from tokenizers import Tokenizer, models
 
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
-from bench.gpu_decode import DAMPING, LLAMA3_8B, random_prompts, stabilise_greedy, timed_decode
+from bench.gpu_decode import DAMPING, LLAMA3_8B, LLAMA3_70B, random_prompts, stabilise_greedy, timed_decode
 from gpu_target.loader import load_config, load_tokenizer, random_state_dict
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.proposers import build_proposer
 from hetero.core.protocols import DraftsAhead, Proposer, TokenTree
 
+SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
 DRAFT = dict(LLAMA3_8B, hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
              num_attention_heads=9, num_key_value_heads=3, torch_dtype="bfloat16")
 
@@ -142,8 +146,9 @@ class TraceReplay:
 
 def build_engine(target_dir: str, draft: dict, args, **speculation) -> LLMEngine:
     config = EngineConfig(
-        model=target_dir, load_format="dummy", dtype="bfloat16", max_model_len=args.prompt_len + args.new_tokens + 64,
-        max_num_seqs=max(args.batches), gpu_memory_utilization=0.5, **speculation,
+        model=target_dir, load_format="dummy", dtype="bfloat16", quantization=args.quantization,
+        max_model_len=args.prompt_len + args.new_tokens + 64, max_num_seqs=max(args.batches),
+        gpu_memory_utilization=args.gpu_memory_utilization or (0.97 if args.shape == "70b" else 0.5), **speculation,
     )
     proposer = None
     if args.trace and config.speculative_model:
@@ -163,6 +168,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8, 32, 64])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="the target's Llama-3 shape")
+    parser.add_argument("--quantization", default=None, help="the target's weights (fp8, int4; default bf16)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: 0.5 for 8b, 0.97 for 70b")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--k", type=int, default=4, help="draft tokens per step (the tree's node budget)")
@@ -184,7 +192,8 @@ def main(argv=None) -> None:
     if args.log_level:
         os.environ["HETERO_LOGGING_LEVEL"] = args.log_level.upper()  # the draft worker's
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    target_dir = write_model_dir(LLAMA3_8B)
+    target = SHAPES[args.shape]
+    target_dir = write_model_dir(target)
     draft_dir = write_model_dir(DRAFT)
     draft = draft_weights(draft_dir, seed=7, hot_tokens=args.hot_tokens, cold_scale=args.cold_scale)
     save_file(draft, os.path.join(draft_dir, "model.safetensors"))
@@ -206,7 +215,7 @@ def main(argv=None) -> None:
     for name in args.configs.split(","):
         engine = build_engine(target_dir, draft, args, **speculation[name])
         for batch in args.batches:
-            prompts = random_prompts(batch, args.prompt_len, LLAMA3_8B["vocab_size"], seed=batch)
+            prompts = random_prompts(batch, args.prompt_len, target["vocab_size"], seed=batch)
             timed_decode(engine, prompts[:1], 8)
             before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens, engine.spec_stats.num_draft_tokens,
                       engine.draft_wait_seconds, _worker_stats(engine))
@@ -216,7 +225,7 @@ def main(argv=None) -> None:
             drafted = engine.spec_stats.num_draft_tokens - before[2]
             waited = engine.draft_wait_seconds - before[3]
             spec_steps = steps / batch  # engine steps that verified trees (one tree per sequence each)
-            row = dict(config=name, trace=args.trace or "", batch=batch, tokens_per_s=round(tokens / elapsed, 1),
+            row = dict(config=name, shape=args.shape, quantization=args.quantization or "none", trace=args.trace or "", batch=batch, tokens_per_s=round(tokens / elapsed, 1),
                        spec_seq_steps=steps, draft_tokens=drafted,
                        mean_accepted_length=round((accepted + steps) / steps, 2) if steps else "",
                        wait_ms_per_spec_step=round(1e3 * waited / spec_steps, 2) if steps else "",

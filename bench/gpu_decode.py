@@ -77,6 +77,8 @@ LLAMA3_8B = dict(
     eos_token_id=128001,
     torch_dtype="bfloat16",
 )
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                  num_key_value_heads=8)
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
@@ -336,12 +338,18 @@ def stabilise_greedy(model, damping: float = DAMPING) -> None:
     attention and MLP output projections makes each layer's update small next to the
     token embedding, so the next token is (nearly) a function of the current one with
     clear margins. The bytes and FLOPs per step, hence the timings, are unchanged. Every
-    engine here is built with the same seed, so with the same weights.
+    engine here is built with the same seed, so with the same weights. A quantised
+    projection is scaled through its scales.
     """
+    from gpu_target.quantization.linear import QuantizedLinear
+
     with torch.no_grad():
         for layer in model.layers:
-            layer.self_attn.o_proj.weight.mul_(damping)
-            layer.mlp.down_proj.weight.mul_(damping)
+            for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                if isinstance(projection, QuantizedLinear):
+                    projection.quantized.scales.mul_(damping)
+                else:
+                    projection.weight.mul_(damping)
 
 
 def graph_replay_ms(engine: LLMEngine, batch: int) -> float | None:

@@ -7,17 +7,15 @@ shape (`load_format="dummy"`, quantised as drawn) is timed on:
            (every projection's quantised bytes, the LM head, the B embedding rows and the
            KV cache) over the measured device copy bandwidth;
   verify   step ms of verifying a 16-node chain per sequence at batch 1 over a plain step;
-  spec     (only when named in --sections) tokens/s of a CPU draft model in its worker
-           process against plain decoding, with agreement built in as bench.e2e_speculation
-           builds it (the target carries the draft's embedding and LM head; its layers'
-           outputs are damped, here through the quantised weights' scales).
 `speedup_vs_none` divides each format's tokens/s by bf16's from the same run.
 
 `--shape 70b` times Llama-3-70B's shape instead (FP8 only fits one 80 GB GPU): it also
-reports the KV cache's capacity in tokens left next to the weights.
+reports the KV cache's capacity in tokens left next to the weights. Speculation on a
+quantised target (plain against the CPU draft, agreement built in) is `bench.e2e_speculation`'s
+`--shape` and `--quantization`.
 
     python -m bench.quant_decode --quantization none,fp8,int4 --out bench/results
-    python -m bench.quant_decode --shape 70b --quantization fp8 --batches 1 --sections decode,spec --out bench/results
+    python -m bench.quant_decode --shape 70b --quantization fp8 --batches 1 --sections decode --out bench/results
 """
 from __future__ import annotations
 
@@ -35,14 +33,11 @@ import torch
 
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
-from bench.e2e_speculation import DRAFT, draft_weights, release_engine, write_model_dir
-from bench.gpu_decode import DAMPING, LLAMA3_8B, ChainOracle, copy_bandwidth, graph_replay_ms, random_prompts, timed_decode, timed_steps
+from bench.gpu_decode import LLAMA3_8B, LLAMA3_70B, ChainOracle, copy_bandwidth, graph_replay_ms, random_prompts, timed_decode, timed_steps
 from gpu_target.quantization.linear import QuantizedLinear
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 
-LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                  num_key_value_heads=8)
 SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
 
 
@@ -117,60 +112,6 @@ def bench_verify(model_dir, quantization, tree_nodes, prompt_len, utilization, m
     del engine
 
 
-def damp_layer_outputs(model, damping: float = DAMPING) -> None:
-    """bench.gpu_decode.stabilise_greedy for quantised projections too: o_proj and down_proj
-    scaled by `damping` (a quantised one through its scales; bytes and FLOPs unchanged)."""
-    with torch.no_grad():
-        for layer in model.layers:
-            for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                if isinstance(projection, QuantizedLinear):
-                    projection.quantized.scales.mul_(damping)
-                else:
-                    projection.weight.mul_(damping)
-
-
-def graft_draft(model, draft: dict) -> None:
-    """The draft's embedding and LM head in the target's first columns (zero elsewhere), layers damped:
-    the target's greedy token is the draft's (bench.e2e_speculation's construction)."""
-    width = draft["model.embed_tokens.weight"].shape[1]
-    with torch.no_grad():
-        model.embed_tokens.weight.zero_()[:, :width] = draft["model.embed_tokens.weight"].to(model.embed_tokens.weight.device)
-        model.lm_head.weight.zero_()[:, :width] = draft["lm_head.weight"].to(model.lm_head.weight.device)
-    damp_layer_outputs(model)
-
-
-def bench_spec(shape: dict, quantization, batches, prompt_len, new_tokens, k, utilization, max_model_len, rows):
-    from safetensors.torch import save_file
-
-    target_dir, draft_dir = write_model_dir(shape), write_model_dir(DRAFT)
-    draft = draft_weights(draft_dir, seed=7)
-    save_file(draft, os.path.join(draft_dir, "model.safetensors"))
-    tokens_per_s = {}
-    for name, speculation in (("plain", {}), ("cpu-draft", dict(speculative_model=draft_dir, num_speculative_tokens=k,
-                                                                 cpu_draft_worker=True))):
-        config = EngineConfig(model=target_dir, load_format="dummy", dtype="bfloat16", quantization=quantization,
-                              max_model_len=max_model_len, max_num_seqs=max(batches), max_num_batched_tokens=512,
-                              gpu_memory_utilization=utilization, **speculation)
-        engine = LLMEngine(config)
-        graft_draft(engine.model, draft)
-        for batch in batches:
-            engine.scheduler.max_num_seqs = batch
-            prompts = random_prompts(batch, prompt_len, shape["vocab_size"], seed=batch)
-            timed_decode(engine, prompts[:1], 8)  # warm-up
-            steps_before, accepted_before = engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens
-            elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
-            steps = engine.spec_stats.num_steps - steps_before
-            accepted = engine.spec_stats.num_accepted_tokens - accepted_before
-            tokens_per_s[name, batch] = tokens / elapsed
-            rows.append(dict(section="spec", quantization=quantization or "none", config=name, batch=batch,
-                             tokens_per_s=round(tokens / elapsed, 1),
-                             mean_accepted_length=round((accepted + steps) / steps, 2) if steps else "",
-                             speedup_vs_plain=round(tokens_per_s[name, batch] / tokens_per_s["plain", batch], 2)))
-            print(rows[-1], flush=True)
-        release_engine(engine)
-        del engine
-
-
 def add_speedups(rows: list[dict]) -> None:
     """speedup_vs_none on each decode row, against bf16's row of the same batch."""
     base = {r["batch"]: r["tokens_per_s"] for r in rows if r.get("section") == "decode" and r["quantization"] == "none"}
@@ -188,7 +129,6 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--tree-nodes", type=int, default=16)
-    parser.add_argument("--spec-k", type=int, default=4, help="draft tokens per step in the spec section")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="default: 0.55 for 8b (as bench.gpu_decode), 0.97 for 70b")
@@ -214,14 +154,11 @@ def main(argv=None) -> None:
             bench_verify(model_dir, quantization, args.tree_nodes, args.prompt_len, utilization, args.max_model_len, rows)
             gc.collect()
             torch.cuda.empty_cache()
-        if "spec" in sections:
-            bench_spec(SHAPES[args.shape], quantization, batches, args.prompt_len, args.new_tokens, args.spec_k, utilization,
-                       args.max_model_len, rows)
     add_speedups(rows)
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name(), python=platform.python_version())
     command = "python -m bench.quant_decode " + " ".join(sys.argv[1:] if argv is None else argv)
     body = []
-    for section in ("machine", "memory", "decode", "verify", "spec"):
+    for section in ("machine", "memory", "decode", "verify"):
         part = [{k: v for k, v in r.items() if k != "section"} for r in rows if r.get("section") == section]
         if part:
             body += [f"## {section}", "", *markdown_table(part), ""]

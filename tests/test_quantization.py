@@ -545,14 +545,14 @@ def test_quantized_tree_verification_through_the_fused_skinny_gemms_equals_the_u
     assert torch.equal(fused, unfused) and torch.equal(fused_kv, unfused_kv)
 
 
-def test_quant_decode_bench_damps_quantised_output_projections(tiny_llama_dir):
-    from bench.quant_decode import damp_layer_outputs
+def test_stabilise_greedy_damps_quantised_output_projections_through_their_scales(tiny_llama_dir):
+    from bench.gpu_decode import stabilise_greedy
 
     config = load_config(tiny_llama_dir)
     model = build_model(config, random_state_dict(config, torch.float32, "cpu", quantization="int4"), torch.float32, "cpu")
     before = [layer.mlp.down_proj.quantized.scales.clone() for layer in model.layers]
     qkv_before = model.layers[0].self_attn.qkv_proj.quantized.scales.clone()
-    damp_layer_outputs(model, 0.5)
+    stabilise_greedy(model, 0.5)
     assert all(torch.equal(layer.mlp.down_proj.quantized.scales, b * 0.5) for layer, b in zip(model.layers, before))
     assert torch.equal(model.layers[0].self_attn.qkv_proj.quantized.scales, qkv_before)
 
