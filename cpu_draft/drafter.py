@@ -39,6 +39,7 @@ SHORT_FEED_TOKENS = 16  # catch-up feeds up to this long are fed with the tree's
 # Longer feeds (prompts) are prefilled in forwards of up to this many tokens: on the CPU a short
 # forward, so the worker answers a proposal within one; on a GPU, whole prompts at once.
 PREFILL_FORWARD_TOKENS = {"cpu": 32, "cuda": 2048}
+WARM_UP_BATCHES = (1, 4, 8, 16, 32, 64)  # the proposal batch sizes `Drafter.warm_up` runs
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,23 @@ class Drafter:
         """K/V of the sequence's cached tokens: [layers, 2, kv_length, kv_heads, head_dim] (a copy)."""
         state = self._seqs[seq_id]
         return self.kv.snapshot(state.kv, len(state.kv_tokens))
+
+    def warm_up(self, max_nodes: int) -> None:
+        """Run a proposal's code paths once at each of `WARM_UP_BATCHES` (up to ``max_num_seqs``):
+        a prompt's prefill, the first level's catch-up and the next levels' forwards.
+
+        Their one-time costs (Triton compiles for new shapes on a GPU, first touches of packed
+        weights and buffers on the CPU) are then paid at start-up rather than inside the first
+        proposals of a batch size, where the engine's speculation controller would take them
+        for what speculation costs. vLLM warms its model runner up the same way."""
+        prompt = [(7919 * i) % self.vocab_size for i in range(2 * SHORT_FEED_TOKENS + 1)]
+        for batch in sorted({min(b, self.options.max_num_seqs) for b in WARM_UP_BATCHES}):
+            seq_ids = [("warm-up", i) for i in range(batch)]
+            for seq_id in seq_ids:
+                self.set_context(seq_id, prompt)
+            self.draft([(seq_id, max_nodes) for seq_id in seq_ids])
+            for seq_id in seq_ids:
+                self.release(seq_id)
 
     # -------------------------------------------------------------- drafting
     def draft(

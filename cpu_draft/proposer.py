@@ -129,7 +129,8 @@ def build_draft_proposer(config: EngineConfig, target_config: ModelConfig, token
         return WorkerDraftProposer(options, settings.reply_timeout_s, settings.start_timeout_s)
     device = config.resolve_device()
     options = _model_options(config, settings, device, config.resolve_dtype(device), keep)
-    return InProcessDraftProposer(Drafter.load(str(draft_path), options))
+    nodes = config.num_speculative_tokens or INITIAL_AHEAD_NODES
+    return InProcessDraftProposer(Drafter.load(str(draft_path), options), warm_up_nodes=nodes if device.type == "cuda" else 0)
 
 
 def _special_token_ids(tokenizer) -> tuple[int, ...]:
@@ -219,8 +220,10 @@ def check_vocabularies_match(target_config: ModelConfig, target_tokenizer, draft
 class InProcessDraftProposer:
     """The Drafter run synchronously in the engine's process, on the engine's device (vLLM's arrangement)."""
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, warm_up_nodes: int = 0):
         self.drafter = drafter
+        if warm_up_nodes:
+            drafter.warm_up(warm_up_nodes)
 
     def propose(self, batch: Sequence[ProposalRequest]) -> list[TokenTree]:
         for request in batch:

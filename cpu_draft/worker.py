@@ -284,6 +284,7 @@ def worker_main(spec: dict, options: WorkerOptions) -> None:
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s draft-worker %(levelname)s %(message)s")
     threads = pin_current_process(options.cpus, options.num_threads)
     drafter = Drafter.load(options.model, options.draft)
+    drafter.warm_up(options.budget or 1)
     try:
         channel = Channel.attach(spec)
     except PeerDeadError:

@@ -179,3 +179,14 @@ def test_drafting_ahead_stops_for_a_proposal_of_another_context(tiny_llama_dir):
     calls = iter([None, None])
     service.draft_ahead([(1, 4)], lambda: next(calls, rejected))
     assert 1 not in service.predrafted
+
+
+def test_warm_up_leaves_no_sequence_behind_and_changes_no_draft(tiny_llama_dir):
+    warmed = Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32, max_num_seqs=8))
+    warmed.warm_up(4)
+    assert not warmed._seqs
+    fresh = Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32, max_num_seqs=8))
+    for drafter in (warmed, fresh):
+        drafter.set_context(1, PROMPT)
+    ours, theirs = warmed.draft([(1, 4)])[0], fresh.draft([(1, 4)])[0]
+    assert ours.token_list == theirs.token_list and ours.parent_list == theirs.parent_list
