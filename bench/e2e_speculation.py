@@ -131,6 +131,12 @@ class TraceReplay:
         parents = [-1 if tree.parent_list[i] < 0 else index[tree.parent_list[i]] for i in nodes]
         return TokenTree(tokens, parents)
 
+    @property
+    def target_parallelism(self) -> int:
+        """The wrapped proposer's node budget per step, which the engine reads; an AttributeError (it
+        has none) gives the engine's default, as for an unwrapped proposer."""
+        return self.draft.target_parallelism
+
     def observe(self, batch):
         if isinstance(self.draft, DraftsAhead):
             self.draft.observe(batch)

@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import traceback
+import zlib
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -95,12 +96,13 @@ def parse_configs(text: str) -> list[str]:
     return names
 
 
-def speculation_settings(base: str, draft_dir: str, lookahead_dir: str, draft_vocab, k: int, nodes: int) -> dict:
+def speculation_settings(base: str, draft_dir: str, lookahead_dir: str, draft_vocab, k: int, nodes: int,
+                         cpu_draft_quantization: str) -> dict:
     draft = dict(speculative_model=draft_dir, num_speculative_tokens=k, speculative_draft_vocab_size=draft_vocab)
     return {
         "plain": {},
         "lookahead": dict(lookahead_cache_config_dir=lookahead_dir, num_speculative_tokens=nodes),
-        "cpu-draft": dict(draft, cpu_draft_worker=True),
+        "cpu-draft": dict(draft, cpu_draft_worker=True, extra={"draft_quantization": cpu_draft_quantization}),
         "gpu-draft": dict(draft, cpu_draft_worker=False),
     }[base]
 
@@ -183,7 +185,7 @@ def build_engine(run: Run, name: str) -> LLMEngine:
     args = run.args
     base, _, quantization = name.partition("+")
     speculation = speculation_settings(base, run.draft_dir, run.lookahead_dir, run.shape["draft_vocab"], args.k,
-                                       args.lookahead_nodes)
+                                       args.lookahead_nodes, args.cpu_draft_quantization)
     config = EngineConfig(model=run.target_dir, load_format="dummy", dtype=args.dtype, device=args.device,
                           quantization=quantization or None, max_model_len=args.input_len + args.output_len + 64,
                           max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -209,9 +211,12 @@ def sweep(run: Run, engine: LLMEngine, label: str, workload: str, trace: str | N
     args = run.args
     vocab = run.shape["target"]["vocab_size"]
     warmup = random_prompts(args.warmup, args.input_len, vocab, seed=args.seed + 1)
-    drive(engine, warmup, args.output_len, [0.0] * len(warmup), tag=f"warm-{label}-{workload}")
+    drive(engine, warmup, args.warmup_output_len, [0.0] * len(warmup), tag=f"warm-{label}-{workload}")
     for index, rate in enumerate(args.rates):
-        prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=args.seed + 100 + index)
+        # fresh prompts per workload and rate (the prefix cache must not serve one sweep from another's),
+        # the same ones for every configuration
+        prompts = random_prompts(args.num_prompts, args.input_len, vocab,
+                                 seed=zlib.crc32(f"{args.seed}-{workload}-{index}".encode()))
         offsets = arrival_offsets(len(prompts), rate, random.Random(args.seed + index))
         before = spec_counters(engine)
         records, duration = drive(engine, prompts, args.output_len, offsets, tag=f"{label}-{workload}-{index}")
@@ -292,11 +297,16 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--rates", type=parse_rates, default=parse_rates("24,48,96,inf"),
                         help="Poisson request rates (requests/s); inf sends every request at once")
     parser.add_argument("--num-prompts", type=int, default=256, help="requests per rate")
-    parser.add_argument("--warmup", type=int, default=16, help="unmeasured requests per configuration and workload")
+    parser.add_argument("--warmup", type=int, default=64,
+                        help="unmeasured requests sent at once per configuration and workload (first-use compiles, the "
+                             "controller's first verdicts)")
+    parser.add_argument("--warmup-output-len", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="draft tokens per step (the draft's tree node budget)")
+    parser.add_argument("--cpu-draft-quantization", choices=["none", "int8"], default="int8",
+                        help="the CPU worker's draft weights; the GPU draft stays in the target's dtype")
     parser.add_argument("--lookahead-depth", type=int, default=8, help="lookahead copy_length (as its traces measured)")
     parser.add_argument("--lookahead-nodes", type=int, default=16, help="lookahead tree node budget")
     parser.add_argument("--cold-scale", type=float, default=0.8, help="see bench.e2e_speculation")
@@ -309,11 +319,11 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--kv-cache-space", type=float, default=None, help="GiB of KV cache on the CPU")
     parser.add_argument("--tpot-slo-ms", type=float, default=30.0, help="the per-request SLO behind summary.goodput")
     parser.add_argument("--ttft-slo-ms", type=float, default=1000.0)
-    parser.add_argument("--budget-s", type=float, default=480.0,
+    parser.add_argument("--budget-s", type=float, default=450.0,
                         help="no new (configuration, workload) sweep starts after this many seconds")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name in ("num_prompts", "input_len", "output_len", "max_num_seqs", "k"):
+    for name in ("num_prompts", "input_len", "output_len", "warmup_output_len", "max_num_seqs", "k"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     return args

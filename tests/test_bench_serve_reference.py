@@ -111,7 +111,7 @@ def test_smoke_run_on_a_tiny_pair_then_the_report(tmp_path, capsys):
     code = serve_reference.main([
         "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--kv-cache-space", "0.25",
         "--configs", "plain,lookahead,gpu-draft", "--workloads", "rewrite,chat", "--rates", "50,inf",
-        "--num-prompts", "4", "--warmup", "1", "--input-len", "12", "--output-len", "6", "--max-num-seqs", "4",
+        "--num-prompts", "4", "--warmup", "1", "--warmup-output-len", "2", "--input-len", "12", "--output-len", "6", "--max-num-seqs", "4",
         "--hf-generate", "--hf-batches", "2", "--out", str(out)])
     assert code == 0
     run = json.loads((out / "run.json").read_text())
@@ -137,3 +137,12 @@ def test_smoke_run_on_a_tiny_pair_then_the_report(tmp_path, capsys):
     report = (report_dir / "cost_report.md").read_text()
     assert "| config | chat | rewrite |" in report and "| gpu-draft | $" in report  # a loose SLA every point meets
     assert "python -m bench.serve_reference --shape tiny" in report
+
+
+def test_the_replay_passes_the_wrapped_proposers_node_budget_on():
+    class _Budgeted(_Trees):
+        target_parallelism = 512
+
+    trace = Trace("w", (1.0,), 2.0)
+    assert TraceReplay(_Budgeted(None), trace, 100).target_parallelism == 512
+    assert getattr(TraceReplay(_Trees(None), trace, 100), "target_parallelism", 64) == 64  # the engine's default
