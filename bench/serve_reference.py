@@ -153,11 +153,11 @@ class Run:
                        "request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": concurrency,
                        "max_num_seqs": args.max_num_seqs, "seed": args.seed, "temperature": 0.0, "ignore_eos": True},
             "summary": summary, "spec_decode": spec,
-            "requests": [record.to_dict() for record in records],
+            "requests": [_request_entry(record) for record in records],
         }
         rate_name = "inf" if math.isinf(rate) else f"{rate:g}"
         name = f"{label}-{workload}-rate{rate_name}" + (f"-conc{concurrency}" if concurrency else "") + ".json"
-        (self.out / name).write_text(json.dumps(result, indent=1) + "\n")
+        (self.out / name).write_text(json.dumps(result, separators=(",", ":")) + "\n")
         self.manifest["files"].append(name)
         ttft, tpot = summary["ttft_ms"], summary["tpot_ms"]
         print(f"{label:>14} {workload:>8} {rate_name:>6}{'' if not concurrency else f' x{concurrency}':>6} "
@@ -169,6 +169,15 @@ class Run:
     def write_manifest(self) -> None:
         self.manifest["total_s"] = round(self.elapsed(), 1)
         (self.out / "run.json").write_text(json.dumps(self.manifest, indent=1) + "\n")
+
+
+def _request_entry(record: RequestRecord) -> dict:
+    """A request's record without its inter-token gaps (a point's file stays small): their count
+    and mean instead."""
+    entry = {key: value for key, value in record.to_dict().items() if key != "itl"}
+    entry.update(chunks=len(record.itl) + (record.ttft is not None),
+                 mean_itl=sum(record.itl) / len(record.itl) if record.itl else None)
+    return entry
 
 
 def _ms(value) -> str:
