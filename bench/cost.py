@@ -437,7 +437,10 @@ def markdown_report(rows: Sequence[dict], prices: dict[str, MachinePrice], plots
                   f"= ${price.per_hour:g}/h" for label, price in sorted(prices.items(), key=lambda kv: config_order(kv[0]))),
     ]
     if what_if:
-        sections += [f"## What if prices differ ({slas[0].name})", what_if]
+        sections += [f"## What if prices differ ({slas[0].name})",
+                     "The same measured points at other machine prices: every configuration at the column's "
+                     "price (per-label prices of `--prices` do not apply here), the CPU draft charged for its "
+                     "cores where the column says so.", what_if]
     if anchors:
         sections += ["## Published figures (not measured here)",
                      "Claims as their authors published them, on their models, hardware and workloads; none was "
@@ -513,9 +516,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = cost_rows(points, prices.__getitem__, args.sla)
     summary = sla_summary(points, args.sla, lambda label: prices[label].per_hour, offered_load_key,
                           cost_per_million_tokens)
-    base = price_for_label("", price_file, args.gpu_price_per_hour, args.cpu_price_per_hour)
-    what_if = what_if_table(summary, args.sla[0],
-                            price_scenarios(base, args.what_if_gpu_prices, args.what_if_cpu_draft_extra))
+    try:
+        base = price_for_label("", price_file, args.gpu_price_per_hour, args.cpu_price_per_hour)
+    except CostInputError:  # prices per label only: no common machine price to vary
+        base = None
+    what_if = "" if base is None else what_if_table(
+        summary, args.sla[0], price_scenarios(base, args.what_if_gpu_prices, args.what_if_cpu_draft_extra))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plots = []
     if not args.no_plots:

@@ -246,3 +246,13 @@ def test_cli_errors_are_clear(tmp_path, capsys):
         cost.main([str(tmp_path), "--gpu-price-per-hour", "1", "--sla", "tpot:30"])
     assert "give both tpot and ttft" in capsys.readouterr().err
     assert math.isinf(offered_load_key(point("x", "inf", 1, 1, 1))[0])
+
+
+def test_prices_per_label_only_leave_the_what_if_out(tmp_path):
+    (tmp_path / "plain.json").write_text(json.dumps(result("plain", 1.0, 200, 600, 20, workload="any")))
+    prices = tmp_path / "prices.yaml"
+    prices.write_text("labels:\n  plain: {gpu_price_per_hour: 2.0}\n")
+    out = tmp_path / "report"
+    assert cost.main([str(tmp_path), "--prices", str(prices), "--out-dir", str(out), "--no-plots"]) == 0
+    report = (out / "cost_report.md").read_text()
+    assert "What if" not in report and "| plain | $2.778 (1 req/s) |" in report  # 2 / 0.72
