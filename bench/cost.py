@@ -394,12 +394,9 @@ def anchors_table(anchors: Sequence[dict]) -> str:
 
 
 def run_settings(paths: Sequence[Path]) -> list[str]:
-    """What `bench.serve_reference` recorded in run.json beside its results (settings, start-up, gaps)."""
+    """What `bench.serve_reference` recorded in its run-*.json beside its results (settings, start-up, gaps)."""
     notes = []
-    for path in paths:
-        manifest = path / "run.json" if path.is_dir() else None
-        if manifest is None or not manifest.is_file():
-            continue
+    for manifest in sorted(m for path in paths if path.is_dir() for m in path.glob("run-*.json")):
         run = json.loads(manifest.read_text())
         settings = run.get("settings", {})
         notes.append(f"- `{run.get('command', '')}` ({run.get('total_s', '?')} s): "

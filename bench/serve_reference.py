@@ -24,8 +24,8 @@ one static batch of B requests per batch size, TTFT taken as a 1-token `generate
 batch and latency as the full one, so it has no queueing at all.
 
 Each point is a `hetero-bench-serve`-schema JSON file (plus workload and acceptance) in
-`--out`, written as soon as it is measured; `run.json` lists settings, start-up times and
-what `--budget-s` left out. `hetero-bench-cost --out-dir OUT OUT ...` makes the report.
+`--out`, written as soon as it is measured; `run-<time>.json` lists settings, start-up times
+and what `--budget-s` left out (a later call can add those to the same `--out`). `hetero-bench-cost --out-dir OUT OUT ...` makes the report.
 
     python -m bench.serve_reference --out bench/results/cost --hf-generate
 """
@@ -119,6 +119,7 @@ class Run:
         self.machine = dict(describe_machine(), torch=torch.__version__,
                             gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
         self.started = time.monotonic()
+        self.manifest_name = f"run-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}.json"
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         shape = SHAPES[args.shape]
@@ -168,7 +169,7 @@ class Run:
 
     def write_manifest(self) -> None:
         self.manifest["total_s"] = round(self.elapsed(), 1)
-        (self.out / "run.json").write_text(json.dumps(self.manifest, indent=1) + "\n")
+        (self.out / self.manifest_name).write_text(json.dumps(self.manifest, indent=1) + "\n")
 
 
 def _request_entry(record: RequestRecord) -> dict:

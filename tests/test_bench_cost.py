@@ -190,7 +190,7 @@ def test_report_from_result_files(tmp_path, capsys):
     }.items():
         (results / name).write_text(json.dumps(payload))
     (results / "unrelated.json").write_text('{"not": "a result"}')
-    (results / "run.json").write_text(json.dumps({"command": "python -m bench.serve_reference", "total_s": 420,
+    (results / "run-20260101T000000Z.json").write_text(json.dumps({"command": "python -m bench.serve_reference", "total_s": 420,
                                                   "settings": {"num_prompts": 256}, "skipped": ["plain+fp8"],
                                                   "errors": {}, "startup_s": {"plain": 20.5}}))
     prices = tmp_path / "prices.yaml"

@@ -114,7 +114,8 @@ def test_smoke_run_on_a_tiny_pair_then_the_report(tmp_path, capsys):
         "--num-prompts", "4", "--warmup", "1", "--warmup-output-len", "2", "--input-len", "12", "--output-len", "6", "--max-num-seqs", "4",
         "--hf-generate", "--hf-batches", "2", "--out", str(out)])
     assert code == 0
-    run = json.loads((out / "run.json").read_text())
+    (manifest,) = out.glob("run-*.json")
+    run = json.loads(manifest.read_text())
     assert not run["errors"] and not run["skipped"] and set(run["startup_s"]) == {"plain", "lookahead", "gpu-draft"}
     expected = {f"plain-any-rate{r}.json" for r in ("50", "inf")} | {"hf-generate-any-rateinf-conc2.json"} | {
         f"{c}-{w}-rate{r}.json" for c in ("lookahead", "gpu-draft") for w in ("rewrite", "chat") for r in ("50", "inf")}
