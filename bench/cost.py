@@ -524,7 +524,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.no_plots:
         from bench import _cost_plots
 
-        plots = _cost_plots.write_plots(rows, summary, args.sla, args.out_dir)
+        try:
+            plots = _cost_plots.write_plots(rows, summary, args.sla, args.out_dir)
+        except ModuleNotFoundError as exc:
+            if exc.name != "matplotlib":
+                raise
+            print("hetero-bench-cost: error: the plots need matplotlib (pip install 'hetero[bench]'); "
+                  "or pass --no-plots", file=sys.stderr)
+            return 2
     report = markdown_report(rows, prices, plots, args.sla, summary, what_if, anchors, run_settings(args.results))
     (args.out_dir / "cost_report.md").write_text(report)
     write_csv_with_context(args.out_dir / "cost_summary.csv", rows, {})

@@ -256,3 +256,13 @@ def test_prices_per_label_only_leave_the_what_if_out(tmp_path):
     assert cost.main([str(tmp_path), "--prices", str(prices), "--out-dir", str(out), "--no-plots"]) == 0
     report = (out / "cost_report.md").read_text()
     assert "What if" not in report and "| plain | $2.778 (1 req/s) |" in report  # 2 / 0.72
+
+
+def test_without_matplotlib_the_plots_are_refused_clearly(tmp_path, capsys, monkeypatch):
+    import sys
+
+    (tmp_path / "plain.json").write_text(json.dumps(result("plain", 1.0, 200, 600, 20, workload="any")))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ModuleNotFoundError
+    assert cost.main([str(tmp_path), "--gpu-price-per-hour", "1", "--out-dir", str(tmp_path / "out")]) == 2
+    assert "the plots need matplotlib" in capsys.readouterr().err
+    assert cost.main([str(tmp_path), "--gpu-price-per-hour", "1", "--out-dir", str(tmp_path / "out"), "--no-plots"]) == 0
