@@ -131,6 +131,7 @@ class LoadPoint:
     p99_e2e_ms: Optional[float]
     goodput: Optional[float]
     mean_acceptance_length: Optional[float]
+    trace_acceptance_length: Optional[float]  # what the replayed real-text trace promises (bench.serve_reference)
     source: str
     command: str
     machine: str
@@ -171,6 +172,7 @@ def load_point(result: dict, source: str) -> LoadPoint:
         p99_e2e_ms=summary["e2e_ms"]["p99"],
         goodput=summary.get("goodput"),
         mean_acceptance_length=spec.get("mean_acceptance_length"),
+        trace_acceptance_length=spec.get("trace_acceptance_length"),
         source=source,
         command=result.get("command", ""),
         machine=f"{machine.get('hostname', '?')}: {machine.get('cpu_model', '?')}; {gpus}",
@@ -243,7 +245,7 @@ _TABLE_COLUMNS = (
     ("request_throughput", "req/s", 2), ("output_throughput", "out tok/s", 1),
     ("median_ttft_ms", "median TTFT ms", 1), ("p99_ttft_ms", "p99 TTFT ms", 1),
     ("median_tpot_ms", "median TPOT ms", 2), ("p99_tpot_ms", "p99 TPOT ms", 2),
-    ("mean_acceptance_length", "accept len", 2),
+    ("mean_acceptance_length", "accept len", 2), ("trace_acceptance_length", "trace's accept len", 2),
     ("price_per_hour", "$/h", 2), ("usd_per_1m_output_tokens", "$/1M out", 3),
     ("usd_per_1m_total_tokens", "$/1M total", 3),
 )
@@ -421,7 +423,8 @@ def markdown_report(rows: Sequence[dict], prices: dict[str, MachinePrice], plots
         "the measured point meeting it with the most output tokens per second, normally the highest offered "
         "load that meets it (measured points only, no interpolation). Goodput: "
         "requests per second that met both bounds each. `any`: a configuration whose speed does not depend "
-        "on the workload's acceptance.",
+        "on the workload's acceptance. `accept len`: tokens per speculative step measured (bonus included); "
+        "`trace's accept len`: what the workload's real-text trace promises at the run's tree depth.",
     ]
     if slas and summary:
         sections += ["## $ per 1M output tokens at each SLA", headline_tables(summary, slas)]

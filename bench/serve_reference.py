@@ -216,6 +216,15 @@ def spec_counters(engine: LLMEngine) -> tuple[int, int, int]:
     return stats.num_steps, stats.num_accepted_tokens, stats.num_draft_tokens
 
 
+def trace_acceptance_length(replay: TraceReplay, args: argparse.Namespace) -> float:
+    """Tokens per speculative step the trace promises at this run's tree depth (the draft's k, the
+    lookahead's copy length), bonus included: what `mean_acceptance_length` should come near."""
+    trace = replay.trace
+    if replay.recorded_steps:
+        return 1 + sum(min(a, args.lookahead_depth) for a in trace.accepted) / len(trace.accepted)
+    return 1 + trace.expected_accepted(args.k)
+
+
 def sweep(run: Run, engine: LLMEngine, label: str, workload: str, trace: str | None) -> None:
     """Warm up, then every rate of `--rates` with `--num-prompts` fresh requests."""
     args = run.args
@@ -233,12 +242,11 @@ def sweep(run: Run, engine: LLMEngine, label: str, workload: str, trace: str | N
         steps, accepted, drafted = (after - b for after, b in zip(spec_counters(engine), before))
         spec = None
         if engine.proposer is not None:
-            expected = engine.proposer.trace.mean_accepted_length
             spec = dict(mean_acceptance_length=round((accepted + steps) / steps, 3) if steps else None,
+                        trace_acceptance_length=round(trace_acceptance_length(engine.proposer, args), 3),
                         spec_sequence_steps=steps, draft_tokens=drafted,
                         share_of_tokens_from_speculative_steps=round((accepted + steps) / sum(
-                            r.output_tokens for r in records), 3) if records else None,
-                        trace_mean_accepted_length=expected)
+                            r.output_tokens for r in records), 3) if records else None)
         run.write_point(label, workload, rate, None, records, duration, spec, trace)
 
 

@@ -126,7 +126,7 @@ def test_smoke_run_on_a_tiny_pair_then_the_report(tmp_path, capsys):
         assert all(r["success"] and r["output_tokens"] == 6 and r["ttft"] > 0 and r["tpot"] > 0 for r in result["requests"])
     draft = json.loads((out / "gpu-draft-rewrite-rateinf.json").read_text())
     assert draft["trace"] == "rewrite" and draft["workload"] == "rewrite" and len(draft["requests"]) == 4
-    assert draft["spec_decode"]["trace_mean_accepted_length"] > 1
+    assert 1 < draft["spec_decode"]["trace_acceptance_length"] <= 5  # k = 4 drafted tokens and the bonus
     lookahead = json.loads((out / "lookahead-chat-rate50.json").read_text())
     assert lookahead["trace"] == "chat/lookahead-hybrid"
     hf = json.loads((out / "hf-generate-any-rateinf-conc2.json").read_text())
@@ -147,3 +147,11 @@ def test_the_replay_passes_the_wrapped_proposers_node_budget_on():
     trace = Trace("w", (1.0,), 2.0)
     assert TraceReplay(_Budgeted(None), trace, 100).target_parallelism == 512
     assert getattr(TraceReplay(_Trees(None), trace, 100), "target_parallelism", 64) == 64  # the engine's default
+
+
+def test_what_the_trace_promises_at_the_runs_depth():
+    args = serve_reference.parse_args(["--k", "2", "--lookahead-depth", "8"])
+    draft = TraceReplay(_Trees(None), Trace("w", (0.5,), 3.0), 100)
+    assert serve_reference.trace_acceptance_length(draft, args) == pytest.approx(1 + 0.5 + 0.25)
+    lookahead = TraceReplay(_Trees(None), Trace("w", (0.9,), 3.0, accepted=(0, 3, 9)), 100, recorded_steps=True)
+    assert serve_reference.trace_acceptance_length(lookahead, args) == pytest.approx(1 + (0 + 3 + 8) / 3)
