@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from bench import cost
+from bench import _cost_report, cost
 from bench._cost_sla import Sla, best_under_sla, goodput, meets, parse_sla, sla_summary
 from bench.cost import (CostInputError, MachinePrice, PriceScenario, cost_per_million_tokens, cost_rows,
                         load_anchors, load_point, load_price_file, offered_load_key, price_for_label,
@@ -133,7 +133,7 @@ def test_the_cost_at_an_sla_is_that_of_its_best_point_and_none_where_it_is_never
     for sla in (TIGHT, LOOSE):
         never = summary["cpu-draft", "code", sla.name]
         assert never["load"] is None and never["usd_per_1m_output_tokens"] is None and never["goodput"] is None
-    table = cost.headline_tables(list(summary.values()), [TIGHT])
+    table = _cost_report.headline_tables(list(summary.values()), [TIGHT])
     assert "| cpu-draft | never met |" in table
     assert "| plain | $0.333 (32 req/s) |" in table  # plain (any workload) fills the code column
     assert "- code: cheapest is **plain** at $0.333 (lookahead" not in table
@@ -148,7 +148,7 @@ def test_what_if_prices_scale_the_cost_and_charge_the_cpu_draft_when_asked():
     assert scenarios[2].price("gpu-draft") == 3.5 and PriceScenario(2.0, 0.5).price("cpu-draft") == 2.5
     summary = [dict(label="cpu-draft", workload="code", sla=TIGHT.name, output_throughput=1000.0),
                dict(label="plain", workload="any", sla=TIGHT.name, output_throughput=None)]
-    table = cost.what_if_table(summary, TIGHT, scenarios)
+    table = _cost_report.what_if_table(summary, TIGHT, scenarios)
     # cpu-draft at 1000 tok/s: $3.5/h -> 0.972, $2.5/h -> 0.694, $4.5/h -> 1.250 per 1M
     assert "| cpu-draft | code | 0.972 | 0.694 | 1.250 |" in table
     assert "| plain | any | never met | never met | never met |" in table
