@@ -333,7 +333,8 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="tiny: CPU smoke runs")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                        help="as bench.e2e_speculation: ample KV for 128 x 320 tokens, room for the next engine")
     parser.add_argument("--kv-cache-space", type=float, default=None, help="GiB of KV cache on the CPU")
     parser.add_argument("--tpot-slo-ms", type=float, default=30.0, help="the per-request SLO behind summary.goodput")
     parser.add_argument("--ttft-slo-ms", type=float, default=1000.0)
