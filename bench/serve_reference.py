@@ -11,8 +11,8 @@ Qwen2.5-Coder pair). The target is built to agree with the draft (`bench.quant_d
 `bench.e2e_speculation`'s construction) and `TraceReplay` cuts each tree to an accepted length
 drawn from the workload's trace: the draft models' per-position rates, the lookahead cache's
 recorded steps (steps where it proposed nothing included). Workloads: `rewrite` (copy-heavy,
-as RAG and editing are), `code` and `chat`. Prompts are random token ids; plain decoding does
-not depend on the workload, so it runs once (workload "any").
+as RAG and editing are), `code` and `chat`. Prompts are random token ids: beside acceptance,
+a workload here is only its trace.
 
 The load runs in-process (`bench._poisson_driver`), not through `hetero serve` over HTTP:
 the trace replay and the agreement graft live in the engine's process, and one call to the
@@ -23,9 +23,11 @@ HTTP, JSON and detokenising (`bench.serve` measures those against any server).
 one static batch of B requests per batch size, TTFT taken as a 1-token `generate` of the
 batch and latency as the full one, so it has no queueing at all.
 
-Each point is a `hetero-bench-serve`-schema JSON file (plus workload and acceptance) in
-`--out`, written as soon as it is measured; `run-<time>.json` lists settings, start-up times
-and what `--budget-s` left out (a later call can add those to the same `--out`). `hetero-bench-cost --out-dir OUT OUT ...` makes the report.
+Each point is a `hetero-bench-serve`-schema JSON file (plus workload and acceptance; each
+request's TTFT, TPOT and latency, its inter-token gaps as count and mean) in `--out`, written as
+soon as it is measured; `run-<time>.json` lists settings, start-up times and what `--budget-s`
+left out (a later call can add those to the same `--out`). `hetero-bench-cost OUT --out-dir OUT
+...` makes the report. Plain decoding (and `plain+fp8`) run once, as workload "any".
 
     python -m bench.serve_reference --out bench/results/cost --hf-generate
 """
