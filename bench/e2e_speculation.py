@@ -98,35 +98,49 @@ def graft_draft_into_target(model, draft: dict[str, torch.Tensor], head_noise: f
 
 
 class TraceReplay:
-    """A draft proposer whose trees are cut to the accepted length a real-text trace draws (`bench.traces`).
+    """A proposer whose trees are cut to the accepted length a real-text trace draws (`bench.traces`).
 
-    The real proposer drafts (and pays for) every tree; each tree's chain is then kept up to a
-    length drawn from the trace for its depth, and the next node is replaced by a token the
-    target rejects (agreement is built in, so the draft's own token there is the target's),
-    which makes the target accept at most what real text would. The worker still drafts
-    ahead on its own guess, so its misses are those real acceptance causes.
+    The real proposer drafts (and pays for) every tree; the tree is then kept down to a depth
+    drawn from the trace, and one node below it is kept with its token changed, so the target
+    accepts at most that depth (agreement is built in, so the draft's own token there is the
+    target's; the changed one is not). Draft models draw by the trace's per-position rates at
+    the tree's depth; proposers that often propose nothing (the lookahead cache) draw recorded
+    steps (`recorded_steps`). The worker still drafts ahead on its own guess, so its misses are
+    those real acceptance causes.
     """
 
-    def __init__(self, draft: Proposer, trace, vocab_size: int, seed: int = 0):
+    def __init__(self, draft: Proposer, trace, vocab_size: int, seed: int = 0, recorded_steps: bool = False):
         self.draft, self.trace, self.vocab_size = draft, trace, vocab_size
+        self.recorded_steps = recorded_steps
         self.rng = random.Random(seed)
 
     def propose(self, batch):
         return [self._cut(tree) for tree in self.draft.propose(batch)]
 
     def _cut(self, tree: TokenTree) -> TokenTree:
-        chain = []  # the first child at every depth: the draft's greedy chain (siblings follow it)
-        for i, parent in enumerate(tree.parent_list):
-            if parent == (chain[-1] if chain else -1):
-                chain.append(i)
-        if not chain:
+        depths = []
+        for parent in tree.parent_list:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        if not depths:
             return tree
-        keep = self.trace.sample_accepted(len(chain), self.rng)
-        if keep == len(chain):
+        deepest = max(depths)
+        draw = self.trace.sample_recorded if self.recorded_steps else self.trace.sample_accepted
+        keep = draw(deepest, self.rng)
+        if keep == deepest:
             return tree
-        tokens = tree.token_list[: chain[keep] + 1]
-        tokens[chain[keep]] = (tokens[chain[keep]] + 1) % self.vocab_size
-        return TokenTree(tokens, tree.parent_list[: chain[keep] + 1])
+        below = depths.index(keep + 1)  # the first node under the kept depth: on a draft's tree, its chain's
+        nodes = [i for i, depth in enumerate(depths) if depth <= keep or i == below]
+        index = {node: position for position, node in enumerate(nodes)}
+        tokens = [tree.token_list[i] for i in nodes]
+        tokens[index[below]] = (tokens[index[below]] + 1) % self.vocab_size
+        parents = [-1 if tree.parent_list[i] < 0 else index[tree.parent_list[i]] for i in nodes]
+        return TokenTree(tokens, parents)
+
+    @property
+    def target_parallelism(self) -> int:
+        """The wrapped proposer's node budget per step, which the engine reads; an AttributeError (it
+        has none) gives the engine's default, as for an unwrapped proposer."""
+        return self.draft.target_parallelism
 
     def observe(self, batch):
         if isinstance(self.draft, DraftsAhead):

@@ -537,13 +537,15 @@ def bench_floor(model_dir, batches, p, k, target_parallelism, prompt_len, new_to
 
 
 def time_generate(model, ids: torch.Tensor, new_tokens: int) -> float:
-    """Seconds for HF `generate` to produce exactly `new_tokens` greedy tokens per row."""
-    torch.cuda.synchronize()
+    """Seconds for HF `generate` to produce exactly `new_tokens` greedy tokens per row (on `ids`' device)."""
+    if ids.is_cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    torch.cuda.synchronize()
+    if ids.is_cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 

@@ -8,6 +8,10 @@ and the accepted length of every replayed step. A trace is named `WORKLOAD` (the
 `rewrite/lookahead-hybrid`. Sampling draws each position in turn with its rate, so a step's
 accepted length follows the trace's conditional per-position acceptance; a depth beyond the
 measured ones takes the deepest measured rate.
+
+A proposer that often proposes nothing (the lookahead cache, when no n-gram matches) is
+replayed from its recorded steps instead (`sample_recorded`): its per-position rates are
+conditional on a proposal reaching that depth, so they alone would overstate it.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ class Trace:
     name: str
     per_position: tuple[float, ...]
     mean_accepted_length: float  # tokens per step (accepted + bonus) as measured, at the measured depth
+    accepted: tuple[int, ...] = ()  # accepted draft tokens of every measured step, steps without a proposal included
 
     def rate(self, position: int) -> float:
         """Acceptance of the `position`-th drafted token (1-based) given the ones before it were accepted."""
@@ -38,6 +43,12 @@ class Trace:
         while accepted < depth and rng.random() < self.rate(accepted + 1):
             accepted += 1
         return accepted
+
+    def sample_recorded(self, depth: int, rng: random.Random) -> int:
+        """Accepted tokens of one recorded step drawn at random, capped at `depth`."""
+        if not self.accepted:
+            raise ValueError(f"trace {self.name} has no recorded steps")
+        return min(depth, rng.choice(self.accepted))
 
     def expected_accepted(self, depth: int) -> float:
         """E[accepted tokens] of a chain `depth` deep under this trace."""
@@ -65,4 +76,5 @@ def load_trace(name: str, trace_dir: pathlib.Path = TRACE_DIR) -> Trace:
     if proposer not in proposers:
         raise ValueError(f"trace {workload!r} has no proposer {proposer!r}; it has {', '.join(sorted(proposers))}")
     entry = proposers[proposer]
-    return Trace(f"{workload}/{proposer}", tuple(entry["per_position"]), entry["mean_accepted_length"])
+    return Trace(f"{workload}/{proposer}", tuple(entry["per_position"]), entry["mean_accepted_length"],
+                 tuple(entry.get("accepted", ())))
