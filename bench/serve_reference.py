@@ -7,7 +7,7 @@ process, the same draft on the GPU, and `NAME+fp8` for any of them on an FP8 tar
 load_format="dummy"); the draft is `bench.e2e_speculation`'s 8-layer 576-wide model.
 
 Acceptance is that of real text (`bench.traces`, measured by `bench.acceptance` on the real
-Qwen2.5-Coder pair). The target is built to agree with the draft (`bench.quant_decode.graft_draft`,
+Qwen2.5-Coder pair). The target is built to agree with the draft (`bench.e2e_speculation.graft_draft_into_target`,
 `bench.e2e_speculation`'s construction) and `TraceReplay` cuts each tree to an accepted length
 drawn from the workload's trace: the draft models' per-position rates, the lookahead cache's
 recorded steps (steps where it proposed nothing included). Workloads: `rewrite` (copy-heavy,
@@ -54,9 +54,8 @@ from safetensors.torch import save_file
 from bench._machine import describe_machine
 from bench._poisson_driver import drive
 from bench._stats import RequestRecord, arrival_offsets, summarize
-from bench.e2e_speculation import DRAFT, TraceReplay, draft_weights, release_engine, write_model_dir
+from bench.e2e_speculation import DRAFT, TraceReplay, draft_weights, graft_draft_into_target, release_engine, write_model_dir
 from bench.gpu_decode import LLAMA3_8B, fresh_controller, random_prompts, time_generate
-from bench.quant_decode import graft_draft
 from bench.serve import RESULT_SCHEMA
 from bench.traces import load_trace
 from gpu_target.loader import load_config, load_tokenizer
@@ -209,7 +208,7 @@ def build_engine(run: Run, name: str) -> LLMEngine:
         proposer = TraceReplay(inner, load_trace(trace_name(base, args.workloads[0])), model_config.vocab_size,
                                seed=args.seed, recorded_steps=base == "lookahead")
     engine = LLMEngine(config, proposer)
-    graft_draft(engine.model, run.draft)
+    graft_draft_into_target(engine.model, run.draft, head_noise=0.0, seed=1)
     return engine
 
 
