@@ -92,7 +92,7 @@ def graft_draft_into_target(model, draft: dict[str, torch.Tensor], head_noise: f
     stabilise_greedy(model, DAMPING)
 
 
-class TraceReplay:
+class TraceReplay(Proposer):
     """A draft proposer whose trees are cut to the accepted length a real-text trace draws (`bench.traces`).
 
     The real proposer drafts (and pays for) every tree; each tree's chain is then kept up to a
@@ -104,6 +104,7 @@ class TraceReplay:
 
     def __init__(self, draft: Proposer, trace, vocab_size: int, seed: int = 0):
         self.draft, self.trace, self.vocab_size = draft, trace, vocab_size
+        self.target_parallelism = draft.target_parallelism
         self.rng = random.Random(seed)
 
     def propose(self, batch):
@@ -134,9 +135,7 @@ class TraceReplay:
         self.draft.release(request_id)
 
     def close(self):
-        close = getattr(self.draft, "close", None)
-        if callable(close):
-            close()
+        self.draft.close()
 
 
 def build_engine(target_dir: str, draft: dict, args, **speculation) -> LLMEngine:
@@ -234,9 +233,8 @@ def main(argv=None) -> None:
 
 def release_engine(engine: LLMEngine) -> None:
     """Stop the engine's draft worker (if any) and give its GPU memory back before the next engine."""
-    close = getattr(engine.proposer, "close", None)
-    if callable(close):
-        close()
+    if engine.proposer is not None:
+        engine.proposer.close()
     engine.__dict__.clear()
     gc.collect()
     torch.cuda.empty_cache()

@@ -53,7 +53,7 @@ from cpu_draft.worker import WorkerOptions, launch_command
 from gpu_target.loader import load_config, load_tokenizer, resolve_model_path
 from gpu_target.model_config import ModelConfig
 from hetero.core.config import EngineConfig
-from hetero.core.protocols import ProposalRequest, TokenTree, Verdict
+from hetero.core.protocols import ProposalRequest, Proposer, TokenTree, Verdict
 from ipc import Channel, IPCError, RecvTimeoutError
 
 logger = logging.getLogger("hetero.cpu_draft")
@@ -216,7 +216,7 @@ def check_vocabularies_match(target_config: ModelConfig, target_tokenizer, draft
             )
 
 
-class InProcessDraftProposer:
+class InProcessDraftProposer(Proposer):
     """The Drafter run synchronously in the engine's process, on the engine's device (vLLM's arrangement)."""
 
     def __init__(self, drafter: Drafter):
@@ -312,7 +312,7 @@ class _Counters:
             self.values[name] += other.get(name, 0.0)
 
 
-class WorkerDraftProposer:
+class WorkerDraftProposer(Proposer):
     """Proposals from a draft worker process over a shared-memory channel, with restart on failure."""
 
     def __init__(self, options: WorkerOptions, reply_timeout_s: float = 10.0, start_timeout_s: float = 600.0):
