@@ -24,7 +24,7 @@ import os
 from typing import Optional, Sequence
 
 from hetero.core.protocols import MAX_TREE_NODES, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict
-from lookahead.config import LookaheadConfig
+from hetero.core.lookahead_config import LookaheadConfig
 from lookahead.memory import default_memory_budget
 from lookahead.proposal import Draft, Match, frequency_tree, recent_copies
 from lookahead.stats import HitStats
