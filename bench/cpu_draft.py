@@ -64,6 +64,7 @@ from cpu_draft.drafter import DraftModelOptions, Drafter
 from gpu_target.loader import load_config, parameter_shapes, resolve_model_path
 from gpu_target.model import build_model
 from gpu_target.model_config import ModelConfig
+from hetero.core.config import DraftConfig
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PRECISIONS = {"bf16": (torch.bfloat16, False), "fp32": (torch.float32, False), "int8": (torch.bfloat16, True)}
@@ -178,7 +179,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--draft-tokens", type=int, default=4, help="chain length per draft step")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--cpus", default=None, help="cores to pin to, e.g. 4-15 (default: $HETERO_DRAFT_CPUS, else all but the first)")
+    parser.add_argument("--cpus", default=None, help="cores to pin to, e.g. 4-15 (default: DraftConfig.cpus, i.e. $HETERO_DRAFT_CPUS, else all but one core in eight)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: one per pinned core)")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--kv-layouts", nargs="+", default=["slots"], choices=["slots", "paged"],
@@ -202,7 +203,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     command = shlex.join([Path(sys.executable).name, "-m", "bench.cpu_draft", *(argv if argv is not None else sys.argv[1:])])
-    cpus = default_draft_cpus(args.cpus)
+    cpus = default_draft_cpus(args.cpus if args.cpus is not None else DraftConfig().cpus)
     threads = pin_current_process(cpus, args.threads)
     machine = describe_machine()
     flags = cpu_flags()

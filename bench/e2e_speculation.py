@@ -97,7 +97,7 @@ def graft_draft_into_target(model, draft: dict[str, torch.Tensor], head_noise: f
     stabilise_greedy(model, DAMPING)
 
 
-class TraceReplay:
+class TraceReplay(Proposer):
     """A proposer whose trees are cut to the accepted length a real-text trace draws (`bench.traces`).
 
     The real proposer drafts (and pays for) every tree; the tree is then kept down to a depth
@@ -153,9 +153,7 @@ class TraceReplay:
         self.draft.release(request_id)
 
     def close(self):
-        close = getattr(self.draft, "close", None)
-        if callable(close):
-            close()
+        self.draft.close()
 
 
 def build_engine(target_dir: str, draft: dict, args, **speculation) -> LLMEngine:
@@ -193,7 +191,7 @@ def main(argv=None) -> None:
     parser.add_argument("--cold-scale", type=float, default=0.8, help="scale of the other tokens' head rows in both models")
     parser.add_argument("--head-noise", type=float, default=0.0)
     parser.add_argument("--cpu-draft-quantization", choices=["none", "int8"], default="int8",
-                        help="the CPU worker's weights (HETERO_DRAFT_QUANTIZATION); the GPU draft stays in bf16")
+                        help="the CPU worker's weights (speculative_config's quantization); the GPU draft stays in bf16")
     parser.add_argument("--configs", default="plain,lookahead,cpu-draft,gpu-draft,hybrid")
     parser.add_argument("--always-speculate", action="store_true", help="keep the controller from switching speculation off")
     parser.add_argument("--trace", default=None,
@@ -217,13 +215,14 @@ def main(argv=None) -> None:
     draft_model = dict(speculative_model=draft_dir, num_speculative_tokens=args.k,
                        speculative_draft_vocab_size=args.draft_vocab or None)
     lookahead = dict(lookahead_cache_config_dir=lookahead_dir, num_speculative_tokens=args.k)
+    cpu_draft = {"quantization": None if args.cpu_draft_quantization == "none" else args.cpu_draft_quantization}
     speculation = {
         "plain": {},
         "lookahead": lookahead,
-        "cpu-draft": dict(draft_model, cpu_draft_worker=True, extra={"draft_quantization": args.cpu_draft_quantization}),
+        "cpu-draft": dict(draft_model, cpu_draft_worker=True, speculative_config=cpu_draft),
         "gpu-draft": dict(draft_model, cpu_draft_worker=False),
         "hybrid": dict(draft_model, cpu_draft_worker=True, lookahead_cache_config_dir=lookahead_dir,
-                       extra={"draft_quantization": args.cpu_draft_quantization}),
+                       speculative_config=cpu_draft),
     }
     rows = []
     for name in args.configs.split(","):
@@ -263,9 +262,8 @@ def main(argv=None) -> None:
 
 def release_engine(engine: LLMEngine) -> None:
     """Stop the engine's draft worker (if any) and give its GPU memory back before the next engine."""
-    close = getattr(engine.proposer, "close", None)
-    if callable(close):
-        close()
+    if engine.proposer is not None:
+        engine.proposer.close()
     engine.__dict__.clear()
     gc.collect()
     torch.cuda.empty_cache()

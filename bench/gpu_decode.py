@@ -55,7 +55,7 @@ from bench._report import markdown_table, write_markdown_and_json
 from bench.traces import Trace, load_trace
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
-from hetero.core.protocols import TokenTree
+from hetero.core.protocols import Proposer, TokenTree
 from hetero.core.sampling_params import RequestOutputKind, SamplingParams
 from hetero.spec.controller import SpeculationController
 
@@ -258,7 +258,7 @@ def successor_agreement(successors: list[int], truth: dict) -> float:
     return sum(successors[a] == b for a, b in pairs) / max(len(pairs), 1)
 
 
-class ChainOracle:
+class ChainOracle(Proposer):
     """Drafts a chain of k tokens from each sequence's last token, each right with probability p.
 
     "Right" is the token's greedy successor (`greedy_successors`), so the drafts follow

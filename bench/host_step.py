@@ -37,6 +37,7 @@ from bench._report import write_csv_with_context
 from bench.e2e_speculation import write_model_dir
 from bench.gpu_decode import ChainOracle, greedy
 from gpu_target.cuda_graphs import allocate_buffers, bucket_view, fill_host_inputs
+from gpu_target.loader import load_config
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.spec.controller import SpeculationController
@@ -104,13 +105,14 @@ def timed_phases(engine: LLMEngine) -> Counter:
 
 
 def measure(model_dir: str, batch: int, nodes: int, p: float, steps: int, seed: int) -> dict:
-    engine = LLMEngine(EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, device="cpu",
-                                    dtype="float32", max_model_len=4096, max_num_seqs=batch, num_speculative_tokens=nodes))
-    vocab = engine.model_config.vocab_size
+    config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, device="cpu",
+                          dtype="float32", max_model_len=4096, max_num_seqs=batch, num_speculative_tokens=nodes)
+    vocab = load_config(model_dir, require_weights=False).vocab_size
     rng = random.Random(seed)
     successors = list(range(vocab))
     rng.shuffle(successors)
-    engine.proposer = ChainOracle(successors, k=nodes, p=p, vocab=vocab, target_parallelism=batch * nodes, seed=seed)
+    oracle = ChainOracle(successors, k=nodes, p=p, vocab=vocab, target_parallelism=batch * nodes, seed=seed)
+    engine = LLMEngine(config, proposer=oracle)
     engine.spec_control = SpeculationController(nodes, batch * nodes, always_speculate=True, query_buckets=QUERY_BUCKETS)
     engine.runner.forward = GraphHostForward(engine, successors)
     max_tokens = (steps + 8) * (nodes + 1)

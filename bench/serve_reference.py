@@ -103,7 +103,8 @@ def speculation_settings(base: str, draft_dir: str, lookahead_dir: str, draft_vo
     return {
         "plain": {},
         "lookahead": dict(lookahead_cache_config_dir=lookahead_dir, num_speculative_tokens=nodes),
-        "cpu-draft": dict(draft, cpu_draft_worker=True, extra={"draft_quantization": cpu_draft_quantization}),
+        "cpu-draft": dict(draft, cpu_draft_worker=True,
+                          speculative_config={"quantization": None if cpu_draft_quantization == "none" else cpu_draft_quantization}),
         "gpu-draft": dict(draft, cpu_draft_worker=False),
     }[base]
 

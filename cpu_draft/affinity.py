@@ -3,8 +3,8 @@
 The GPU process keeps the first cores (one in eight, at least one) for its own Python loop,
 kernel launches and server threads, and pins itself there (`pin_coordinator`), so the
 draft worker's spinning threads and the coordinator never take each other's cores; the
-worker defaults to every other core it may use. ``HETERO_DRAFT_CPUS`` (a Linux cpulist
-such as ``"4-15"`` or ``"2,4-7"``) overrides the default.
+worker defaults to every other core it may use. ``DraftConfig.cpus`` (a Linux cpulist
+such as ``"4-15"`` or ``"2,4-7"``; default $HETERO_DRAFT_CPUS) overrides the default.
 """
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ import os
 from typing import Optional, Sequence
 
 import torch
-
-DRAFT_CPUS_ENV = "HETERO_DRAFT_CPUS"
-
 
 def parse_cpu_list(text: str) -> list[int]:
     """``"4-7,10"`` -> ``[4, 5, 6, 7, 10]``; raises ValueError naming the bad part."""
@@ -49,8 +46,7 @@ def usable_cpus() -> list[int]:
 
 
 def default_draft_cpus(spec: Optional[str] = None) -> list[int]:
-    """The cores for the draft: ``spec``, else $HETERO_DRAFT_CPUS, else the usable cores but one in eight (at least one)."""
-    spec = spec if spec is not None else os.environ.get(DRAFT_CPUS_ENV)
+    """The cores for the draft: ``spec`` (a cpulist), else the usable cores but one in eight (at least one)."""
     usable = usable_cpus()
     if spec:
         cpus = parse_cpu_list(spec)

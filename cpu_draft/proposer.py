@@ -11,20 +11,12 @@ one reports READY, proposals are empty trees, so the engine decodes plainly and 
 request waits or changes. After ``MAX_CONSECUTIVE_FAILURES`` failed restarts the
 proposer gives up and stays empty.
 
-Knobs (``EngineConfig.extra`` key, else environment variable):
-``draft_tree_width`` / HETERO_DRAFT_TREE_WIDTH (1 = chains), ``draft_quantization`` /
-HETERO_DRAFT_QUANTIZATION (``int8`` for INT8 weights), ``draft_cpus`` / HETERO_DRAFT_CPUS
-(e.g. ``4-15``), ``draft_threads`` / HETERO_DRAFT_THREADS, ``draft_kv_cache_gib`` /
-HETERO_DRAFT_KV_CACHE_GIB, ``draft_reply_timeout_s`` / HETERO_DRAFT_REPLY_TIMEOUT_S,
-``draft_overlap`` / HETERO_DRAFT_OVERLAP (0 turns drafting ahead off), ``draft_dtype`` /
-HETERO_DRAFT_DTYPE (the CPU worker's ``auto``, the default: ``bfloat16`` where the native
-draft forward builds, else ``float32``; or either named).
+Settings: `hetero.core.config.DraftConfig` (``EngineConfig.draft``).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import subprocess
 import time
 import weakref
@@ -53,7 +45,7 @@ from cpu_draft.worker import WorkerOptions, launch_command
 from gpu_target.loader import load_config, load_tokenizer, resolve_model_path
 from gpu_target.model_config import ModelConfig
 from hetero.core.config import EngineConfig
-from hetero.core.protocols import ProposalRequest, TokenTree, Verdict
+from hetero.core.protocols import ProposalRequest, Proposer, TokenTree, Verdict
 from ipc import Channel, IPCError, RecvTimeoutError
 
 logger = logging.getLogger("hetero.cpu_draft")
@@ -67,52 +59,14 @@ _VOCAB_SAMPLE = 512
 INITIAL_AHEAD_NODES = 4  # tree size drafted ahead before the engine first asks for one (then: its last budget)
 
 
-@dataclass(frozen=True)
-class DraftSettings:
-    tree_width: int = 1
-    int8_weights: bool = False
-    cpus: Optional[str] = None
-    num_threads: Optional[int] = None
-    kv_cache_gib: float = 1.0
-    reply_timeout_s: float = 10.0
-    start_timeout_s: float = 600.0
-    overlap: bool = True
-    cpu_dtype: Optional[torch.dtype] = None  # None: auto, see resolve_cpu_dtype
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> "DraftSettings":
-        def knob(key: str, convert, default):
-            value = config.extra.get(key, os.environ.get("HETERO_" + key.upper()))
-            if value is None or value == "":
-                return default
-            try:
-                return convert(value)
-            except ValueError:
-                raise ValueError(f"{key} (HETERO_{key.upper()}) has a bad value {value!r}") from None
-
-        quantization = knob("draft_quantization", str, "none")
-        if quantization not in ("none", "int8"):
-            raise ValueError(f"draft_quantization must be 'none' or 'int8', got {quantization!r}")
-        settings = cls(
-            tree_width=knob("draft_tree_width", int, 1),
-            int8_weights=quantization == "int8",
-            cpus=knob("draft_cpus", str, None),
-            num_threads=knob("draft_threads", int, None),
-            kv_cache_gib=knob("draft_kv_cache_gib", float, 1.0),
-            reply_timeout_s=knob("draft_reply_timeout_s", float, 10.0),
-            overlap=knob("draft_overlap", lambda v: str(v).lower() not in ("0", "false", "no"), True),
-            cpu_dtype=knob("draft_dtype", cpu_dtype, None),
-        )
-        if settings.tree_width < 1:
-            raise ValueError(f"draft_tree_width must be at least 1, got {settings.tree_width}")
-        return settings
+DRAFT_START_TIMEOUT_S = 600.0  # a worker loading its weights (and building the native forward) may be slow
 
 
 def build_draft_proposer(config: EngineConfig, target_config: ModelConfig, tokenizer):
     """The proposer for ``config.speculative_model``: a CPU worker process, or in-process on the target's device."""
     draft_path = resolve_model_path(config.speculative_model)
     check_vocabularies_match(target_config, tokenizer, load_config(draft_path), load_tokenizer(draft_path))
-    settings = DraftSettings.from_config(config)
+    settings = config.draft
     keep = _special_token_ids(tokenizer)
     if config.cpu_draft_worker:
         cpus = tuple(default_draft_cpus(settings.cpus))
@@ -120,15 +74,15 @@ def build_draft_proposer(config: EngineConfig, target_config: ModelConfig, token
             logger.info("coordinator pinned to cpus %s, the draft worker to %s", pin_coordinator(cpus), list(cpus))
         options = WorkerOptions(
             model=str(draft_path),
-            draft=_model_options(config, settings, torch.device("cpu"), resolve_cpu_dtype(settings.cpu_dtype), keep),
+            draft=_model_options(config, torch.device("cpu"), resolve_cpu_dtype(cpu_dtype(settings.dtype)), keep),
             cpus=cpus,
-            num_threads=settings.num_threads,
+            num_threads=settings.threads,
             overlap=settings.overlap,
             budget=min(config.num_speculative_tokens or INITIAL_AHEAD_NODES, INITIAL_AHEAD_NODES),
         )
-        return WorkerDraftProposer(options, settings.reply_timeout_s, settings.start_timeout_s)
+        return WorkerDraftProposer(options, settings.reply_timeout_s, DRAFT_START_TIMEOUT_S)
     device = config.resolve_device()
-    options = _model_options(config, settings, device, config.resolve_dtype(device), keep)
+    options = _model_options(config, device, config.resolve_dtype(device), keep)
     nodes = config.num_speculative_tokens or INITIAL_AHEAD_NODES
     return InProcessDraftProposer(Drafter.load(str(draft_path), options), warm_up_nodes=nodes if device.type == "cuda" else 0)
 
@@ -144,11 +98,8 @@ def _special_token_ids(tokenizer) -> tuple[int, ...]:
 
 
 def cpu_dtype(requested: str) -> Optional[torch.dtype]:
-    """The CPU draft worker's dtype: ``auto`` (None; `resolve_cpu_dtype` picks), ``float32`` or ``bfloat16``."""
-    dtypes = {"auto": None, "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16}
-    if requested not in dtypes:
-        raise ValueError(f"draft_dtype must be 'auto', 'float32' or 'bfloat16', got {requested!r}")
-    return dtypes[requested]
+    """The CPU draft worker's dtype for DraftConfig.dtype: ``auto`` (None; `resolve_cpu_dtype` picks), ``float32`` or ``bfloat16``."""
+    return {"auto": None, "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16}[requested]
 
 
 _logged_auto_dtype: Optional[torch.dtype] = None
@@ -176,18 +127,19 @@ def resolve_cpu_dtype(requested: Optional[torch.dtype]) -> torch.dtype:
     return dtype
 
 
-def _model_options(config: EngineConfig, settings: DraftSettings, device: torch.device, dtype: torch.dtype,
+def _model_options(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                    keep_token_ids: tuple[int, ...]) -> DraftModelOptions:
+    settings = config.draft
     return DraftModelOptions(
         dtype=dtype,
         device=str(device),
-        int8_weights=settings.int8_weights,
+        int8_weights=settings.quantization == "int8",
         tree_width=settings.tree_width,
         kv_cache_bytes=int(settings.kv_cache_gib * 2**30),
         max_num_seqs=config.max_num_seqs,
         block_size=config.block_size,
-        draft_vocab_size=config.speculative_draft_vocab_size,
-        token_map=config.speculative_token_map,
+        draft_vocab_size=settings.draft_vocab_size,
+        token_map=settings.speculative_token_map,
         keep_token_ids=keep_token_ids,
         max_model_len=config.max_model_len,
         cuda_graphs=not config.enforce_eager,
@@ -217,7 +169,7 @@ def check_vocabularies_match(target_config: ModelConfig, target_tokenizer, draft
             )
 
 
-class InProcessDraftProposer:
+class InProcessDraftProposer(Proposer):
     """The Drafter run synchronously in the engine's process, on the engine's device (vLLM's arrangement)."""
 
     def __init__(self, drafter: Drafter, warm_up_nodes: int = 0):
@@ -315,7 +267,7 @@ class _Counters:
             self.values[name] += other.get(name, 0.0)
 
 
-class WorkerDraftProposer:
+class WorkerDraftProposer(Proposer):
     """Proposals from a draft worker process over a shared-memory channel, with restart on failure."""
 
     def __init__(self, options: WorkerOptions, reply_timeout_s: float = 10.0, start_timeout_s: float = 600.0):

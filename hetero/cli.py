@@ -20,8 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import yaml
 
 from hetero import __version__
-from hetero.core.config import QUANTIZATION_METHODS
-from hetero.core.config import EngineConfig
+from hetero.core.config import QUANTIZATION_METHODS, SPECULATIVE_CONFIG_KEYS, EngineConfig
 
 _NO_DEFAULT = object()
 _UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
@@ -109,8 +108,8 @@ FLAGS: tuple[Flag, ...] = (
     # --- speculation (vLLM and TACO-LLM names)
     Flag("speculative_model", "Draft model directory or .gguf; drafts on the CPU."),
     Flag("num_speculative_tokens", "Draft tokens (tree nodes) per sequence per step, 1-63.", int),
-    Flag("speculative_config", 'vLLM\'s speculative config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\'.',
-         json_object),
+    Flag("speculative_config", 'vLLM\'s speculative config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\'; '
+         f"its keys: {', '.join(SPECULATIVE_CONFIG_KEYS)} (the draft worker's settings, DraftConfig's fields).", json_object),
     Flag("cpu_draft_worker", "TACO-LLM: run the draft model in its own CPU worker process.", None),
     Flag("speculative_draft_vocab_size", "The draft's logits head over this many of the most frequent tokens "
          "(FR-Spec): a large-vocabulary draft drafts several times faster on the CPU.", int),

@@ -35,7 +35,7 @@ from hetero.core.config import EngineConfig
 from hetero.detokenizer import decode_new_text, find_stop_string
 from hetero.outputs import CompletionOutput, Logprob, RequestOutput
 from hetero.proposers import build_proposer
-from hetero.core.protocols import MAX_TREE_NODES, DraftsAhead, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict, tree_row_layout
+from hetero.core.protocols import DEFAULT_TARGET_PARALLELISM, MAX_TREE_NODES, DraftsAhead, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict, tree_row_layout
 from hetero.core.sampling_params import RequestOutputKind, SamplingParams
 from hetero.scheduler import ScheduledSeq, Scheduler, Sequence, SequenceGroup
 from hetero.spec.controller import SpeculationController
@@ -46,7 +46,6 @@ logger = logging.getLogger("hetero")
 _CPU_DEFAULT_KV_GIB = 4.0
 _GPU_ACTIVATION_RESERVE_GIB = 4.0  # activations and CUDA-graph pools
 _DEFAULT_TREE_NODES = 16
-_DEFAULT_TARGET_PARALLELISM = 64
 
 
 @dataclass
@@ -189,7 +188,7 @@ class LLMEngine:
         self._observer = self.proposer if isinstance(self.proposer, DraftsAhead) else None
         max_tree_nodes = min(config.num_speculative_tokens or _DEFAULT_TREE_NODES, MAX_TREE_NODES)
         self.num_scheduler_steps = config.resolve_scheduler_steps(self.device)
-        target_parallelism = getattr(self.proposer, "target_parallelism", _DEFAULT_TARGET_PARALLELISM)
+        target_parallelism = self.proposer.target_parallelism if self.proposer is not None else DEFAULT_TARGET_PARALLELISM
         # A step's tokens: the scheduler's budget, plus the tree nodes verified beside it.
         step_tokens = self.scheduler.max_num_batched_tokens + (target_parallelism if self.proposer is not None else 0)
         graph_runner = self._capture_graphs(1 + max_tree_nodes if self.proposer is not None else 1, step_tokens)

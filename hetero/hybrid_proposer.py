@@ -36,7 +36,7 @@ def _depth(tree: TokenTree) -> int:
     return int(tree.depths().max()) if len(tree) else 0
 
 
-class HybridProposer:
+class HybridProposer(Proposer):
     """A draft-model proposer and a lookahead cache behind one `Proposer`."""
 
     def __init__(self, draft: Proposer, lookahead: Proposer):
@@ -66,6 +66,4 @@ class HybridProposer:
         self.draft.release(request_id)
 
     def close(self) -> None:
-        close = getattr(self.draft, "close", None)
-        if callable(close):
-            close()
+        self.draft.close()

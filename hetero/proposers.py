@@ -1,7 +1,6 @@
 """Which proposer the engine's configuration asks for: none, the lookahead cache, or a draft model."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 from gpu_target.model_config import ModelConfig
@@ -11,7 +10,7 @@ from hetero.core.protocols import Proposer
 
 def build_proposer(config: EngineConfig, target_config: ModelConfig, tokenizer) -> Optional[Proposer]:
     """A draft model and a lookahead cache both configured: their trees merged (`HybridProposer`)."""
-    lookahead = _build_lookahead(config) if config.lookahead_cache_config_dir or config.uses_ngram else None
+    lookahead = _build_lookahead(config) if config.lookahead is not None else None
     if config.speculative_model:
         from cpu_draft.proposer import build_draft_proposer
 
@@ -25,17 +24,6 @@ def build_proposer(config: EngineConfig, target_config: ModelConfig, tokenizer) 
 
 
 def _build_lookahead(config: EngineConfig) -> Proposer:
-    from lookahead import LookaheadCache, LookaheadConfig, default_memory_budget
+    from lookahead import LookaheadCache, default_memory_budget
 
-    if config.uses_ngram:
-        spec = config.speculative_config
-        lookahead_config = LookaheadConfig.from_ngram(
-            num_speculative_tokens=spec.get("num_speculative_tokens", 5),
-            prompt_lookup_max=spec.get("prompt_lookup_max"),
-            prompt_lookup_min=spec.get("prompt_lookup_min"),
-        )
-    else:
-        lookahead_config = LookaheadConfig.from_dir(config.lookahead_cache_config_dir)
-    if config.ignore_prompt_for_lookahead_cache:
-        lookahead_config = dataclasses.replace(lookahead_config, ignore_prompt=True)
-    return LookaheadCache(lookahead_config, default_memory_budget(config.cpu_decoding_memory_utilization))
+    return LookaheadCache(config.lookahead, default_memory_budget(config.cpu_decoding_memory_utilization))

@@ -23,8 +23,8 @@ import logging
 import os
 from typing import Optional, Sequence
 
-from hetero.core.protocols import MAX_TREE_NODES, ProposalRequest, SpecStats, TokenTree, Verdict
-from lookahead.config import LookaheadConfig
+from hetero.core.protocols import MAX_TREE_NODES, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict
+from hetero.core.lookahead_config import LookaheadConfig
 from lookahead.memory import default_memory_budget
 from lookahead.proposal import Draft, Match, frequency_tree, recent_copies
 from lookahead.stats import HitStats
@@ -50,7 +50,7 @@ class _Request:
         self.frozen = False  # stopped learning: the memory budget had no room left
 
 
-class LookaheadCache:
+class LookaheadCache(Proposer):
     def __init__(self, config: Optional[LookaheadConfig] = None, memory_budget_bytes: Optional[int] = None) -> None:
         self.config = config or LookaheadConfig()
         self.memory_budget_bytes = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)

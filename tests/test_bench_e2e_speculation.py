@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from bench.e2e_speculation import TraceReplay
-from hetero.core.protocols import TokenTree
+from hetero.core.protocols import Proposer, TokenTree
 
 
 class _Fixed:
@@ -15,7 +15,7 @@ class _Fixed:
         return min(self.accepted, depth)
 
 
-class _Drafts:
+class _Drafts(Proposer):
     def __init__(self, tree):
         self.tree = tree
 

@@ -418,18 +418,21 @@ def test_tokenizer_mismatch_is_a_clear_error(tiny_llama_dir, tmp_path):
 
 
 def test_draft_dtype_knob_defaults_to_auto_and_names_a_bad_value(monkeypatch):
-    from cpu_draft.proposer import DraftSettings
+    from cpu_draft.proposer import cpu_dtype
     from hetero.core.config import EngineConfig
 
+    def draft_dtype(**kwargs):
+        return cpu_dtype(EngineConfig(model="m", speculative_model="d", **kwargs).draft.dtype)
+
     monkeypatch.delenv("HETERO_DRAFT_DTYPE", raising=False)
-    assert DraftSettings.from_config(EngineConfig(model="m")).cpu_dtype is None
-    assert DraftSettings.from_config(EngineConfig(model="m", extra={"draft_dtype": "auto"})).cpu_dtype is None
-    assert DraftSettings.from_config(EngineConfig(model="m", extra={"draft_dtype": "bfloat16"})).cpu_dtype == torch.bfloat16
-    assert DraftSettings.from_config(EngineConfig(model="m", extra={"draft_dtype": "float32"})).cpu_dtype == torch.float32
+    assert draft_dtype() is None
+    assert draft_dtype(speculative_config={"dtype": "auto"}) is None
+    assert draft_dtype(speculative_config={"dtype": "bfloat16"}) == torch.bfloat16
+    assert draft_dtype(speculative_config={"dtype": "float32"}) == torch.float32
     monkeypatch.setenv("HETERO_DRAFT_DTYPE", "bfloat16")
-    assert DraftSettings.from_config(EngineConfig(model="m")).cpu_dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="draft_dtype"):
-        DraftSettings.from_config(EngineConfig(model="m", extra={"draft_dtype": "int4"}))
+    assert draft_dtype() == torch.bfloat16
+    with pytest.raises(ValueError, match=r"speculative_config\.dtype \(\$HETERO_DRAFT_DTYPE\)"):
+        draft_dtype(speculative_config={"dtype": "int4"})
 
 
 @pytest.mark.parametrize("available", [True, False])

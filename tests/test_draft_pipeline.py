@@ -89,7 +89,6 @@ def test_the_coordinator_keeps_one_core_in_eight_and_pins_itself_off_the_draft(m
     from cpu_draft import affinity
 
     pinned = []
-    monkeypatch.delenv(affinity.DRAFT_CPUS_ENV, raising=False)
     monkeypatch.setattr(affinity.os, "sched_setaffinity", lambda pid, cpus: pinned.append(sorted(cpus)))
     threads = []
     monkeypatch.setattr(affinity.torch, "set_num_threads", threads.append)

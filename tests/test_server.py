@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hetero.core.protocols import TokenTree
+from hetero.core.protocols import Proposer, TokenTree
 from server_helpers import live_server, wait_until
 
 API_KEY = "test-key"
@@ -289,7 +289,7 @@ def test_200_concurrent_streams_lose_nothing(server):
 
 
 # ---------------------------------------------------------------- metrics
-class RepeatLastToken:
+class RepeatLastToken(Proposer):
     """A proposer that drafts the last token again: cheap, deterministic, sometimes right."""
 
     def propose(self, batch):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bench.spec_control_sim import Workload, speedups
-from hetero.core.protocols import TokenTree
+from hetero.core.protocols import Proposer, TokenTree
 from hetero.spec.controller import SpeculationController
 from hetero.spec.draining import AcceptanceSpread, DrainingBatch, speculation_reach
 from hetero.spec.tree_sizer import TreeSizer
@@ -505,7 +505,7 @@ class _PlainSpy(SpeculationController):
         self.records.append(args)
 
 
-class _IdleProposer:
+class _IdleProposer(Proposer):
     def propose(self, batch):
         raise AssertionError("the spy never speculates")
 
@@ -666,7 +666,7 @@ class _AlwaysSpeculate(SpeculationController):
         pass
 
 
-class _RightOrWrongProposer:
+class _RightOrWrongProposer(Proposer):
     """Chains along the known greedy continuation for requests named 'right*', and of wrong tokens for the rest."""
 
     def __init__(self, truth):

@@ -10,7 +10,7 @@ import torch
 from hetero import LLM, SamplingParams
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
-from hetero.core.protocols import ProposalRequest, TokenTree, Verdict
+from hetero.core.protocols import ProposalRequest, Proposer, TokenTree, Verdict
 
 PROMPTS = [
     "Hello, my name is",
@@ -34,7 +34,7 @@ MAX_TOKENS = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Proposes trees around the known greedy continuation, with a chosen shape and error rate.
 
     `p_correct` is the chance that a node continuing a so-far-correct path carries the true

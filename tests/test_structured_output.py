@@ -17,7 +17,7 @@ import torch
 from hetero import LLM, SamplingParams, StructuredOutputsParams
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
-from hetero.core.protocols import ProposalRequest, TokenTree
+from hetero.core.protocols import ProposalRequest, Proposer, TokenTree
 from hetero.structured_output import GrammarCompiler, grammar_of
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def add(a, b):", "x"]
@@ -50,7 +50,7 @@ def check(name: str, text: str) -> None:
         assert text.strip("()") in ("yes", "no") and text.count("(") == text.count(")")
 
 
-class PathProposer:
+class PathProposer(Proposer):
     """Drafts the known constrained continuation, with a share of random (mostly forbidden) tokens."""
 
     def __init__(self, truth: dict[tuple[int, ...], list[int]], vocab: int, p_correct: float, nodes: int = 8):

@@ -1,12 +1,22 @@
-"""Engine configuration: the vLLM / TACO-LLM argument names, their defaults and validation."""
+"""Engine configuration: the vLLM / TACO-LLM argument names, their defaults and validation.
+
+`EngineConfig` takes the flat arguments users pass (vLLM's and TACO-LLM's names) and resolves
+the speculative ones into two typed parts: `DraftConfig` (the draft model's worker and trees,
+from vLLM's ``speculative_config`` dict) and `LookaheadConfig` (the lookahead cache, from
+TACO-LLM's ``lookahead_cache_config_dir`` or an ngram ``speculative_config``). Environment
+variables are read here only, as documented defaults.
+"""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+
+from hetero.core.lookahead_config import LookaheadConfig
 
 
 _DTYPES = {
@@ -19,6 +29,81 @@ _DTYPES = {
 BATCH_INVARIANT_ENV = "HETERO_BATCH_INVARIANT"
 
 DEFAULT_CUDA_SCHEDULER_STEPS = 8
+DRAFT_ENV_PREFIX = "HETERO_DRAFT_"
+DRAFT_DTYPES = ("auto", "float32", "float", "bfloat16")
+
+
+def _env_default(name: str, parse: Callable[[str], Any], default: Any) -> Any:
+    """A DraftConfig field whose default is $HETERO_DRAFT_<NAME> when set and not empty, read
+    when the config is built; a value given explicitly wins over the variable."""
+    variable = DRAFT_ENV_PREFIX + name.upper()
+
+    def read() -> Any:
+        text = os.environ.get(variable)
+        if not text:
+            return default
+        try:
+            return parse(text)
+        except ValueError:
+            raise ValueError(f"{variable} has a bad value {text!r}") from None
+
+    return field(default_factory=read)
+
+
+def _quantization_env(text: str) -> Optional[str]:
+    return None if text == "none" else text
+
+
+def _on_off_env(text: str) -> bool:
+    return text.lower() not in ("0", "false", "no")
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The draft model's settings: how the CPU draft worker runs it and the trees it drafts.
+
+    Set through vLLM's ``speculative_config`` dict, whose keys are these field names (with
+    ``method``, ``model``, ``num_speculative_tokens``, ``prompt_lookup_max/min``), or passed
+    as ``EngineConfig(draft=DraftConfig(...))``. Every field but the last two defaults to
+    $HETERO_DRAFT_<FIELD> when that is set (e.g. HETERO_DRAFT_THREADS=8, HETERO_DRAFT_CPUS=4-15,
+    HETERO_DRAFT_QUANTIZATION=int8, HETERO_DRAFT_OVERLAP=0), else to the value below.
+    """
+
+    tree_width: int = _env_default("tree_width", int, 1)  # children per drafted node; 1: chains
+    quantization: Optional[str] = _env_default("quantization", _quantization_env, None)  # "int8": INT8 weights
+    cpus: Optional[str] = _env_default("cpus", str, None)  # the worker's cores, a Linux cpulist ("4-15"); None: all but 1 in 8
+    threads: Optional[int] = _env_default("threads", int, None)  # the worker's threads; None: one per core
+    kv_cache_gib: float = _env_default("kv_cache_gib", float, 1.0)  # the draft's own KV cache
+    reply_timeout_s: float = _env_default("reply_timeout_s", float, 10.0)  # a silent worker is restarted after this
+    overlap: bool = _env_default("overlap", _on_off_env, True)  # draft the next tree while the target verifies
+    dtype: str = _env_default("dtype", str, "auto")  # the CPU worker's: auto (bfloat16 where the native forward builds), float32, bfloat16
+    # The draft's logits head over the most frequent tokens only (FR-Spec; cpu_draft/draft_vocab.py):
+    # how many, and optionally SGLang's speculative_token_map file ranking them. None: the whole vocabulary.
+    draft_vocab_size: Optional[int] = None
+    speculative_token_map: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _draft_check(_is_int(self.tree_width) and self.tree_width >= 1, "tree_width", self.tree_width, "must be an int of at least 1")
+        _draft_check(self.quantization in (None, "int8"), "quantization", self.quantization, "must be None or 'int8'")
+        _draft_check(self.cpus is None or isinstance(self.cpus, str), "cpus", self.cpus, "must be a cpulist such as '4-15'")
+        _draft_check(self.threads is None or (_is_int(self.threads) and self.threads >= 1), "threads", self.threads,
+                     "must be None or an int of at least 1")
+        for name in ("kv_cache_gib", "reply_timeout_s"):
+            value = getattr(self, name)
+            _draft_check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, name, value, "must be positive")
+        _draft_check(isinstance(self.overlap, bool), "overlap", self.overlap, "must be True or False")
+        _draft_check(self.dtype in DRAFT_DTYPES, "dtype", self.dtype, f"must be one of {list(DRAFT_DTYPES)}")
+        if self.draft_vocab_size is not None:
+            _check(_is_int(self.draft_vocab_size) and self.draft_vocab_size >= 1,
+                   "speculative_config.draft_vocab_size", self.draft_vocab_size, "must be a positive int")
+        if self.speculative_token_map is not None:
+            _check(isinstance(self.speculative_token_map, str) and os.path.isfile(self.speculative_token_map),
+                   "speculative_token_map", self.speculative_token_map,
+                   "must be a file of token ids (.npy, .pt, .json or whitespace-separated text)")
+
+
+_DRAFT_KEYS = tuple(f.name for f in dataclasses.fields(DraftConfig))
+SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", *_DRAFT_KEYS)
 
 
 @dataclass
@@ -60,16 +145,18 @@ class EngineConfig:
     # Speculation (vLLM and TACO-LLM spellings).
     speculative_model: Optional[str] = None
     num_speculative_tokens: Optional[int] = None
-    speculative_config: Optional[dict[str, Any]] = None
+    speculative_config: Optional[dict[str, Any]] = None  # keys: SPECULATIVE_CONFIG_KEYS; resolved into `draft`
     cpu_draft_worker: bool = False
-    # The draft's logits head over the most frequent tokens only (FR-Spec; cpu_draft/draft_vocab.py):
-    # how many, and optionally SGLang's speculative_token_map file ranking them. None: the whole vocabulary.
+    # SGLang's names for DraftConfig.draft_vocab_size / speculative_token_map (speculative_config's keys win).
     speculative_draft_vocab_size: Optional[int] = None
     speculative_token_map: Optional[str] = None
     lookahead_cache_config_dir: Optional[str] = None
     cpu_decoding_memory_utilization: float = 0.15
     ignore_prompt_for_lookahead_cache: bool = False
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    # The typed speculation settings the proposers read. `lookahead`: None unless given, or resolved
+    # from lookahead_cache_config_dir or an ngram speculative_config (then no lookahead cache when neither).
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    lookahead: Optional[LookaheadConfig] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -103,13 +190,8 @@ class EngineConfig:
         _check(0 < self.cpu_decoding_memory_utilization <= 1, "cpu_decoding_memory_utilization", self.cpu_decoding_memory_utilization, "must be in (0, 1]")
         if self.num_speculative_tokens is not None:
             _check(1 <= self.num_speculative_tokens <= 63, "num_speculative_tokens", self.num_speculative_tokens, "must be in [1, 63]")
-        self._merge_speculative_config()
-        if self.speculative_draft_vocab_size is not None:
-            _check(isinstance(self.speculative_draft_vocab_size, int) and self.speculative_draft_vocab_size >= 1,
-                   "speculative_draft_vocab_size", self.speculative_draft_vocab_size, "must be a positive int")
-        if self.speculative_token_map is not None:
-            _check(os.path.isfile(self.speculative_token_map), "speculative_token_map", self.speculative_token_map,
-                   "must be a file of token ids (.npy, .pt, .json or whitespace-separated text)")
+        self._resolve_draft()
+        self._resolve_lookahead()
 
     def _check_prefix_cache_offload(self) -> None:
         for name in ("enable_prefix_caching", "enable_prefix_cache_offload", "apc_offload_enable_hit_cnt"):
@@ -123,37 +205,58 @@ class EngineConfig:
             if getattr(self, name) and not self.enable_prefix_caching:
                 raise ValueError(f"{name} needs enable_prefix_caching=True (the offload tier holds prefix-cache blocks)")
 
-    def _merge_speculative_config(self) -> None:
-        """Fold vLLM's `speculative_config` dict into the flat TACO-LLM fields."""
+    def _resolve_draft(self) -> None:
+        """Fold vLLM's `speculative_config` dict and SGLang's flat draft-vocabulary fields into `draft`."""
+        _check(isinstance(self.draft, DraftConfig), "draft", self.draft, "must be a DraftConfig")
+        values: dict[str, Any] = {}
+        if self.speculative_draft_vocab_size is not None:
+            _check(_is_int(self.speculative_draft_vocab_size) and self.speculative_draft_vocab_size >= 1,
+                   "speculative_draft_vocab_size", self.speculative_draft_vocab_size, "must be a positive int")
+            values["draft_vocab_size"] = self.speculative_draft_vocab_size
+        if self.speculative_token_map is not None:
+            values["speculative_token_map"] = self.speculative_token_map
         spec = self.speculative_config
-        if spec is None:
-            return
-        if not isinstance(spec, dict):
-            raise ValueError("speculative_config must be a dict")
-        known = {"model", "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_vocab_size",
-                 "speculative_token_map"}
-        unknown = set(spec) - known
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        method = spec.get("method", "draft_model" if "model" in spec or self.speculative_model else None)
-        if method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {method!r}")
-        if method == "draft_model":
-            if not spec.get("model") and not self.speculative_model:
-                raise ValueError("speculative_config.model is required for a draft model")
-            self.speculative_model = spec.get("model") or self.speculative_model
-        if "draft_vocab_size" in spec:
-            self.speculative_draft_vocab_size = spec["draft_vocab_size"]
-        if "speculative_token_map" in spec:
-            self.speculative_token_map = spec["speculative_token_map"]
-        if "num_speculative_tokens" in spec:
-            k = spec["num_speculative_tokens"]
-            _check(isinstance(k, int) and 1 <= k <= 63, "speculative_config.num_speculative_tokens", k, "must be an int in [1, 63]")
-            self.num_speculative_tokens = k
+        if spec is not None:
+            if not isinstance(spec, dict):
+                raise ValueError("speculative_config must be a dict")
+            _check_speculative_keys(spec)
+            method = self.speculative_method
+            if method not in ("ngram", "draft_model"):
+                raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {method!r}")
+            if method == "draft_model":
+                if not spec.get("model") and not self.speculative_model:
+                    raise ValueError("speculative_config.model is required for a draft model")
+                self.speculative_model = spec.get("model") or self.speculative_model
+            if "num_speculative_tokens" in spec:
+                k = spec["num_speculative_tokens"]
+                _check(_is_int(k) and 1 <= k <= 63, "speculative_config.num_speculative_tokens", k, "must be an int in [1, 63]")
+                self.num_speculative_tokens = k
+            values.update((key, spec[key]) for key in _DRAFT_KEYS if key in spec)
+        if values:
+            self.draft = dataclasses.replace(self.draft, **values)
+
+    def _resolve_lookahead(self) -> None:
+        """The lookahead cache's settings: given, from an ngram speculative_config, or from TACO-LLM's config dir."""
+        if self.lookahead is None:
+            if self.speculative_method == "ngram":
+                spec = self.speculative_config
+                self.lookahead = LookaheadConfig.from_ngram(
+                    num_speculative_tokens=spec.get("num_speculative_tokens", 5),
+                    prompt_lookup_max=spec.get("prompt_lookup_max"),
+                    prompt_lookup_min=spec.get("prompt_lookup_min"),
+                )
+            elif self.lookahead_cache_config_dir:
+                self.lookahead = LookaheadConfig.from_dir(self.lookahead_cache_config_dir)
+        _check(self.lookahead is None or isinstance(self.lookahead, LookaheadConfig), "lookahead", self.lookahead,
+               "must be None or a LookaheadConfig")
+        if self.lookahead is not None and self.ignore_prompt_for_lookahead_cache:
+            self.lookahead = dataclasses.replace(self.lookahead, ignore_prompt=True)
 
     @property
-    def uses_ngram(self) -> bool:
-        return bool(self.speculative_config) and self.speculative_config.get("method") == "ngram"
+    def speculative_method(self) -> Optional[str]:
+        """speculative_config's method: given, else draft_model when a draft model is named."""
+        spec = self.speculative_config or {}
+        return spec.get("method", "draft_model" if "model" in spec or self.speculative_model else None)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -184,7 +287,7 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unexpected engine argument(s) {unknown}")
@@ -203,6 +306,25 @@ def check_quantization(quantization: Optional[str]) -> None:
 def _check(ok: bool, name: str, value: Any, why: str) -> None:
     if not ok:
         raise ValueError(f"{name} {why}, got {value!r}")
+
+
+def _draft_check(ok: bool, name: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ValueError(f"speculative_config.{name} (${DRAFT_ENV_PREFIX}{name.upper()}) {why}, got {value!r}")
+
+
+def _check_speculative_keys(spec: dict[str, Any]) -> None:
+    """vLLM's message for a key speculative_config does not have, with the closest valid key."""
+    unknown = [key for key in spec if key not in SPECULATIVE_CONFIG_KEYS]
+    if unknown:
+        hints = {key: difflib.get_close_matches(str(key), SPECULATIVE_CONFIG_KEYS, n=1) for key in unknown}
+        hint = "".join(f" (did you mean {match[0]!r} for {key!r}?)" for key, match in hints.items() if match)
+        raise ValueError(f"Unexpected keyword argument(s) {unknown} in speculative_config{hint}; "
+                         f"valid keys are: {', '.join(SPECULATIVE_CONFIG_KEYS)}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _env_flag(name: str) -> bool:

@@ -166,7 +166,17 @@ class SpecStats:
         return (self.num_accepted_tokens + self.num_steps) / self.num_steps
 
 
+DEFAULT_TARGET_PARALLELISM = 64  # a proposer's node budget per step, summed over the batch, unless it sets its own
+
+
 class Proposer(Protocol):
+    """What the engine and the server use of a proposer. Implementations subclass it, which
+    gives them the defaults below (the node budget, a ``close`` that does nothing)."""
+
+    # The step's tree nodes summed over the batch: the coordinator divides it among the
+    # sequences (`SpeculationController`) and sizes the step's token buffers with it.
+    target_parallelism: int = DEFAULT_TARGET_PARALLELISM
+
     def propose(self, batch: Sequence[ProposalRequest]) -> list[TokenTree]:
         """One tree per request, each within its ``max_nodes`` budget (may be empty)."""
 
@@ -175,6 +185,9 @@ class Proposer(Protocol):
 
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request."""
+
+    def close(self) -> None:
+        """Stop any worker process and free what it holds now (the server calls it on shutdown)."""
 
 
 @runtime_checkable

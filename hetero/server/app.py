@@ -116,9 +116,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
 def _close_proposer(engine: LLMEngine) -> None:
     """Stop the draft worker and remove its shared memory and socket files now: uvicorn re-raises
     SIGTERM once the app has stopped, and that default handler skips exit-time clean-up."""
-    close = getattr(engine.proposer, "close", None)
-    if close is not None:
-        close()
+    if engine.proposer is not None:
+        engine.proposer.close()
 
 
 # ------------------------------------------------------------------ /v1

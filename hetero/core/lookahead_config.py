@@ -1,4 +1,5 @@
-"""``lookahead_cache_config.json``: TACO-LLM's lookahead-cache knobs, same names.
+"""``lookahead_cache_config.json``: TACO-LLM's lookahead-cache knobs, same names; `EngineConfig.lookahead`
+holds one (read from ``lookahead_cache_config_dir``, or vLLM's ngram ``speculative_config``).
 
 Defaults are the values of TACO-LLM's manual example, except ``eos_token_id`` (model
 specific, so ``None`` until the engine fills it in). What each key means *here*:
