@@ -313,8 +313,13 @@ def _int4_tile(w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_
         zero = tl.load(z_ptr + group, mask=group_mask, other=0).to(tl.float32)
     else:
         zero = 8.0  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
-    codes = (packed >> (4 * tl.arange(0, 8))[None, None, :]) & 15
-    one_plus = ((codes << 19) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 16
+    # Nibble i moved to bits 19..22 by one shift, then masked and given 1.0's exponent. The
+    # mask is read from a register (stride_wn >> 31 is 0, but the compiler cannot fold it),
+    # so the and-or is one LOP3: an instruction holds one immediate, and two make two LOP3s.
+    mask = 0x00780000 | (stride_wn >> 31)
+    codes = (packed << tl.maximum(19 - 4 * tl.arange(0, 8), 0)[None, None, :]) >> tl.maximum(
+        4 * tl.arange(0, 8) - 19, 0)[None, None, :]
+    one_plus = ((codes & mask) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 16
     return tl.fma(one_plus, 16.0 * scale, -(16.0 + zero) * scale)
 
 
