@@ -18,25 +18,31 @@ epilogue, so a layer's batch-1 decode step runs 8 kernels instead of 10 (norm, q
 rotary + KV write, attention and its split merge, o_proj, norm, gate_up + SiLU-and-mul,
 down): `gemv_rotary_and_store_kv` and `gemv_silu_and_mul`. The two ops' own kernels took
 ~0.16 ms of a ~5.9 ms Llama-3-8B step on an H100, plus a gap each in the CUDA graph. Each
-fused program streams the two W rows whose outputs the op combines (the GEMV's two rows
-per program), summed by the GEMV's own code on the same tile, rounds them as the GEMV
+fused program streams the W rows whose outputs the op combines, as pairs (the GEMV's
+BLOCK_N rows a program: two for bf16), summed by the GEMV's own code on the same tile, rounds them as the GEMV
 stores them and applies the op through the device functions its fused_ops kernel uses:
 the results are meant to be bit-identical to the unfused kernels', and the tests check
 that they are. gpu_target/model.py picks them for one row where `streaming_applies`.
 
 The skinny GEMM does the same for tree verification: `skinny_gemm_rotary_and_store_kv`
-and `skinny_gemm_silu_and_mul` keep its programs, tile (`skinny_tile` of the whole
+and `skinny_gemm_silu_and_mul` keep its programs, tile (`streaming_tile` of the whole
 matrix), bytes and K loop (`_skinny_rows`), and gather each program's BLOCK_N W rows as
 BLOCK_N/2 interleaved pairs (gate row j and up row I + j; dimension d and d + D/2 of one
-head, so BLOCK_N/2 must divide D/2: `skinny_rotary_fits`). The rounded [BLOCK_M, BLOCK_N]
+head, so BLOCK_N/2 must divide D/2: `rotary_fits`). The rounded [BLOCK_M, BLOCK_N]
 result then splits into the pairs' halves in registers. The model takes them wherever the
 plain path would call `skinny_gemm` for that projection (`skinny_wins`), and the separate
 kernels elsewhere.
 
 Every kernel also streams quantised weights (gpu_target/quantization: `Fp8Weight`, `Int4Weight`),
-chosen by the constexpr W_FORMAT: `_weight_tile` loads a tile of W and dequantises it in
-registers (an FP8 row's scale multiplies its sum once, after the K loop), so the fused
-epilogues serve quantised targets unchanged. `weight_arguments` passes either kind.
+chosen by the constexpr W_FORMAT, so the fused epilogues serve quantised targets unchanged
+(`weight_arguments` passes either kind). The GEMV converts W straight to fp32 (FP8: E4M3 ->
+f16 -> f32, packed conversions; the row's scale multiplies its sum once, after the K loop)
+and reads x in W's tile shape, so both load in one layout; 4-bit W is read as int32 words
+of eight codes and dequantised by bit operations and one FMA (`_int4_tile`), a group of K
+at a time. The skinny GEMMs' `_weight_tile` gives `tl.dot` W in x's dtype. Quantised W
+streams fewer bytes a row than bf16, so its kernels take their tiles per shape from
+gpu_target/gemv_tiles.py (a table the GPU sweep writes, else a heuristic): more rows a
+program, so each program streams tens of KB (`streaming_tile`).
 
 `linear` is the entry point for a plain projection and dispatches on M. Results are
 rounded to the input dtype, as cuBLAS rounds its fp32 accumulator. Nothing in the
@@ -52,7 +58,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from gpu_target import fused_ops
+from gpu_target import fused_ops, gemv_tiles
 from gpu_target.fused_ops import device_function
 from gpu_target.quantization.fp8 import Fp8Weight
 from gpu_target.quantization.int4 import Int4Weight
@@ -96,7 +102,7 @@ def streaming_applies(x: torch.Tensor, weight: StreamedWeight) -> bool:
     if isinstance(weight, torch.Tensor):
         weight_streams = weight.dtype == x.dtype and weight.stride(1) == 1
     else:
-        weight_streams = getattr(weight, "perm", None) is None
+        weight_streams = getattr(weight, "perm", None) is None and (not isinstance(weight, Int4Weight) or int4_streams(weight))
     return (
         triton is not None
         and (x.is_cuda or (_stream_cpu_tensors_when_interpreting and _interpreting()))
@@ -138,38 +144,76 @@ def weight_arguments(weight: StreamedWeight) -> tuple[tuple, dict]:
     if isinstance(weight, Fp8Weight):
         return (weight.qweight, weight.scales, weight.scales, weight.qweight.stride(0), 0), dict(
             W_FORMAT=FP8, HAS_ZEROS=False, GROUP=1)
+    if not int4_streams(weight):
+        raise ValueError(f"the 4-bit kernels need K and the group size multiples of 8 and contiguous rows, got a weight of "
+                         f"shape {tuple(weight.shape)} in groups of {weight.group_size}")
     zeros = weight.zeros if weight.zeros is not None else weight.scales
-    return (weight.qweight, weight.scales, zeros, weight.qweight.stride(0), weight.scales.stride(0)), dict(
+    words = weight.qweight.view(torch.int32)  # eight codes a word, column 8j + i in nibble i (little-endian bytes)
+    return (words, weight.scales, zeros, words.stride(0), weight.scales.stride(0)), dict(
         W_FORMAT=INT4, HAS_ZEROS=weight.zeros is not None, GROUP=weight.group_size)
 
 
-# The GEMV's tile (see `gemv`); the fused GEMVs stream two rows per program with the same
-# K tile and warps, so each row's dot product is summed in the same order as here.
+def int4_streams(weight: Int4Weight) -> bool:
+    """The 4-bit kernels read W as int32 words of eight codes, whole tiles per group: K and
+    the group size must be multiples of 8, the rows contiguous."""
+    return weight.shape[1] % 8 == 0 and weight.group_size % 8 == 0 and weight.qweight.is_contiguous()
+
+
+def int4_block_k(block_k: int, group: int, whole_groups: bool) -> int:
+    """block_k, or less, so that each K tile lies in one group (the skinny GEMM's tiles) or,
+    with ``whole_groups`` (the GEMV's, which streams a tile a group at a time), holds whole
+    ones: the largest power of two dividing the group size where block_k does not fit."""
+    if group % block_k == 0 or (whole_groups and block_k % group == 0):
+        return block_k
+    return min(block_k, group & -group)
+
+
+# bf16's GEMV tile (see `gemv`); quantised weights take gemv_tiles.py's. The fused GEMVs
+# stream the same tile, their rows paired, so each row's dot product is summed in the same
+# order as in the plain GEMV.
+GEMV_BLOCK_N = 2
 GEMV_BLOCK_K = 2048
 GEMV_NUM_WARPS = 8
 GEMV_NUM_STAGES = 1
+
+
+def streaming_tile(weight: StreamedWeight, m: int, **overrides) -> dict:
+    """The tile of the kernel that streams `weight` at `m` rows (the GEMV at 1, the skinny
+    GEMM above), with ``overrides`` (a sweep's, a test's) on top: bf16 W takes the GEMV's
+    constants and `skinny_tile`; FP8 / 4-bit W the per-shape tile of gemv_tiles.py, the
+    4-bit K tile cut to fit the group size (`int4_block_k`)."""
+    n, k = weight.shape
+    if isinstance(weight, torch.Tensor):
+        tile = (dict(block_n=GEMV_BLOCK_N, block_k=GEMV_BLOCK_K, num_warps=GEMV_NUM_WARPS, num_stages=GEMV_NUM_STAGES)
+                if m == 1 else skinny_tile(n, skinny_block_m(m)))
+    else:
+        w_format = FP8 if isinstance(weight, Fp8Weight) else INT4
+        tile = (gemv_tiles.gemv_tile(w_format, n, k) if m == 1
+                else gemv_tiles.skinny_tile(w_format, n, k, skinny_block_m(m)))
+    tile = {**tile, **overrides}
+    if isinstance(weight, Int4Weight):
+        tile["block_k"] = int4_block_k(tile["block_k"], weight.group_size, whole_groups=m == 1)
+    return tile
 
 
 def gemv(
     x: torch.Tensor,  # [1, K]
     weight: StreamedWeight,  # [N, K], rows contiguous (or quantised: see weight_arguments)
     bias: Optional[torch.Tensor] = None,  # [N]
-    *,
-    block_n: int = 2,
-    block_k: int = GEMV_BLOCK_K,
-    num_warps: int = GEMV_NUM_WARPS,
-    num_stages: int = GEMV_NUM_STAGES,
+    **tile,
 ) -> torch.Tensor:
-    """[1, N] = x W^T (+ bias), in x's dtype.
+    """[1, N] = x W^T (+ bias), in x's dtype; ``tile`` (block_n, block_k, num_warps,
+    num_stages) overrides `streaming_tile`'s.
 
-    The default tile was the fastest of a sweep (block_n 1-16, block_k 256-4096, 4/8 warps,
+    bf16's tile was the fastest of a sweep (block_n 1-16, block_k 256-4096, 4/8 warps,
     1-4 stages) on an H100 for every Llama-3-8B projection and its LM head: 2.6-3.2 TB/s
     against cuBLAS's 2.1-2.9 (`python -m bench.gemv --sweep`, bench/results/gemv-*).
     """
     N, K = weight.shape
+    tile = streaming_tile(weight, 1, **tile)
     (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
-    _jit(_gemv_kernel)[(triton.cdiv(N, block_n),)](
+    _jit(_gemv_kernel)[(triton.cdiv(N, tile["block_n"]),)](
         x,
         w,
         scales,
@@ -182,10 +226,10 @@ def gemv(
         stride_sn,
         HAS_BIAS=bias is not None,
         **formats,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_N=tile["block_n"],
+        BLOCK_K=tile["block_k"],
+        num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"],
     )
     return out
 
@@ -206,92 +250,154 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, rows, row_mask, K, stride_w
                BLOCK_K: tl.constexpr):
     """(x W^T + b)[rows] in x's dtype, for the BLOCK_N `rows` of W (any rows: the fused
     kernels pair rows far apart). The products accumulate in a [BLOCK_N, BLOCK_K] fp32 tile
-    reduced once at the end, so the inner loop is loads and FMAs only; each row's sum order
-    depends only on the tile's shape and warps, not on which rows share it."""
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        k = start + cols
-        k_mask = k < K
-        x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-        w = _weight_tile(x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, W_FORMAT, HAS_ZEROS,
-                         GROUP, BLOCK_K)
-        acc += w.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, axis=1)
-    if W_FORMAT == 1:  # FP8: the row's scale, once
-        y *= tl.load(s_ptr + rows, mask=row_mask, other=0.0)
+    (4-bit: the same products, as [BLOCK_N, words, 8]) reduced once at the end, so
+    the inner loop is loads, the weight's conversion and FMAs only; each row's sum order
+    depends only on the tile's shape and warps, not on which rows share it. Quantised
+    weights are converted straight to fp32 (FP8 codes exactly; 4-bit as (q - z) * s,
+    exactly), not rounded to x's dtype first."""
+    if W_FORMAT == 2:
+        # K tiles of whole groups are streamed a group at a time (unrolled: the segments' loads are independent)
+        SEG: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP
+        acc3 = tl.zeros([BLOCK_N, SEG // 8, 8], dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            for seg in tl.static_range(BLOCK_K // SEG):
+                w = _int4_tile(w_ptr, s_ptr, z_ptr, rows, row_mask, start + seg * SEG, K, stride_wn, stride_sn, HAS_ZEROS,
+                               GROUP, SEG)
+                acc3 += w * _int4_x_tile(x_ptr, start + seg * SEG, K, SEG)[None, :, :]
+        y = tl.sum(tl.sum(acc3, axis=2), axis=1)
+    else:
+        cols = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        w_rows = rows.to(tl.int64)[:, None] * stride_wn
+        for start in range(0, K, BLOCK_K):
+            k = start + cols
+            k_mask = k < K
+            w = tl.load(w_ptr + w_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            if W_FORMAT == 1:
+                # x read in W's [BLOCK_N, BLOCK_K] shape (each row's copy from L1), so x and W
+                # load in one layout, 16 FP8 codes and 16 x values a thread, with no shuffle of
+                # x through shared memory between the loads and the FMAs.
+                x = tl.load(x_ptr + (rows * 0)[:, None] + k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            acc += w.to(tl.float32) * x
+        y = tl.sum(acc, axis=1)
+        if W_FORMAT == 1:  # FP8: the row's scale, once
+            y *= tl.load(s_ptr + rows, mask=row_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     return y.to(x_ptr.dtype.element_ty)
 
 
 @device_function
+def _int4_tile(w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, HAS_ZEROS: tl.constexpr,
+               GROUP: tl.constexpr, WIDTH: tl.constexpr):
+    """W[rows, start:start + WIDTH] of a 4-bit weight in fp32, as [BLOCK_N, WIDTH / 8, 8]:
+    column start + 8 j + i at [:, j, i], 0 past K or `row_mask`. The WIDTH columns lie in
+    one group (`int4_block_k`), so each row loads one scale and zero point.
+
+    W is read as int32 words of eight codes (`weight_arguments`: nibble i of word j is
+    column 8j + i, the bytes' little-endian order), loaded as [BLOCK_N, words, 1] so that
+    each thread unpacks the eight codes of the words it loaded in its own registers. A code
+    q becomes a float without an int-to-float conversion: placed in the mantissa of 1.0 it
+    reads 1 + q/16 (bits 19..22), and one FMA with the group's 16 s and -(16 + z) s gives
+    (q - z) s exactly (all three fit fp32's mantissa)."""
+    words = start // 8 + tl.arange(0, WIDTH // 8)
+    r = rows.to(tl.int64)[:, None, None]
+    packed = tl.load(w_ptr + r * stride_wn + words[None, :, None],
+                     mask=row_mask[:, None, None] & (words < K // 8)[None, :, None], other=0)
+    group = r * stride_sn + start // GROUP
+    group_mask = row_mask[:, None, None] & (tl.full([1, 1, 1], start, tl.int32) < K)  # a GEMV tile's segments may end past K
+    scale = tl.load(s_ptr + group, mask=group_mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + group, mask=group_mask, other=0).to(tl.float32)
+    else:
+        zero = 8.0  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
+    # Nibble i moved to bits 19..22 by one shift, then masked and given 1.0's exponent. The
+    # mask is read from a register (stride_wn >> 31 is 0, but the compiler cannot fold it),
+    # so the and-or is one LOP3: an instruction holds one immediate, and two make two LOP3s.
+    mask = 0x00780000 | (stride_wn >> 31)
+    codes = (packed << tl.maximum(19 - 4 * tl.arange(0, 8), 0)[None, None, :]) >> tl.maximum(
+        4 * tl.arange(0, 8) - 19, 0)[None, None, :]
+    one_plus = ((codes & mask) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 16
+    return tl.fma(one_plus, 16.0 * scale, -(16.0 + zero) * scale)
+
+
+@device_function
+def _int4_x_tile(x_ptr, start, K, WIDTH: tl.constexpr):
+    """x[start:start + WIDTH] in fp32, shaped as `_int4_tile`'s columns ([WIDTH / 8, 8])."""
+    k = start + tl.arange(0, WIDTH // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    return tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+
+
+@device_function
 def _weight_tile(x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, W_FORMAT: tl.constexpr,
                  HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """W[rows, start:start + BLOCK_K], 0 where masked: as stored (W_FORMAT 0), FP8 codes in x's
-    dtype (1; their row scale applies after the K loop), or 4-bit codes (2) as (q - z) * s of
-    their group in x's dtype, rounded once from float32 as `Int4Weight.dequantize` rounds
-    them. A 4-bit tile reads each byte once: its low and high nibbles (columns 2j, 2j + 1)
-    are dequantised apart, then interleaved (K and the group size are even)."""
-    w_rows = rows.to(tl.int64)[:, None] * stride_wn
-    if W_FORMAT == 2:
-        pairs = start // 2 + tl.arange(0, BLOCK_K // 2)
-        mask = row_mask[:, None] & (pairs < K // 2)[None, :]
-        packed = tl.load(w_ptr + w_rows + pairs[None, :], mask=mask, other=0)
-        groups = rows.to(tl.int64)[:, None] * stride_sn + (2 * pairs // GROUP)[None, :]
-        scale = tl.load(s_ptr + groups, mask=mask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zero = tl.load(z_ptr + groups, mask=mask, other=0).to(tl.float32)
-        else:
-            zero = 8.0  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
-        low = (((packed & 15).to(tl.float32) - zero) * scale).to(x_ptr.dtype.element_ty)
-        high = (((packed >> 4).to(tl.float32) - zero) * scale).to(x_ptr.dtype.element_ty)
-        w = tl.interleave(low, high)
+    """W[rows, start:start + BLOCK_K] in x's dtype for the skinny GEMMs' `tl.dot`, 0 where
+    masked: as stored (W_FORMAT 0), FP8 codes (1; their row scale applies after the K loop),
+    or 4-bit codes (2) as (q - z) * s of their group (`_int4_tile`), rounded once from
+    float32 as `Int4Weight.dequantize` rounds them. FP8 goes through fp32, not straight to
+    bf16: E4M3 -> f16 -> f32 -> bf16 are packed conversions, E4M3 -> bf16 one element a time."""
+    if W_FORMAT == 2:  # BLOCK_K divides the group size here (`streaming_tile`)
+        w = tl.reshape(_int4_tile(w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, HAS_ZEROS, GROUP,
+                                  BLOCK_K), [rows.shape[0], BLOCK_K]).to(x_ptr.dtype.element_ty)
     else:
         k = start + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + w_rows + k[None, :], mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=row_mask[:, None] & (k < K)[None, :],
+                    other=0.0)
         if W_FORMAT == 1:
-            w = w.to(x_ptr.dtype.element_ty)
+            w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
     return w
 
 
 # --------------------------------------------------------------------------- GEMVs with an epilogue
-# (see the module docstring): N/2 programs of two W rows each, as the GEMV's, the rows
-# being the two whose outputs the elementwise op combines.
+# (see the module docstring): the GEMV's programs and tile (`streaming_tile`), each
+# program's BLOCK_N W rows gathered as BLOCK_N/2 interleaved pairs (pair i in tile rows 2i
+# and 2i + 1), the two rows whose outputs the elementwise op combines.
 
 
 def gemv_silu_and_mul(
     x: torch.Tensor,  # [1, K]
     weight: StreamedWeight,  # [2I, K]: the gate rows, then the up rows; rows contiguous
-    *,
-    block_k: int = GEMV_BLOCK_K,
-    num_warps: int = GEMV_NUM_WARPS,
-    num_stages: int = GEMV_NUM_STAGES,
+    **tile,
 ) -> torch.Tensor:
     """[1, I] = `fused_ops.silu_and_mul(gemv(x, weight))`, bit for bit, in one kernel.
 
-    Program j streams gate row j and up row I + j.
+    Program p streams gate rows p BLOCK_N/2 .. + BLOCK_N/2 and the matching up rows.
     """
     N, K = weight.shape
     if x.shape != (1, K) or N % 2:
         raise ValueError(f"gemv_silu_and_mul needs x [1, K] and weight [2I, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     inter = N // 2
+    tile = streaming_tile(weight, 1, **tile)
     (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     out = torch.empty((1, inter), dtype=x.dtype, device=x.device)
-    _jit(_gemv_silu_and_mul_kernel)[(inter,)](
-        x, w, scales, zeros, out, N, K, stride_wn, stride_sn, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
-        **formats,
+    _jit(_gemv_silu_and_mul_kernel)[(triton.cdiv(inter, tile["block_n"] // 2),)](
+        x, w, scales, zeros, out, inter, K, stride_wn, stride_sn, BLOCK_N=tile["block_n"], BLOCK_K=tile["block_k"],
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **formats,
     )
     return out
 
 
-def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sn, W_FORMAT: tl.constexpr,
-                              HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    j = tl.program_id(0)
-    rows = j + tl.arange(0, 2) * (N // 2)  # gate row j, up row I + j
-    gate, up = tl.split(_gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, x_ptr, rows, rows < N, K, stride_wn, stride_sn, False,
-                                   W_FORMAT, HAS_ZEROS, GROUP, 2, BLOCK_K))
-    tl.store(out_ptr + j, fused_ops._silu_mul(gate, up))
+def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, inter, K, stride_wn, stride_sn, W_FORMAT: tl.constexpr,
+                              HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    lanes = tl.arange(0, BLOCK_N)
+    j = tl.program_id(0) * PAIRS + lanes // 2  # the output column each W row feeds
+    rows = j + (lanes % 2) * inter  # gate row j, up row I + j
+    y = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, x_ptr, rows, j < inter, K, stride_wn, stride_sn, False, W_FORMAT, HAS_ZEROS,
+                   GROUP, BLOCK_N, BLOCK_K)
+    gate, up = tl.split(tl.reshape(y, [PAIRS, 2]))
+    cols = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+    tl.store(out_ptr + cols, fused_ops._silu_mul(gate, up), mask=cols < inter)
+
+
+def rotary_fits(m: int, weight: StreamedWeight, head_dim: int) -> bool:
+    """Whether the fused qkv kernels (`gemv_rotary_and_store_kv` at one row,
+    `skinny_gemm_rotary_and_store_kv` above) can keep the plain kernel's tile for this qkv
+    weight at m rows: each program's BLOCK_N/2 rotary pairs must lie in one head."""
+    block_n = streaming_tile(weight, m)["block_n"]
+    return head_dim % 2 == 0 and (head_dim // 2) % (block_n // 2) == 0
 
 
 def _check_qkv_and_caches(name: str, weight: torch.Tensor, num_heads: int, k_cache: torch.Tensor,
@@ -321,26 +427,28 @@ def gemv_rotary_and_store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # int64 [1]
     num_heads: int,
-    *,
-    block_k: int = GEMV_BLOCK_K,
-    num_warps: int = GEMV_NUM_WARPS,
-    num_stages: int = GEMV_NUM_STAGES,
+    **tile,
 ) -> torch.Tensor:
     """The qkv projection of one token, rotated and stored: `gemv(x, weight, bias)` split
     into q, k and v heads, then `fused_ops.rotary_and_store_kv`, bit for bit, in one kernel.
 
     Returns the rotated q [1, H, D]; k (rotated) and v go into the caches at
-    ``slot_mapping[0]``. Each program streams the rotary pair of rows d and d + D/2 of one
-    head. The position and slot are read on the device: no host sync, graph-capturable.
+    ``slot_mapping[0]``. Each program streams BLOCK_N/2 rotary pairs of rows, d and d + D/2
+    of one head, so BLOCK_N/2 must divide D/2 (`rotary_fits`). The position and slot are
+    read on the device: no host sync, graph-capturable.
     """
     N, K = weight.shape
     if x.shape != (1, K):
         raise ValueError(f"gemv_rotary_and_store_kv needs x [1, {K}], got {tuple(x.shape)}")
     num_kv_heads, head_dim = _check_qkv_and_caches("gemv_rotary_and_store_kv", weight, num_heads, k_cache, v_cache)
     half = head_dim // 2
+    tile = streaming_tile(weight, 1, **tile)
+    block_n = tile["block_n"]
+    if half % (block_n // 2):
+        raise ValueError(f"gemv_rotary_and_store_kv: {block_n // 2} rotary pairs per program do not divide {half}")
     (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     q_out = torch.empty((1, num_heads, head_dim), dtype=x.dtype, device=x.device)
-    _jit(_gemv_rotary_kv_kernel)[(N // 2,)](
+    _jit(_gemv_rotary_kv_kernel)[(N // block_n,)](
         x,
         w,
         scales,
@@ -353,7 +461,6 @@ def gemv_rotary_and_store_kv(
         sin,
         positions,
         slot_mapping,
-        N,
         K,
         stride_wn,
         stride_sn,
@@ -364,46 +471,51 @@ def gemv_rotary_and_store_kv(
         half,
         HAS_BIAS=bias is not None,
         **formats,
-        BLOCK_K=block_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_N=block_n,
+        BLOCK_K=tile["block_k"],
+        num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"],
     )
     return q_out
 
 
 def _gemv_rotary_kv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr,
-                           positions_ptr, slots_ptr, N, K, stride_wn, stride_sn, stride_cos, stride_sin, num_heads,
+                           positions_ptr, slots_ptr, K, stride_wn, stride_sn, stride_cos, stride_sin, num_heads,
                            num_kv_heads, half, HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                           GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program p owns dimension d = p % (D/2) of head p // (D/2), counting the q heads,
-    then the k heads, then the v heads, as the fused weight's rows are ordered."""
-    pair = tl.program_id(0)
-    head = pair // half
-    d = pair % half
+                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program p owns dimensions d0 .. d0 + BLOCK_N/2 of one head (and their partners + D/2),
+    counting the q heads, then the k heads, then the v heads, as the fused weight's rows
+    are ordered."""
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    programs_per_head = half // PAIRS
+    head = tl.program_id(0) // programs_per_head
+    d0 = (tl.program_id(0) % programs_per_head) * PAIRS
     head_dim = 2 * half
-    rows = head * head_dim + d + tl.arange(0, 2) * half
-    x1, x2 = tl.split(_gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, rows, rows < N, K, stride_wn, stride_sn, HAS_BIAS,
-                                 W_FORMAT, HAS_ZEROS, GROUP, 2, BLOCK_K))
+    lanes = tl.arange(0, BLOCK_N)
+    rows = head * head_dim + d0 + lanes // 2 + (lanes % 2) * half  # dim d0 + i, then its partner
+    x1, x2 = tl.split(tl.reshape(_gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, rows, lanes < BLOCK_N, K, stride_wn,
+                                            stride_sn, HAS_BIAS, W_FORMAT, HAS_ZEROS, GROUP, BLOCK_N, BLOCK_K), [PAIRS, 2]))
+    dims = d0 + tl.arange(0, PAIRS)
     position = tl.load(positions_ptr).to(tl.int64)
-    cos = tl.load(cos_ptr + position * stride_cos + d).to(tl.float32)
-    sin = tl.load(sin_ptr + position * stride_sin + d).to(tl.float32)
+    cos = tl.load(cos_ptr + position * stride_cos + dims).to(tl.float32)
+    sin = tl.load(sin_ptr + position * stride_sin + dims).to(tl.float32)
     # Each branch names its own pointers: Triton requires a name assigned in both branches of
     # an `if` to have one type, and a cache of another dtype than q's makes them differ.
     if head < num_heads:
         q_first, q_second = fused_ops._rotate_half(x1, x2, cos, sin)
-        q_dst = q_out_ptr + head * head_dim + d
+        q_dst = q_out_ptr + head * head_dim + dims
         tl.store(q_dst, q_first)
         tl.store(q_dst + half, q_second)
     else:
         slot = tl.load(slots_ptr).to(tl.int64)
         if head < num_heads + num_kv_heads:
             k_first, k_second = fused_ops._rotate_half(x1, x2, cos, sin)
-            k_dst = k_cache_ptr + (slot * num_kv_heads + head - num_heads) * head_dim + d
+            k_dst = k_cache_ptr + (slot * num_kv_heads + head - num_heads) * head_dim + dims
             cache_dtype = k_cache_ptr.dtype.element_ty
             tl.store(k_dst, k_first.to(cache_dtype))
             tl.store(k_dst + half, k_second.to(cache_dtype))
         else:
-            v_dst = v_cache_ptr + (slot * num_kv_heads + head - num_heads - num_kv_heads) * head_dim + d
+            v_dst = v_cache_ptr + (slot * num_kv_heads + head - num_heads - num_kv_heads) * head_dim + dims
             value_dtype = v_cache_ptr.dtype.element_ty
             tl.store(v_dst, x1.to(value_dtype))
             tl.store(v_dst + half, x2.to(value_dtype))
@@ -433,12 +545,12 @@ def skinny_gemm(
     """[M, N] = x W^T (+ bias), in x's dtype, streaming W once with no split-K.
 
     M is padded (by masks, not by memory traffic) to BLOCK_M, a power of two >= 16, the
-    smallest `tl.dot` tile; block_n must be >= 16 as well. ``tile`` overrides `skinny_tile`'s
+    smallest `tl.dot` tile; block_n must be >= 16 as well. ``tile`` overrides `streaming_tile`'s
     choice (block_n, block_k, num_warps, num_stages, w_first), as the sweep does.
     """
     M, K = x.shape
     N = weight.shape[0]
-    options = _skinny_launch_options(M, K, N, tile)
+    options = _skinny_launch_options(M, weight, tile)
     (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     # M is not specialised (Triton would compile M % 16 == 0 apart from the rest), so each
@@ -535,11 +647,12 @@ def skinny_block_m(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def _skinny_launch_options(m: int, k: int, n: int, tile: dict) -> dict:
-    """The skinny kernels' launch options for [m, k] x [n, k]^T: `skinny_tile`'s choice for
-    N columns, overridden by ``tile``, as the kernels' constexprs and launch parameters."""
+def _skinny_launch_options(m: int, weight: StreamedWeight, tile: dict) -> dict:
+    """The skinny kernels' launch options for [m, K] x W^T: `streaming_tile`'s choice,
+    overridden by ``tile``, as the kernels' constexprs and launch parameters."""
     block_m = skinny_block_m(m)
-    tile = {**skinny_tile(n, block_m), **tile}
+    tile = streaming_tile(weight, m, **tile)
+    k = weight.shape[1]
     return dict(
         DOT_IN_FP32=_interpreting(),
         EVEN_K=k % tile["block_k"] == 0,
@@ -559,7 +672,7 @@ def skinny_gemm_silu_and_mul(
 ) -> torch.Tensor:
     """[M, I] = `fused_ops.silu_and_mul(skinny_gemm(x, weight))`, bit for bit, in one kernel.
 
-    The programs, their tile (`skinny_tile(2I, BLOCK_M)`) and their bytes are the skinny
+    The programs, their tile (`streaming_tile` of the [2I, K] weight) and their bytes are the skinny
     GEMM's; program p streams gate rows p BLOCK_N/2 .. + BLOCK_N/2 and the matching up rows.
     """
     M, K = x.shape
@@ -567,7 +680,7 @@ def skinny_gemm_silu_and_mul(
     if weight.shape[1] != K or N % 2:
         raise ValueError(f"skinny_gemm_silu_and_mul needs x [M, K] and weight [2I, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     inter = N // 2
-    options = _skinny_launch_options(M, K, N, tile)
+    options = _skinny_launch_options(M, weight, tile)
     (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     out = torch.empty((M, inter), dtype=x.dtype, device=x.device)
     _jit(_skinny_silu_and_mul_kernel, ("M",))[(triton.cdiv(inter, options["BLOCK_N"] // 2),)](
@@ -607,13 +720,6 @@ def _skinny_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, inter, K
     tl.store(out, fused_ops._silu_mul(gate, up), mask=row_mask[:, None] & (cols < inter)[None, :])
 
 
-def skinny_rotary_fits(m: int, n: int, head_dim: int) -> bool:
-    """Whether `skinny_gemm_rotary_and_store_kv` can keep the skinny GEMM's tile for an N-row
-    qkv matrix at m rows: each program's BLOCK_N/2 rotary pairs must lie in one head."""
-    block_n = skinny_tile(n, skinny_block_m(m))["block_n"]
-    return head_dim % 2 == 0 and (head_dim // 2) % (block_n // 2) == 0
-
-
 def skinny_gemm_rotary_and_store_kv(
     x: torch.Tensor,  # [M, K], 2 <= M <= 64, K contiguous
     weight: StreamedWeight,  # [(H + 2 KVH) D, K]: the q heads' rows, then k's, then v's; rows contiguous
@@ -634,7 +740,7 @@ def skinny_gemm_rotary_and_store_kv(
     Returns the rotated q [M, H, D]; k (rotated) and v go into the caches at
     ``slot_mapping``. Each program streams the skinny GEMM's BLOCK_N W rows as BLOCK_N/2
     rotary pairs: dimensions d0 .. d0 + BLOCK_N/2 of one head and the same ones + D/2, so
-    BLOCK_N/2 must divide D/2 (`skinny_rotary_fits`). Positions and slots are read on the
+    BLOCK_N/2 must divide D/2 (`rotary_fits`). Positions and slots are read on the
     device: no host sync, graph-capturable.
     """
     M, K = x.shape
@@ -642,7 +748,7 @@ def skinny_gemm_rotary_and_store_kv(
     if weight.shape[1] != K:
         raise ValueError(f"skinny_gemm_rotary_and_store_kv: x {tuple(x.shape)} and weight {tuple(weight.shape)} differ in K")
     num_kv_heads, head_dim = _check_qkv_and_caches("skinny_gemm_rotary_and_store_kv", weight, num_heads, k_cache, v_cache)
-    options = _skinny_launch_options(M, K, N, tile)
+    options = _skinny_launch_options(M, weight, tile)
     block_n = options["BLOCK_N"]
     half = head_dim // 2
     if half % (block_n // 2):

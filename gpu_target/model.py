@@ -118,11 +118,11 @@ class Attention(nn.Module):
         c = self.config
         fused = _fuses_epilogue(x, self.qkv_proj)
         weight = _streamed_weight(self.qkv_proj)
-        if fused and x.shape[0] == 1:
+        rotary_fused = fused and gemv.rotary_fits(x.shape[0], weight, c.head_dim)
+        if rotary_fused and x.shape[0] == 1:
             q = gemv.gemv_rotary_and_store_kv(x, weight, self.qkv_proj.bias, rotary.cos, rotary.sin,
                                               positions, *kv_cache, meta.slot_mapping, c.num_heads)
-        elif (fused and x.dtype == torch.bfloat16
-              and gemv.skinny_rotary_fits(x.shape[0], weight.shape[0], c.head_dim)):
+        elif rotary_fused and x.dtype == torch.bfloat16:
             # bf16 only: on the H100 the fp16 kernel differed from skinny_gemm + the rotary
             # kernel in a few elements by a rounding step (tests/test_gemv.py), bf16 bit for bit.
             q = gemv.skinny_gemm_rotary_and_store_kv(x, weight, self.qkv_proj.bias, rotary.cos,

@@ -115,7 +115,8 @@ SMALL_TILE = dict(block_k=16, num_warps=1)  # several K steps and a ragged last 
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("inter,k,tile", [(37, 300, {}), (64, 2049, {}), (5, 4096, {}), (9, 70, SMALL_TILE)])
+@pytest.mark.parametrize("inter,k,tile", [(37, 300, {}), (64, 2049, {}), (5, 4096, {}), (9, 70, SMALL_TILE),
+                                         (9, 70, dict(SMALL_TILE, block_n=8))])  # 4 pairs a program, the last part-filled
 def test_gemv_silu_and_mul_equals_gemv_then_silu_and_mul(dtype, inter, k, tile):
     x, weight, _ = _inputs(2 * inter, k, dtype, False)
     x = x * 4  # gates well into SiLU's curved part
@@ -136,6 +137,7 @@ def _rotary_tables(max_positions: int, head_dim: int):
     (4, 2, 64, 300, {}),  # GQA
     (3, 3, 32, 2049, {}),  # MHA, one full K tile and a ragged one
     (6, 1, 16, 70, SMALL_TILE),  # MQA, small tiles
+    (6, 1, 16, 70, dict(SMALL_TILE, block_n=8)),  # 4 rotary pairs a program
 ])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_rotary_and_store_kv_equals_gemv_then_rotary(dtype, heads, kv_heads, head_dim, k, tile, bias):
@@ -359,8 +361,9 @@ def test_fused_skinny_gemms_reject_shapes_they_cannot_split():
     with pytest.raises(ValueError):  # 16 pairs per program do not divide 4 dims
         gemv.skinny_gemm_rotary_and_store_kv(x, weight, None, cos, sin, slots, cache, cache.clone(), slots, num_heads=4,
                                              block_n=32, block_k=16)
-    assert gemv.skinny_rotary_fits(17, 6144, 128) and not gemv.skinny_rotary_fits(17, 6144, 32)
-    assert gemv.skinny_rotary_fits(17, 16384, 128) and not gemv.skinny_rotary_fits(17, 16384, 64)
+    qkv, wide = torch.empty(6144, 16, device="meta"), torch.empty(16384, 16, device="meta")
+    assert gemv.rotary_fits(17, qkv, 128) and not gemv.rotary_fits(17, qkv, 32)
+    assert gemv.rotary_fits(17, wide, 128) and not gemv.rotary_fits(17, wide, 64)
 
 
 def test_the_model_fuses_the_skinny_gemm_where_the_plain_path_takes_it(monkeypatch):

@@ -318,7 +318,7 @@ def _tolerance(dtype: torch.dtype, fmt: str) -> dict:
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,k,bias", [(37, 300, False), (64, 256, True), (6, 2050, False)])
+@pytest.mark.parametrize("n,k,bias", [(37, 296, False), (64, 256, True), (6, 2056, False)])
 def test_quantized_gemv_matches_dequantised_matmul(fmt, dtype, n, k, bias):
     x, weight, b, expected = _kernel_case(fmt, 1, n, k, dtype, bias)
     got = gemv.gemv(x, weight, b)
@@ -327,14 +327,14 @@ def test_quantized_gemv_matches_dequantised_matmul(fmt, dtype, n, k, bias):
 
 
 def test_quantized_gemv_small_tiles_cover_every_row_and_column():
-    x, weight, _, expected = _kernel_case("int4-g32", 1, 9, 70, torch.float16, False)
+    x, weight, _, expected = _kernel_case("int4-g32", 1, 9, 72, torch.float16, False)
     got = gemv.gemv(x, weight, block_n=4, block_k=16, num_warps=1)
     torch.testing.assert_close(got.float(), expected, **_tolerance(torch.float16, "int4"))
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,n,k,bias", [(2, 37, 300, False), (17, 70, 256, True), (64, 33, 130, False)])
+@pytest.mark.parametrize("m,n,k,bias", [(2, 37, 296, False), (17, 70, 256, True), (64, 33, 136, False)])
 def test_quantized_skinny_gemm_matches_dequantised_matmul(fmt, dtype, m, n, k, bias):
     x, weight, b, expected = _kernel_case(fmt, m, n, k, dtype, bias)
     got = gemv.skinny_gemm(x, weight, b)
@@ -351,6 +351,30 @@ def test_quantized_skinny_gemm_small_tiles_and_strided_rows(w_first):
     got = gemv.skinny_gemm(view, weight, block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=w_first)
     expected = F.linear(x.float(), weight.dequantize(torch.bfloat16).float())
     torch.testing.assert_close(got.float(), expected, **_tolerance(torch.bfloat16, "int4"))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4-g32"])
+def test_quantized_fused_gemvs_with_several_pairs_a_program_equal_gemv_then_the_op(fmt):
+    """The fused GEMVs take the quantised GEMV's tile, 4 row pairs a program here (the model's
+    tiny shapes get 1): bit for bit the GEMV followed by the op's own kernel."""
+    from gpu_target import fused_ops
+
+    tile = dict(block_n=8, block_k=32, num_warps=1)
+    x, weight, _, _ = _kernel_case(fmt, 1, 18, 96, torch.bfloat16, False)  # 9 gate/up pairs: a part-filled program
+    expected = fused_ops.silu_and_mul(gemv.gemv(x * 4, weight, **tile), use_triton=True)
+    assert torch.equal(gemv.gemv_silu_and_mul(x * 4, weight, **tile), expected)
+
+    heads, kv_heads, head_dim = 3, 1, 16
+    x, weight, b, _ = _kernel_case(fmt, 1, (heads + 2 * kv_heads) * head_dim, 96, torch.bfloat16, True)
+    angles = torch.outer(torch.arange(40, dtype=torch.float64), 0.5 ** torch.arange(head_dim // 2, dtype=torch.float64))
+    cos, sin = angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
+    positions, slots = torch.tensor([29], device=DEVICE), torch.tensor([5], device=DEVICE)
+    caches = [torch.zeros(1, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
+    q, key, value = gemv.gemv(x, weight, b, **tile).view(1, -1, head_dim).split([heads, kv_heads, kv_heads], 1)
+    expected_q = fused_ops.rotary_and_store_kv(q, key, value, cos, sin, positions, *caches[2:], slots, use_triton=True)
+    got_q = gemv.gemv_rotary_and_store_kv(x, weight, b, cos, sin, positions, *caches[:2], slots, heads, **tile)
+    assert torch.equal(got_q, expected_q) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0
 
 
 def test_w8a8_scaled_mm_is_within_activation_rounding():
@@ -534,7 +558,7 @@ def test_quantized_tree_verification_through_the_fused_skinny_gemms_equals_the_u
         monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
     monkeypatch.setattr(fused_ops, "_wants_triton", lambda x, use_triton: True)
     tile = dict(block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=True)
-    monkeypatch.setattr(gemv, "skinny_tile", lambda n, block_m: tile)
+    monkeypatch.setattr(gemv.gemv_tiles, "skinny_tile", lambda w_format, n, k, block_m: tile)
     n = len(PROMPT)
     tree = SequenceChunk([23, 50, 51, 60, 61], [n, n + 1, n + 1, n + 2, n + 2], [4, 1], n, list(range(5)),
                          [0b1, 0b11, 0b101, 0b1011, 0b10101])
@@ -567,3 +591,44 @@ def test_fp8_needs_a_gpu_with_fp8(monkeypatch):
     quantization.check_device("int4", "cuda")  # 4-bit kernels need no FP8 hardware
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     quantization.check_device("fp8", "cuda")
+
+
+def test_quantized_tiles_come_from_the_sweeps_table_else_the_heuristic(tmp_path):
+    """bench.quant_gemv --sweep --write-tiles writes the table gemv_tiles reads, keyed by
+    format and shape; shapes it lacks take the heuristic (fewer rows a program on narrow W)."""
+    from bench.quant_gemv import tile_table
+    from gpu_target import gemv_tiles
+
+    gemv_tile = dict(block_n=16, block_k=512, num_warps=4, num_stages=2)
+    skinny_tile = dict(block_n=32, block_k=256, num_warps=4, num_stages=4, w_first=True)
+    best = [dict(format="fp8", n=6144, k=4096, m=1, us=3.0, tile_dict=gemv_tile),
+            dict(format="fp8", n=6144, k=4096, m=1, us=5.0, tile_dict=dict(gemv_tile, block_n=4)),
+            dict(format="int4", n=6144, k=4096, m=17, us=4.0, tile_dict=skinny_tile),
+            dict(format="fp8", n=6144, k=4096, m=17, us=4.0, tile_dict=dict(skinny_tile, block_n=64, block_k=512))]
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps(tile_table(best)))
+    table = gemv_tiles.measured_tiles.__wrapped__(path)
+    assert gemv_tiles.gemv_tile(gemv.FP8, 6144, 4096, table) == gemv_tile  # the fastest of the two
+    assert gemv_tiles.skinny_tile(gemv.INT4, 6144, 4096, 32, table) == skinny_tile
+    assert gemv_tiles.skinny_tile(gemv.INT4, 6144, 4096, 64, table)["num_stages"] == 3  # shallower at BLOCK_M 64
+    assert gemv_tiles.skinny_tile(gemv.FP8, 6144, 4096, 16, table)["block_k"] == 512
+    # (64 + 64) x 512 bf16 in each of 2 buffered stages overflow shared memory: the heuristic's tile
+    assert gemv_tiles.skinny_tile(gemv.FP8, 6144, 4096, 64, table) == gemv_tiles.heuristic_skinny_tile("fp8", 6144, 4096, 64)
+    assert gemv_tiles.gemv_tile(gemv.FP8, 4096, 4096, table) == gemv_tiles.heuristic_gemv_tile("fp8", 4096, 4096)
+    assert gemv_tiles.heuristic_gemv_tile("fp8", 6144, 4096)["block_n"] == 8
+    assert gemv_tiles.heuristic_gemv_tile("int4", 4096, 4096)["block_n"] == 16
+    assert gemv_tiles.heuristic_gemv_tile("int4", 2048, 4096)["block_n"] == 8  # 16 rows: 128 programs, < 132 SMs
+    assert gemv_tiles.heuristic_gemv_tile("fp8", 64, 256)["block_n"] == 2
+
+
+def test_int4_k_tiles_fit_the_groups():
+    """The GEMV's 4-bit K tile holds whole groups or lies in one; the skinny GEMM's lies in one."""
+    assert gemv.int4_block_k(512, 128, whole_groups=True) == 512
+    assert gemv.int4_block_k(512, 128, whole_groups=False) == 128
+    assert gemv.int4_block_k(64, 128, whole_groups=False) == 64
+    assert gemv.int4_block_k(512, 14336, whole_groups=True) == 512  # per-channel groups of Llama's down_proj K
+    assert gemv.int4_block_k(256, 96, whole_groups=True) == 32
+    weight = int4.quantize_int4(torch.randn(8, 300), 128)
+    assert not gemv.streaming_applies(torch.randn(1, 300, dtype=torch.bfloat16), weight)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        gemv.weight_arguments(weight)

@@ -1,7 +1,9 @@
 """The quantised linear layer: (quantised weight, bias) and a forward that picks a kernel by rows.
 
 - 1 row: `gemv.gemv`; 2..64 rows: `gemv.skinny_gemm` (CUDA, or Triton's interpreter in
-  tests), W dequantised in registers (gpu_target/gemv.py's `_weight_tile`).
+  tests), W dequantised in registers (gpu_target/gemv.py), tiles per shape from
+  gpu_target/gemv_tiles.py. 4-bit weights whose K or group size is not a multiple of 8
+  take the last path.
 - more rows, FP8 on CUDA in bf16: `fp8.scaled_mm` (W8A8, per-token activation scales).
 - otherwise (the CPU, 4-bit prefill): W dequantised to x's dtype, then F.linear.
 """

@@ -1,0 +1,102 @@
+"""Tiles of the streaming kernels (gpu_target/gemv.py) for quantised weights, per shape.
+
+bf16 weights keep gemv.py's own tiles. For FP8 and 4-bit weights a tile is looked up by
+(format, N, K) for the GEMV and (format, N, K, BLOCK_M) for the skinny GEMM in
+`gemv_tiles.json`, next to this module, which `python -m bench.quant_gemv --sweep
+--write-tiles` writes on the GPU from the fastest of `GEMV_CANDIDATES` / `SKINNY_CANDIDATES`
+per shape. A shape it lacks takes `heuristic_gemv_tile` / `heuristic_skinny_tile`:
+
+- GEMV (1 row): a weight-only GEMV is bound by streaming W, so each program must keep many
+  bytes in flight and stream tens of KB, and the grid must cover the 132 SMs a few times.
+  A quantised row is 2-4x fewer bytes than bf16's, so programs own more rows (8 FP8 rows
+  over 1024 columns, 16 4-bit rows over 512: 32 KB per program at K = 4096, 4-8 KB of
+  loads in flight per program and iteration, at most ~128 registers a thread so that four
+  programs share an SM), fewer where N leaves fewer programs than SMs.
+  No split-K: the fused epilogues (SiLU-and-mul, rotary) need whole sums, and every
+  Llama projection (N >= 4096) still gets >= 256 programs.
+- skinny GEMM (2..64 rows): gemv.py's bf16 tile has 64 W rows a program, which leaves a
+  4096-row matrix 64 programs (half the SMs); quantised W streams fewer bytes per row, so
+  32-row programs (16 under N = 4096) cover the GPU.
+
+Each program's tile must be the same in a fused kernel and in its unfused twin (the sums
+are then bit-identical); both look it up here by the same (format, N, K).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+from typing import Optional
+
+TABLE_PATH = pathlib.Path(__file__).with_name("gemv_tiles.json")
+SMS = 132  # an H100 SXM's streaming multiprocessors: the heuristic's grid target
+FORMAT_NAMES = {1: "fp8", 2: "int4"}  # gemv.py's W_FORMAT values of the quantised formats
+
+# Candidates bench.quant_gemv --sweep times per shape (the heuristic's tile is among them).
+GEMV_CANDIDATES = [
+    dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+    for block_n, block_k, warps, stages in (
+        (2, 2048, 8, 1), (4, 1024, 4, 1), (4, 2048, 8, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (8, 1024, 4, 2),
+        (8, 2048, 8, 1), (16, 256, 4, 1), (16, 512, 4, 1), (16, 1024, 4, 1), (16, 1024, 8, 1), (32, 256, 4, 1),
+        (32, 512, 4, 1), (32, 512, 8, 1), (32, 1024, 4, 1),
+    )
+]
+SKINNY_CANDIDATES = [
+    dict(block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages, w_first=True)
+    for block_n, block_k, stages in (
+        (16, 256, 3), (16, 512, 3), (32, 128, 4), (32, 256, 3), (32, 256, 4), (32, 512, 3), (64, 128, 4), (64, 256, 4),
+    )
+]
+
+
+@functools.lru_cache(maxsize=1)
+def measured_tiles(path: pathlib.Path = TABLE_PATH) -> dict:
+    """The sweep's table ({"gemv": {key: tile}, "skinny": {key: tile}}), or empty ones."""
+    if not path.exists():
+        return {"gemv": {}, "skinny": {}}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def gemv_key(fmt: str, n: int, k: int) -> str:
+    return f"{fmt} {n} {k}"
+
+
+def skinny_key(fmt: str, n: int, k: int, block_m: int) -> str:
+    return f"{fmt} {n} {k} {block_m}"
+
+
+def heuristic_gemv_tile(fmt: str, n: int, k: int) -> dict:
+    """See the module docstring: 8 FP8 rows over 1024 columns, 16 4-bit rows over 512
+    (streamed a group at a time), halved while that leaves fewer programs than SMs."""
+    block_n, block_k = (8, 1024) if fmt == "fp8" else (16, 512)
+    while block_n > 2 and n // block_n < SMS:
+        block_n //= 2
+    return dict(block_n=block_n, block_k=min(block_k, _k_span(k)), num_warps=4, num_stages=1)
+
+
+def heuristic_skinny_tile(fmt: str, n: int, k: int, block_m: int) -> dict:
+    """See the module docstring: 32 W rows a program (16 where that leaves under one
+    program per SM), W first in the MMA, a shallower pipeline at BLOCK_M = 64."""
+    block_n = 32 if n // 32 >= SMS else 16
+    return dict(block_n=block_n, block_k=min(256, _k_span(k)), num_warps=4, num_stages=3 if block_m > 32 else 4,
+                w_first=True)
+
+
+def _k_span(k: int) -> int:
+    """K rounded up to a power of two >= 16: no K tile need be wider (small test models)."""
+    return max(16, 1 << (k - 1).bit_length())
+
+
+def gemv_tile(w_format: int, n: int, k: int, table: Optional[dict] = None) -> dict:
+    """The GEMV tile of a quantised weight (`w_format` 1 or 2) of shape [n, k]."""
+    fmt = FORMAT_NAMES[w_format]
+    table = measured_tiles() if table is None else table
+    return dict(table["gemv"].get(gemv_key(fmt, n, k)) or heuristic_gemv_tile(fmt, n, k))
+
+
+def skinny_tile(w_format: int, n: int, k: int, block_m: int, table: Optional[dict] = None) -> dict:
+    """The skinny GEMM tile of a quantised weight of shape [n, k] at BLOCK_M padded rows."""
+    fmt = FORMAT_NAMES[w_format]
+    table = measured_tiles() if table is None else table
+    return dict(table["skinny"].get(skinny_key(fmt, n, k, block_m)) or heuristic_skinny_tile(fmt, n, k, block_m))
