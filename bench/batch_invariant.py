@@ -1,6 +1,9 @@
 """The GPU batch-invariant mode on an 8B Llama-3-shaped target (random bf16 weights): its
 cost against the normal mode, and the greedy equalities it exists for.
 
+gemm       GPU time of each 8B projection (and the LM head) at 1, 8 and 64 rows: the normal
+           dispatch (gpu_target/gemv.py: GEMV, skinny GEMM or cuBLAS) against the invariant GEMM,
+           and whether row 0 of the batch has the bits it has computed alone;
 cost       decode tokens/s of the normal and the invariant mode at batch 1, 8 and 64
            (plain greedy decoding, CUDA graphs, multi-step decode as the engine runs it);
 alone      each request's greedy tokens run alone, in a batch of 8 and in a batch of 64
@@ -29,10 +32,13 @@ import time
 
 import torch
 
+from bench._cuda_timing import median_replay_ms
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from bench.e2e_speculation import write_model_dir
 from bench.gpu_decode import LLAMA3_8B, random_prompts, timed_decode
+from gpu_target import gemv
+from gpu_target.invariant_matmul import invariant_linear
 from hetero.core.config import EngineConfig
 from hetero.core.protocols import TokenTree
 from hetero.engine import LLMEngine
@@ -60,6 +66,35 @@ class PlainReplay:
 
     def release(self, request_id):
         pass
+
+
+PROJECTIONS = dict(qkv=(6144, 4096), o=(4096, 4096), gate_up=(28672, 4096), down=(4096, 14336), lm_head=(128256, 4096))
+
+
+def graph_ms(fn, calls: int = 20) -> float:
+    """GPU milliseconds of one call of `fn`, from a CUDA graph of `calls` calls."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_replay_ms(graph, 10) / calls
+
+
+def bench_gemm(rows: list[dict]) -> None:
+    for name, (n, k) in PROJECTIONS.items():
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for m in (1, 8, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            normal, invariant = graph_ms(lambda: gemv.linear(x, weight)), graph_ms(lambda: invariant_linear(x, weight))
+            alone = x[:1].clone()
+            rows.append(dict(section="gemm", projection=name, n=n, k=k, rows=m,
+                             row0_bits_as_alone_normal=torch.equal(gemv.linear(x, weight)[:1], gemv.linear(alone, weight)),
+                             row0_bits_as_alone_invariant=torch.equal(invariant_linear(x, weight)[:1], invariant_linear(alone, weight)),
+                             normal_us=round(1e3 * normal, 1),
+                             invariant_us=round(1e3 * invariant, 1), ratio=f"{invariant / normal:.2f}x",
+                             invariant_tb_s=round(n * k * 2 / invariant / 1e9, 2)))
 
 
 def build_engine(model_dir: str, invariant: bool, max_model_len: int, proposer=None, k=None) -> tuple[LLMEngine, float]:
@@ -124,6 +159,7 @@ def main(argv=None) -> None:
     model_dir = write_model_dir(dict(LLAMA3_8B, max_position_embeddings=args.max_model_len))
     prompts = random_prompts(64, args.prompt_len, LLAMA3_8B["vocab_size"], seed=0)
     rows: list[dict] = []
+    bench_gemm(rows)
     for mode in args.modes.split(","):
         run_mode(model_dir, mode == "invariant", prompts, args, rows)
     cost = {(r["mode"], r["batch"]): r["tokens_per_s"] for r in rows if r["section"] == "cost"}
@@ -134,7 +170,7 @@ def main(argv=None) -> None:
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name())
     command = "python -m bench.batch_invariant " + " ".join(sys.argv[1:] if argv is None else argv)
     body: list[str] = []
-    for section in ("startup", "cost", "slowdown", "alone", "spec"):
+    for section in ("gemm", "startup", "cost", "slowdown", "alone", "spec"):
         part = [{k: v for k, v in r.items() if k != "section"} for r in rows if r["section"] == section]
         if part:
             body += [f"## {section}", "", *markdown_table(part), ""]

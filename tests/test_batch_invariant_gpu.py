@@ -245,6 +245,14 @@ def test_model_in_invariant_mode_matches_the_normal_model(tiny_llama_dir, tiny_m
     torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)  # bf16 against float32
 
 
+def test_quantised_projections_are_refused(tiny_llama_dir):
+    config = load_config(tiny_llama_dir)
+    model = build_model(config, load_state_dict(tiny_llama_dir, config, torch.float32, DEVICE), torch.float32, DEVICE)
+    model.layers[1].mlp.down_proj = torch.nn.Identity()  # stands for a QuantizedLinear: not the model's Linear
+    with pytest.raises(ValueError, match="down_proj is a Identity"):
+        make_batch_invariant_gpu(model)
+
+
 # --------------------------------------------------------------------------- configuration
 
 
