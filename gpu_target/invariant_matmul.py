@@ -3,28 +3,28 @@ bit for bit the same whatever the number of rows M and whatever the other rows h
 
 cuBLAS (and gpu_target/gemv.py's dispatch) picks its kernel, tile and split-K by M, and a
 split-K or another MMA shape sums an element's K products in another order. Here the
-launch configuration is a function of (N, K) only, as in Thinking Machines' batch-invariant
-ops ("Defeating Nondeterminism in LLM Inference", 2025) and the vLLM/SGLang modes adapted
-from them (``VLLM_BATCH_INVARIANT``): every program owns a [BLOCK_M, BLOCK_N] output tile
-and walks the whole K range in BLOCK_K steps, accumulating ``tl.dot`` in fp32, with no
-split-K. An element's sum is then the same sequence of MMA instructions for every M; M only
-changes how many M tiles the grid holds. BLOCK_M is the 16 rows ``tl.dot`` needs at least,
-so a one-row decode computes 16 rows, not 128 as the persistent kernel of those projects
-does, and BLOCK_N is narrow so that a decode step's few columns still spread over the SMs.
-The M tiles are the grid's fastest axis: the programs that share a W tile run together and
-a batch-64 step reads W from memory about once.
+launch configuration is a function of N only, as in Thinking Machines' batch-invariant ops
+("Defeating Nondeterminism in LLM Inference", 2025) and the vLLM/SGLang modes adapted from
+them (``VLLM_BATCH_INVARIANT``): every program owns 16 rows and BLOCK_N columns and walks
+the whole K range, with no split-K. It is gemv.py's skinny GEMM (`_skinny_rows`, with
+`skinny_tile`'s tile for 16 rows) with one more grid axis over M tiles: an element's sum is
+the same sequence of MMA instructions for every M, and M only changes how many M tiles the
+grid holds. A one-row decode computes 16 rows, not the 128 of those projects' persistent
+kernel, and the M tiles are the grid's fastest axis, so the programs that share W tiles run
+together and a batch-64 step reads W from memory about once.
 
-Under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) the tile products are
-widened to fp32 and summed per element instead of ``tl.dot``, for the reasons
-gpu_target/gemv.py's ``_interpreting`` gives; the sum order is again the same for every row.
+Under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) `_skinny_rows` sums exact
+fp32 products per element instead of calling ``tl.dot`` (gemv.py's ``_interpreting``); the
+sum order is again the same for every row.
 """
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
+
+from gpu_target import fused_ops, gemv
 
 try:
     import triton
@@ -33,13 +33,13 @@ except ImportError:  # CPU-only installs
     triton = tl = None
 
 BLOCK_M = 16  # rows per program: tl.dot's minimum
-BLOCK_K = 128
-WIDE_N = 8192  # wider matrices (gate_up, the LM head) take BLOCK_N 64, narrower ones 32
 
 
 def tile_for(n: int) -> dict:
-    """The launch configuration for an N-column output: it depends on N only, never on M."""
-    return dict(BLOCK_M=BLOCK_M, BLOCK_N=64 if n > WIDE_N else 32, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4)
+    """The kernel's tile and launch options for an N-column output: a function of N only, never of M."""
+    tile = gemv.skinny_tile(n, BLOCK_M)
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=tile["block_n"], BLOCK_K=tile["block_k"], W_FIRST=tile["w_first"],
+                num_warps=tile["num_warps"], num_stages=tile["num_stages"])
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -56,51 +56,44 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     if m == 0:
         return out
     tile = tile_for(n)
-    grid = (triton.cdiv(m, tile["BLOCK_M"]), triton.cdiv(n, tile["BLOCK_N"]))
+    (w, scales, zeros, stride_wn, stride_sn), formats = gemv.weight_arguments(weight)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, tile["BLOCK_N"]))
     _kernel()[grid](
-        x, weight, weight if bias is None else bias, out,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x, w, scales, zeros, weight if bias is None else bias, out,
+        m, n, k, x.stride(0), stride_wn, stride_sn, out.stride(0),
         HAS_BIAS=bias is not None,
-        DOT_IN_FP32=_interpreting(),
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_IN_FP32=gemv._interpreting(),
+        EVEN_K=k % tile["BLOCK_K"] == 0,
+        **formats,
         **tile,
     )
     return out
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    # M, N and K change with the batch and the matrix: not specialised on, so that M's
-    # divisibility never picks another compiled variant (it would not change the sums, but
-    # would compile a variant per (M == 1, M % 16 == 0) case).
+    fused_ops.jit_device_functions()  # gemv._skinny_rows
+    # M changes with the batch: not specialised on, so that its divisibility never picks
+    # another compiled variant (it would not change the sums, but would compile more).
     return triton.jit(_invariant_matmul_kernel, do_not_specialize=("M",))
 
 
 def _invariant_matmul_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, DOT_IN_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
+    HAS_BIAS: tl.constexpr, DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, W_FIRST: tl.constexpr,
+    W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] output tile over the whole K range, in BLOCK_K steps."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Rows [pid0 * BLOCK_M, +BLOCK_M) by columns [pid1 * BLOCK_N, +BLOCK_N), over the whole K range."""
+    first_row = tl.program_id(0).to(tl.int64) * BLOCK_M
+    rows = first_row + tl.arange(0, BLOCK_M)
     row_mask = rows < M
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if DOT_IN_FP32:
-            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
-        else:
-            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    acc = gemv._skinny_rows(x_ptr + first_row * stride_xm, w_ptr, s_ptr, z_ptr, cols, row_mask, col_mask, K, stride_xm,
+                            stride_wn, stride_sn, W_FORMAT, HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K, W_FIRST,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
