@@ -15,7 +15,8 @@ runs a kernel whose reduction order is fixed by the token alone (Thinking Machin
 
 The projections are swapped for `InvariantLinear`s sharing the weights (the LM head is
 one inside `compute_logits`), which also turns off model.py's fused GEMV epilogues (they apply only to its own `Linear`). Quantised
-targets are refused: their kernels choose by M.
+targets are refused (their kernels choose by M), and float32 ones (tl.dot would multiply
+them in TF32).
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def _swap(owner: nn.Module, name: str) -> None:
     if not isinstance(projection, Linear):
         raise ValueError(f"batch_invariant on the GPU needs full-precision projections; {name} is a "
                          f"{type(projection).__name__} (turn quantization off or batch_invariant off)")
+    if projection.weight.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"batch_invariant on the GPU runs bfloat16 or float16 targets, not {projection.weight.dtype} "
+                         f"(its GEMM would multiply float32 in TF32); pass dtype='bfloat16'")
     setattr(owner, name, InvariantLinear(projection.weight, projection.bias))
 
 

@@ -43,7 +43,10 @@ def tile_for(n: int) -> dict:
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M, K] and weight [N, K] in one dtype, rounded to it; batch-invariant."""
+    """F.linear(x, weight, bias) for x [M, K] and weight [N, K] in one dtype, rounded to it; batch-invariant.
+
+    On the GPU float32 inputs multiply in TF32 (``tl.dot``'s default), half precision exactly.
+    """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"invariant_linear needs x [M, K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype != weight.dtype:
