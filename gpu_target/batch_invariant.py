@@ -20,7 +20,7 @@ order, so its result is a function of those keys alone. What is left runs on who
 batches but is exact per element: the embedding gather, rotary (gathered tables,
 correctly rounded multiplies and adds), the KV writes and copies.
 
-It is verified bitwise on the CPU only; the engine rejects it on CUDA.
+This is the CPU mode; on CUDA the engine runs gpu_target/batch_invariant_gpu.py's kernels instead.
 """
 from __future__ import annotations
 

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from gpu_target.attention import AttentionMetadata
 from gpu_target.kv_cache import KVCachePool
-from gpu_target.model import CausalLM
+from gpu_target.model import AttentionFn, CausalLM
 from gpu_target.runner import DecodeInputs, SequenceChunk
 
 NULL_BLOCK = 0
@@ -86,8 +86,10 @@ class CudaGraphRunner:
         max_model_len: int,
         max_tokens: int = 2048,
         max_step_tokens: int = 2048,
+        attention_fn: Optional[AttentionFn] = None,
     ):
         self.model = model
+        self.attention_fn = attention_fn  # None: gpu_target/triton_attention.py's paged_attention
         self.kv_pool = kv_pool
         self.device = kv_pool.storage.device
         self.block_size = kv_pool.block_size
@@ -145,7 +147,8 @@ class CudaGraphRunner:
 
         num_seqs, num_tokens, _ = self._shape(bucket)
         buffers = bucket_view(self.device_buffers, num_seqs, num_tokens)
-        return self.model(buffers["input_ids"], buffers["positions"], self.kv_pool.layers, self._metadata(bucket), paged_attention)
+        attention_fn = self.attention_fn or paged_attention
+        return self.model(buffers["input_ids"], buffers["positions"], self.kv_pool.layers, self._metadata(bucket), attention_fn)
 
     def _capture(self, bucket: Bucket) -> None:
         self._stage([], bucket)

@@ -103,7 +103,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("num_scheduler_steps", "Decode steps per host round trip, 1-64 (default: 8 on CUDA, 1 on the CPU).", int),
     Flag("tensor_parallel_size", "GPUs for the target model (only 1 is supported).", int),
     Flag("device", "Where the target runs: auto, cpu, cuda or cuda:N."),
-    Flag("batch_invariant", "CPU only: each token's KV and logits bit-identical whatever the batch "
+    Flag("batch_invariant", "Each token's KV and logits bit-identical whatever the batch "
          "(slower; also $HETERO_BATCH_INVARIANT=1).", None),
     # --- speculation (vLLM and TACO-LLM names)
     Flag("speculative_model", "Draft model directory or .gguf; drafts on the CPU."),

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from gpu_target.batch_invariant import batch_invariant_attention, make_batch_invariant
+from gpu_target.batch_invariant_gpu import make_batch_invariant_gpu
 from gpu_target.kv_cache import BlockAllocator, KVCachePool, extend_block_hashes
 from gpu_target.kv_offload import HitCountLog, PrefixCacheOffload
 from gpu_target.loader import load_config, load_state_dict, load_tokenizer, random_state_dict, resolve_model_path
@@ -168,7 +169,7 @@ class LLMEngine:
             state = random_state_dict(self.model_config, self.dtype, self.device, config.seed, config.quantization)
         self.model = build_model(self.model_config, state, self.dtype, self.device)
         if config.batch_invariant:
-            make_batch_invariant(self.model)
+            (make_batch_invariant_gpu if self.device.type == "cuda" else make_batch_invariant)(self.model)
         del state
         num_blocks = self._num_kv_blocks()
         reserved = 1 if self.device.type == "cuda" else 0  # the CUDA-graph padding's null block
@@ -191,11 +192,12 @@ class LLMEngine:
         target_parallelism = self.proposer.target_parallelism if self.proposer is not None else DEFAULT_TARGET_PARALLELISM
         # A step's tokens: the scheduler's budget, plus the tree nodes verified beside it.
         step_tokens = self.scheduler.max_num_batched_tokens + (target_parallelism if self.proposer is not None else 0)
-        graph_runner = self._capture_graphs(1 + max_tree_nodes if self.proposer is not None else 1, step_tokens)
+        attention_fn = self._attention_fn()
+        graph_runner = self._capture_graphs(1 + max_tree_nodes if self.proposer is not None else 1, step_tokens, attention_fn)
         self.spec_control = SpeculationController(
             max_tree_nodes, target_parallelism, query_buckets=graph_runner.query_buckets if graph_runner is not None else None
         )
-        self.runner = ModelRunner(self.model, self.kv_pool, self.device, self._attention_fn(), graph_runner)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.device, attention_fn, graph_runner)
         self.spec_stats = SpecStats()
         self.num_trees_withheld = 0  # sequence-steps whose tree DraftBackoff withheld (drafts that kept missing)
         self.draft_wait_seconds = 0.0  # time the engine waited for the proposer's trees
@@ -246,7 +248,7 @@ class LLMEngine:
             )
         return num_blocks
 
-    def _capture_graphs(self, max_query_len: int, step_tokens: int):
+    def _capture_graphs(self, max_query_len: int, step_tokens: int, attention_fn):
         """CUDA graphs for decode/verification steps of up to `step_tokens` tokens, unless on the CPU or enforce_eager."""
         self.cuda_graph_capture_seconds = 0.0
         if self.device.type != "cuda" or self.config.enforce_eager:
@@ -254,13 +256,17 @@ class LLMEngine:
         from gpu_target.cuda_graphs import CudaGraphRunner
 
         runner = CudaGraphRunner(self.model, self.kv_pool, self.config.max_num_seqs, max_query_len, self.max_model_len,
-                                 max_step_tokens=step_tokens)
+                                 max_step_tokens=step_tokens, attention_fn=attention_fn)
         self.cuda_graph_capture_seconds = runner.capture_all()
         logger.info("CUDA graph capture took %.1f s for %d buckets", self.cuda_graph_capture_seconds, len(runner.graphs))
         return runner
 
     def _attention_fn(self):
         """The attention the model runs with; on CUDA, its kernel variants are compiled here, at start-up."""
+        if self.config.batch_invariant and self.device.type == "cuda":
+            from gpu_target.invariant_attention import invariant_paged_attention
+
+            return invariant_paged_attention
         if self.config.batch_invariant:
             return batch_invariant_attention
         if self.device.type == "cuda":

@@ -167,13 +167,3 @@ def test_config_validates_the_flag_and_reads_the_environment(monkeypatch):
     monkeypatch.setenv(BATCH_INVARIANT_ENV, "true")
     with pytest.raises(ValueError, match="HETERO_BATCH_INVARIANT must be 0 or 1"):
         EngineConfig(model="m")
-
-
-def test_cuda_is_rejected(monkeypatch):
-    monkeypatch.delenv(BATCH_INVARIANT_ENV, raising=False)
-    with pytest.raises(ValueError, match="only supported on the CPU"):
-        EngineConfig(model="m", device="cuda", batch_invariant=True).resolve_device()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(ValueError, match="only supported on the CPU"):
-        EngineConfig(model="m", batch_invariant=True).resolve_device()  # "auto" would pick the GPU
-    assert EngineConfig(model="m", device="cpu", batch_invariant=True).resolve_device() == CPU

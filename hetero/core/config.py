@@ -139,8 +139,9 @@ class EngineConfig:
     # Target weights: "fp8", "int4" (quantised at load) or a "gptq" / "awq" checkpoint (gpu_target/quantization).
     quantization: Optional[str] = None
     skip_tokenizer_init: bool = False  # prompts as token ids, outputs without text (vLLM's name)
-    # CPU only: each token's KV, hidden states and logits bit-identical whatever the batch
-    # (gpu_target/batch_invariant.py); HETERO_BATCH_INVARIANT=1 turns it on too (vLLM: VLLM_BATCH_INVARIANT).
+    # Each token's KV, hidden states and logits bit-identical whatever the batch (CPU:
+    # gpu_target/batch_invariant.py; CUDA: gpu_target/batch_invariant_gpu.py);
+    # HETERO_BATCH_INVARIANT=1 turns it on too (vLLM: VLLM_BATCH_INVARIANT).
     batch_invariant: bool = False
     # Speculation (vLLM and TACO-LLM spellings).
     speculative_model: Optional[str] = None
@@ -263,10 +264,10 @@ class EngineConfig:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
             device = torch.device(self.device)
-        if self.batch_invariant and device.type != "cpu":
+        if self.batch_invariant and device.type not in ("cpu", "cuda"):
             raise ValueError(
-                f"batch_invariant is only supported on the CPU (its bit-exactness is verified there only), "
-                f"but the target would run on {device}; pass device='cpu' or turn batch_invariant off"
+                f"batch_invariant is supported on the CPU and on CUDA GPUs, "
+                f"but the target would run on {device}; pass device='cpu' or 'cuda', or turn batch_invariant off"
             )
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA GPU is visible to PyTorch")

@@ -1,0 +1,183 @@
+"""The GPU batch-invariant mode on an 8B Llama-3-shaped target (random bf16 weights): its
+cost against the normal mode, and the greedy equalities it exists for.
+
+gemm       GPU time of each 8B projection (and the LM head) at 1, 8 and 64 rows: the normal
+           dispatch (gpu_target/gemv.py: GEMV, skinny GEMM or cuBLAS) against the invariant GEMM,
+           and whether row 0 of the batch has the bits it has computed alone;
+cost       decode tokens/s of the normal and the invariant mode at batch 1, 8 and 64
+           (plain greedy decoding, CUDA graphs, multi-step decode as the engine runs it);
+alone      each request's greedy tokens run alone, in a batch of 8 and in a batch of 64
+           (other prompts beside it): identical in the invariant mode;
+spec       speculative greedy decoding against plain greedy decoding of the same prompts:
+           identical in the invariant mode. The proposer replays the plain run's tokens,
+           each draft token right with probability --draft-p and random otherwise, so
+           trees are deep, partly rejected and always meet tokens plain decoding emitted.
+
+The weights are the loader's random ones, *not* damped as bench.gpu_decode damps them:
+with random weights the top logits are nearly tied, so greedy decoding flips on any
+rounding difference. That makes the equality checks sharp, and the normal mode is run
+through the same checks as the control that shows they can fail.
+
+    python -m bench.batch_invariant --out bench/results
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import random
+import sys
+import time
+
+import torch
+
+from bench._cuda_timing import median_replay_ms
+from bench._machine import describe_machine
+from bench._report import markdown_table, write_markdown_and_json
+from bench.e2e_speculation import write_model_dir
+from bench.gpu_decode import LLAMA3_8B, random_prompts, timed_decode
+from gpu_target import gemv
+from gpu_target.invariant_matmul import invariant_linear
+from hetero.core.config import EngineConfig
+from hetero.core.protocols import TokenTree
+from hetero.engine import LLMEngine
+
+
+class PlainReplay:
+    """Drafts a chain of k tokens from the plain run's output, each right with probability p."""
+
+    def __init__(self, truth: dict[tuple, list[int]], k: int, p: float, vocab: int, seed: int = 0):
+        self.truth, self.k, self.p, self.vocab = truth, k, p, vocab
+        self.rng = random.Random(seed)
+        self.target_parallelism = 64
+
+    def propose(self, batch):
+        trees = []
+        for request in batch:
+            prompt = tuple(request.token_ids[: request.num_prompt_tokens])
+            done = len(request.token_ids) - request.num_prompt_tokens
+            ahead = self.truth.get(prompt, [])[done : done + min(self.k, request.max_nodes)]
+            trees.append(TokenTree.chain([t if self.rng.random() < self.p else self.rng.randrange(self.vocab) for t in ahead]))
+        return trees
+
+    def commit(self, verdicts):
+        pass
+
+    def release(self, request_id):
+        pass
+
+
+PROJECTIONS = dict(qkv=(6144, 4096), o=(4096, 4096), gate_up=(28672, 4096), down=(4096, 14336), lm_head=(128256, 4096))
+
+
+def graph_ms(fn, calls: int = 20) -> float:
+    """GPU milliseconds of one call of `fn`, from a CUDA graph of `calls` calls."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_replay_ms(graph, 10) / calls
+
+
+def bench_gemm(rows: list[dict]) -> None:
+    for name, (n, k) in PROJECTIONS.items():
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for m in (1, 8, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            normal, invariant = graph_ms(lambda: gemv.linear(x, weight)), graph_ms(lambda: invariant_linear(x, weight))
+            alone = x[:1].clone()
+            rows.append(dict(section="gemm", projection=name, n=n, k=k, rows=m,
+                             row0_bits_as_alone_normal=torch.equal(gemv.linear(x, weight)[:1], gemv.linear(alone, weight)),
+                             row0_bits_as_alone_invariant=torch.equal(invariant_linear(x, weight)[:1], invariant_linear(alone, weight)),
+                             normal_us=round(1e3 * normal, 1),
+                             invariant_us=round(1e3 * invariant, 1), ratio=f"{invariant / normal:.2f}x",
+                             invariant_tb_s=round(n * k * 2 / invariant / 1e9, 2)))
+
+
+def build_engine(model_dir: str, invariant: bool, max_model_len: int, proposer=None, k=None) -> tuple[LLMEngine, float]:
+    started = time.perf_counter()
+    config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                          max_model_len=max_model_len, max_num_seqs=64, gpu_memory_utilization=0.5,
+                          batch_invariant=invariant, num_speculative_tokens=k)
+    return LLMEngine(config, proposer=proposer), time.perf_counter() - started
+
+
+def release_memory() -> None:
+    """Give the dropped engine's GPU memory back before the next one sizes its KV cache."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def same(reference: dict, other: dict) -> str:
+    """'identical/compared' over the prompts both runs have."""
+    common = [p for p in other if p in reference]
+    return f"{sum(reference[p] == other[p] for p in common)}/{len(common)}"
+
+
+def run_mode(model_dir, invariant, prompts, args, rows) -> None:
+    mode = "invariant" if invariant else "normal"
+    engine, startup = build_engine(model_dir, invariant, args.max_model_len)
+    rows.append(dict(section="startup", mode=mode, engine_s=round(startup, 1)))
+    outputs = {}
+    for batch in (1, 8, 64):
+        timed_decode(engine, prompts[:batch], 4)  # warm-up of this batch's shapes
+        seconds, tokens, outputs[batch] = timed_decode(engine, prompts[:batch], args.new_tokens)
+        rows.append(dict(section="cost", mode=mode, batch=batch, tokens_per_s=round(tokens / seconds, 1),
+                         ms_per_step=round(1e3 * seconds / (tokens / batch), 2)))
+    del engine
+    release_memory()
+    plain = outputs[64]
+    rows.append(dict(section="alone", mode=mode, batch1_vs_batch64=same(plain, outputs[1]),
+                     batch8_vs_batch64=same(plain, outputs[8]),
+                     distinct_tokens_in_batch64=len({t for out in plain.values() for t in out})))
+    vocab = LLAMA3_8B["vocab_size"]
+    proposer = PlainReplay(plain, args.k, args.draft_p, vocab)
+    engine, _ = build_engine(model_dir, invariant, args.max_model_len, proposer, args.k)
+    for batch in (8, 64):
+        trees, accepted = engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens
+        _, _, spec = timed_decode(engine, prompts[:batch], args.new_tokens)
+        trees, accepted = engine.spec_stats.num_steps - trees, engine.spec_stats.num_accepted_tokens - accepted
+        rows.append(dict(section="spec", mode=mode, batch=batch, spec_vs_plain=same(plain, spec),
+                         trees=trees, accepted_per_tree=round(accepted / max(trees, 1), 2)))
+    del engine
+    release_memory()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--k", type=int, default=8, help="draft tokens per tree")
+    parser.add_argument("--draft-p", type=float, default=0.8, help="chance that each draft token is the plain run's")
+    parser.add_argument("--modes", default="normal,invariant")
+    args = parser.parse_args(argv)
+    model_dir = write_model_dir(dict(LLAMA3_8B, max_position_embeddings=args.max_model_len))
+    prompts = random_prompts(64, args.prompt_len, LLAMA3_8B["vocab_size"], seed=0)
+    rows: list[dict] = []
+    bench_gemm(rows)
+    for mode in args.modes.split(","):
+        run_mode(model_dir, mode == "invariant", prompts, args, rows)
+    cost = {(r["mode"], r["batch"]): r["tokens_per_s"] for r in rows if r["section"] == "cost"}
+    for batch in (1, 8, 64):
+        if ("normal", batch) in cost and ("invariant", batch) in cost:
+            rows.append(dict(section="slowdown", batch=batch,
+                             invariant_over_normal=f"{cost[('normal', batch)] / cost[('invariant', batch)]:.2f}x"))
+    info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name())
+    command = "python -m bench.batch_invariant " + " ".join(sys.argv[1:] if argv is None else argv)
+    body: list[str] = []
+    for section in ("gemm", "startup", "cost", "slowdown", "alone", "spec"):
+        part = [{k: v for k, v in r.items() if k != "section"} for r in rows if r["section"] == section]
+        if part:
+            body += [f"## {section}", "", *markdown_table(part), ""]
+    stem = os.path.join(args.out, f"batch_invariant-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(write_markdown_and_json(stem, f"Batch-invariant mode ({info['gpu']}, python {platform.python_version()})",
+                                  command, info, rows, body))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Batch-invariant GPU mode: its kernels against references, and bitwise batch invariance.
+
+On a machine without CUDA the Triton kernels run in Triton's interpreter (conftest.py);
+the model tests then run the GPU code path on CPU tensors (fused_ops' Triton kernels forced).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from gpu_target import fused_ops, invariant_attention  # noqa: E402
+from gpu_target.attention import reference_attention  # noqa: E402
+from gpu_target.batch_invariant_gpu import InvariantLinear, make_batch_invariant_gpu  # noqa: E402
+from gpu_target.invariant_attention import invariant_paged_attention  # noqa: E402
+from gpu_target.invariant_matmul import invariant_linear  # noqa: E402
+from gpu_target.kv_cache import KVCachePool  # noqa: E402
+from gpu_target.loader import load_config, load_state_dict  # noqa: E402
+from gpu_target.model import build_model  # noqa: E402
+from gpu_target.runner import ModelRunner, SequenceChunk  # noqa: E402
+from hetero.core.config import BATCH_INVARIANT_ENV, EngineConfig  # noqa: E402
+from test_triton_attention import DEVICE, Seq, make_batch  # noqa: E402
+from test_batch_invariant import one_sequence  # noqa: E402
+
+# --------------------------------------------------------------------------- GEMM
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m, k, n", [(1, 64, 96), (17, 300, 40), (33, 128, 16400)])
+def test_linear_matches_the_reference(dtype, m, k, n):
+    torch.manual_seed(0)
+    x, w, b = torch.randn(m, k, device=DEVICE), torch.randn(n, k, device=DEVICE), torch.randn(n, device=DEVICE)
+    got = invariant_linear(x.to(dtype), w.to(dtype), b.to(dtype))
+    want = torch.nn.functional.linear(x.to(dtype).double(), w.to(dtype).double(), b.to(dtype).double())
+    assert got.dtype == dtype and got.shape == (m, n)
+    # float32: TF32 on the GPU; bf16: one step (the interpreter truncates instead of rounding)
+    tol = {torch.float32: 2e-3 if DEVICE.type == "cuda" else 1e-5, torch.bfloat16: 2**-7}[dtype]
+    torch.testing.assert_close(got.double(), want, atol=tol * k**0.5, rtol=tol)
+
+
+# float32 too: sums of bf16 products are often exact in fp32 and the bf16 result hides the
+# last bits, so there another summation order could go unseen.
+@pytest.mark.parametrize("n, dtype", [(96, torch.bfloat16), (96, torch.float32), (16400, torch.float32)])  # 16400: skinny_tile's wide tile
+def test_a_row_of_the_linear_is_the_same_bits_at_any_batch(n, dtype):
+    """A row alone, and among 16 and 63 other rows (different ones each time, the row at
+    the start, middle and end), at a K that is not a multiple of the K tile."""
+    torch.manual_seed(1)
+    k = 300
+    w = torch.randn(n, k, device=DEVICE).to(dtype)
+    row = torch.randn(1, k, device=DEVICE).to(dtype)
+    alone = invariant_linear(row, w)
+    for m in (17, 64):
+        others = torch.randn(m, k, device=DEVICE).to(dtype) * m
+        for at in (0, m // 2, m - 1):
+            batch = others.clone()
+            batch[at] = row[0]
+            assert torch.equal(invariant_linear(batch, w)[at : at + 1], alone), (m, at)
+
+
+def test_linear_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="one dtype"):
+        invariant_linear(torch.zeros(2, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE).bfloat16())
+    with pytest.raises(ValueError, match=r"x \[M, K\] and weight \[N, K\]"):
+        invariant_linear(torch.zeros(2, 8, device=DEVICE), torch.zeros(4, 9, device=DEVICE))
+
+
+# --------------------------------------------------------------------------- per-row kernels
+
+
+def test_norm_and_silu_kernels_give_a_row_the_same_bits_at_any_batch():
+    torch.manual_seed(2)
+    hidden, weight = 96, torch.randn(96, device=DEVICE).bfloat16()
+    row, residual = torch.randn(1, hidden, device=DEVICE).bfloat16(), torch.randn(1, hidden, device=DEVICE).bfloat16()
+    norm = fused_ops.add_rms_norm(row, residual, weight, 1e-5, use_triton=True)
+    silu = fused_ops.silu_and_mul(row, use_triton=True)
+    for m in (17, 64):
+        x, r = torch.randn(m, hidden, device=DEVICE).bfloat16() * 9, torch.randn(m, hidden, device=DEVICE).bfloat16()
+        x[5], r[5] = row[0], residual[0]
+        normed, summed = fused_ops.add_rms_norm(x, r, weight, 1e-5, use_triton=True)
+        assert torch.equal(normed[5:6], norm[0]) and torch.equal(summed[5:6], norm[1])
+        assert torch.equal(fused_ops.silu_and_mul(x, use_triton=True)[5:6], silu)
+
+
+# --------------------------------------------------------------------------- attention
+
+# Trees, causal chunks, a context across a split boundary (SPLIT = 256) and one across two.
+MIXED = [Seq(0, 9), Seq(40, 1), Seq(250, 12, tree=True), Seq(3, 1), Seq(20, 24, tree=True), Seq(300, 3), Seq(530, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_matches_the_reference(dtype):
+    meta, k_cache, v_cache = make_batch(MIXED, dtype=dtype)
+    query = torch.randn(meta.num_tokens, 4, 64, device=DEVICE).to(dtype)
+    got = invariant_paged_attention(query, k_cache, v_cache, meta, 0.125)
+    want = reference_attention(query.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    tol = 2e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_attention_of_a_sequence_is_the_same_bits_alone_and_batched():
+    """In float32, where another summation order would show in the last bits (see above)."""
+    meta, k_cache, v_cache = make_batch(MIXED)
+    query = torch.randn(meta.num_tokens, 4, 64, device=DEVICE)
+    batched = invariant_paged_attention(query, k_cache, v_cache, meta, 0.125)
+    start = 0
+    for b, q_len in enumerate(meta.query_lens_host):
+        rows = slice(start, start + q_len)
+        mask = None if meta.tree_mask is None else meta.tree_mask[rows]
+        alone = one_sequence(meta.block_tables[b : b + 1], meta.seq_lens_host[b], q_len, mask)
+        alone = _to_device(alone)
+        assert torch.equal(batched[rows], invariant_paged_attention(query[rows], k_cache, v_cache, alone, 0.125)), b
+        start += q_len
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ctx", [30, 250])  # 250: the chain's keys cross the first split boundary
+def test_a_tree_node_attends_exactly_as_the_same_token_decoded_alone(ctx, dtype):
+    """Draft nodes whose ancestors are not contiguous in storage (siblings between them)
+    see, bit for bit, what plain decoding of the same path sees."""
+    meta, k_cache, v_cache = make_batch([Seq(ctx, 8)], dtype=dtype)
+    # Root 0; node 1 a sibling branch; the path 0 -> 2 -> 4 -> 7, with 3, 5, 6 off it.
+    masks = [0b1, 0b11, 0b101, 0b1011, 0b10101, 0b100101, 0b1000011, 0b10010101]
+    tree = _to_device(one_sequence(meta.block_tables.cpu(), ctx + 8, 8, torch.tensor(masks)))
+    query = torch.randn(8, 4, 64, device=DEVICE).to(dtype)
+    verified = invariant_paged_attention(query, k_cache, v_cache, tree, 0.125)
+    # Plain decoding stores the path contiguously: copy its K/V there, in a second table.
+    path = [0, 2, 4, 7]
+    k_plain, v_plain, table = _contiguous_copy(k_cache, v_cache, meta.block_tables, ctx, path)
+    for depth, node in enumerate(path):
+        decode = _to_device(one_sequence(table, ctx + depth + 1, 1))
+        alone = invariant_paged_attention(query[node : node + 1], k_plain, v_plain, decode, 0.125)
+        assert torch.equal(verified[node : node + 1], alone), node
+
+
+def test_rows_split_over_several_launches_give_the_same_bits(monkeypatch):
+    meta, k_cache, v_cache = make_batch(MIXED[:3])
+    query = torch.randn(meta.num_tokens, 4, 64, device=DEVICE)
+    whole = invariant_paged_attention(query, k_cache, v_cache, meta, 0.125)
+    monkeypatch.setattr(invariant_attention, "PARTIAL_BYTES", 1)  # one row per launch
+    assert torch.equal(invariant_paged_attention(query, k_cache, v_cache, meta, 0.125), whole)
+
+
+def _to_device(meta):
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping", "tree_mask"):
+        value = getattr(meta, name)
+        if value is not None:
+            setattr(meta, name, value.to(DEVICE))
+    return meta
+
+
+def _contiguous_copy(k_cache, v_cache, tables, ctx, path, block_size=16):
+    """Caches with one more sequence: the first's context and then the path's new tokens, back to back."""
+    src = tables[0].long()
+    n = ctx + len(path)
+    blocks = -(-n // block_size)
+    first_new = k_cache.shape[0]
+    k = torch.cat([k_cache, torch.zeros((blocks, *k_cache.shape[1:]), dtype=k_cache.dtype, device=DEVICE)])
+    v = torch.cat([v_cache, torch.zeros((blocks, *v_cache.shape[1:]), dtype=v_cache.dtype, device=DEVICE)])
+    storage = list(range(ctx)) + [ctx + node for node in path]
+    for dst, pos in enumerate(storage):
+        block, offset = int(src[pos // block_size]), pos % block_size
+        k[first_new + dst // block_size, dst % block_size] = k_cache[block, offset]
+        v[first_new + dst // block_size, dst % block_size] = v_cache[block, offset]
+    table = torch.arange(first_new, first_new + blocks, dtype=torch.int32).unsqueeze(0)
+    return k, v, table
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@pytest.fixture
+def gpu_kernels_on_cpu(monkeypatch):
+    """fused_ops' Triton kernels for CPU tensors too (interpreted), as on the GPU."""
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(fused_ops, "_wants_triton", lambda x, use_triton: True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_llama_dir):
+    config = load_config(tiny_llama_dir)
+    state = load_state_dict(tiny_llama_dir, config, torch.bfloat16, DEVICE)
+    model = build_model(config, state, torch.bfloat16, DEVICE)
+    weights = [p.data_ptr() for p in model.parameters()]
+    make_batch_invariant_gpu(model)
+    assert [p.data_ptr() for p in model.parameters()] == weights  # switched in place, nothing copied
+    assert isinstance(model.layers[0].mlp.down_proj, InvariantLinear)
+    return config, model
+
+
+PROMPT = [5, 17, 42, 8, 99, 3, 61, 7, 12, 13, 40, 41, 77, 2, 9]
+
+
+def _runner(config, model):
+    return ModelRunner(model, KVCachePool(config, 16, 16, torch.bfloat16, DEVICE), DEVICE, invariant_paged_attention)
+
+
+def test_model_logits_and_kv_do_not_depend_on_the_batch(tiny_model, gpu_kernels_on_cpu):
+    config, model = tiny_model
+    chunks = [
+        SequenceChunk(PROMPT, list(range(15)), [2], 0, range(15)),
+        SequenceChunk([7, 12, 13, 40, 41], [0, 1, 1, 2, 2], [4], 0, range(5), [0b1, 0b11, 0b101, 0b1011, 0b10101]),
+        SequenceChunk([9], [0], [6], 0, [0]),
+    ]
+    together = _runner(config, model)
+    apart = _runner(config, model)
+    logits = together.forward(chunks)
+    alone = torch.cat([apart.forward([chunk]) for chunk in chunks])
+    assert torch.equal(logits, alone)
+    assert torch.equal(together.kv_pool.storage, apart.kv_pool.storage)
+
+
+def test_model_verifies_a_tree_path_exactly_as_plain_decoding(tiny_model, gpu_kernels_on_cpu):
+    """The logits and K/V of a token tree's path equal, bit for bit, those of decoding the
+    path one token at a time (beside another sequence's steps), so greedy speculation
+    accepts and emits what plain greedy decoding would."""
+    config, model = tiny_model
+    n = len(PROMPT)
+    other = SequenceChunk([4, 4, 8], [0, 1, 2], [8], 0, [2])
+    runner = _runner(config, model)
+    table_a, table_b = [1, 4], [2, 3]
+    runner.forward([SequenceChunk(PROMPT, list(range(n)), table_a, 0, [n - 1]), other])
+    runner.forward([SequenceChunk(PROMPT, list(range(n)), table_b, 0, [n - 1])])
+    # A verifies a tree: root r, a sibling x, then the path r -> a -> b -> c with y beside it.
+    tokens, positions = [11, 30, 21, 31, 22, 23], [n, n + 1, n + 1, n + 2, n + 2, n + 3]
+    masks = [0b1, 0b11, 0b101, 0b1101, 0b10101, 0b110101]
+    verified = runner.forward([SequenceChunk(tokens, positions, table_a, n, range(6), masks),
+                               SequenceChunk([5], [3], [8], 3, [0])])
+    path = [0, 2, 4, 5]
+    for depth, node in enumerate(path):  # B decodes the path tokens one at a time
+        plain = runner.forward([SequenceChunk([tokens[node]], [n + depth], table_b, n + depth, [0])])
+        assert torch.equal(verified[node : node + 1], plain), node
+    for layer_k, layer_v in runner.kv_pool.layers:
+        for depth, node in enumerate(path):
+            tree_slot, plain_slot = _slot(table_a, n + node), _slot(table_b, n + depth)
+            for cache in (layer_k, layer_v):
+                flat = cache.view(-1, *cache.shape[2:])
+                assert torch.equal(flat[tree_slot], flat[plain_slot]), (node, depth)
+
+
+def _slot(table, storage_index, block_size=16):
+    return table[storage_index // block_size] * block_size + storage_index % block_size
+
+
+def test_model_in_invariant_mode_matches_the_normal_model(tiny_llama_dir, tiny_model, gpu_kernels_on_cpu):
+    config, model = tiny_model
+    normal = build_model(config, load_state_dict(tiny_llama_dir, config, torch.float32, DEVICE), torch.float32, DEVICE)
+    chunk = [SequenceChunk(PROMPT, list(range(15)), [2], 0, range(15))]
+    want = ModelRunner(normal, KVCachePool(config, 16, 16, torch.float32, DEVICE), DEVICE, reference_attention).forward(chunk)
+    got = _runner(config, model).forward(chunk)
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)  # bf16 against float32
+
+
+def test_quantised_projections_are_refused(tiny_llama_dir):
+    config = load_config(tiny_llama_dir)
+    model = build_model(config, load_state_dict(tiny_llama_dir, config, torch.bfloat16, DEVICE), torch.bfloat16, DEVICE)
+    model.layers[1].mlp.down_proj = torch.nn.Identity()  # stands for a QuantizedLinear: not the model's Linear
+    with pytest.raises(ValueError, match="down_proj is a Identity"):
+        make_batch_invariant_gpu(model)
+
+
+def test_float32_targets_are_refused(tiny_llama_dir):
+    config = load_config(tiny_llama_dir)
+    model = build_model(config, load_state_dict(tiny_llama_dir, config, torch.float32, DEVICE), torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="runs bfloat16 or float16 targets"):
+        make_batch_invariant_gpu(model)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def test_cuda_is_accepted(monkeypatch):
+    monkeypatch.delenv(BATCH_INVARIANT_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert EngineConfig(model="m", device="cuda", batch_invariant=True).resolve_device().type == "cuda"
+    assert EngineConfig(model="m", batch_invariant=True).resolve_device().type == "cuda"  # "auto" picks the GPU
