@@ -223,6 +223,21 @@ class Scheduler:
         while len(seq.block_table) > keep:
             self.allocator.free(seq.block_table.pop())
 
+    def register_blocks(self, seq: Sequence) -> None:
+        """Put the sequence's newly filled blocks in the prefix cache (hashing only those).
+
+        A block is full when its KV is computed and its tokens are known: KV computed past
+        the last appended token (steps after a stop) is never registered.
+        """
+        allocator = self.allocator
+        full = min(seq.num_computed, len(seq.token_ids)) // allocator.block_size
+        if not allocator.enable_prefix_caching or full <= seq.num_registered_blocks:
+            return
+        extend_block_hashes(seq.block_hashes, seq.token_ids, allocator.block_size, full * allocator.block_size)
+        first = seq.num_registered_blocks
+        allocator.register_blocks(seq.block_hashes[first:full], seq.block_table[first:full])
+        seq.num_registered_blocks = full
+
     def finish(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING:
             seq.group.num_running -= 1
