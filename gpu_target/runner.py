@@ -178,13 +178,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
-    def decode_steps(self, chunks: Sequence[SequenceChunk], num_steps: int, pick: PickTokens) -> list[list[int]]:
-        """Decode `num_steps` tokens per sequence with one host sync at the end.
+    def decode_steps(self, chunks: Sequence[SequenceChunk], num_steps: int, pick: PickTokens) -> torch.Tensor:
+        """Queue `num_steps` decode steps per sequence, without a host sync.
 
         Each step feeds the tokens `pick` chose from the previous step's logits, so the
         device runs the steps back to back while the host only queues them. The chunks
         must be single-token decodes whose block tables already cover `num_steps` KV
-        entries from `num_cached` on. Returns the picked tokens, [B][num_steps].
+        entries from `num_cached` on. Returns the picked tokens on the device, [B, num_steps];
+        reading them is the host's one wait.
         """
         bucket = self.graph_runner.bucket_for(chunks) if self.graph_runner is not None else None
         if isinstance(bucket, tuple) and bucket[1] == 1:
@@ -196,7 +197,7 @@ class ModelRunner:
             if step:
                 inputs.advance(picks[-1], self.block_size)
             picks.append(pick(self.model.compute_logits(forward(step))))
-        return torch.stack(picks, dim=1).tolist()
+        return torch.stack(picks, dim=1)
 
     def _eager_decode_inputs(self, chunks: Sequence[SequenceChunk]) -> tuple[DecodeInputs, Callable[[int], torch.Tensor]]:
         input_ids, positions, meta, _ = self.build_inputs(chunks)

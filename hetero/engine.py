@@ -6,6 +6,11 @@ batch runs several plain decode steps ahead), the model runner runs the target o
 everything, `BatchVerifier` samples and verifies, and `OutputProcessor` appends the tokens
 with stop handling and builds the outputs. `LLM` (offline) and the server both drive it.
 
+With `async_scheduling` (vLLM V1's name) the next step is scheduled, proposed and launched
+on the device as soon as this step's tokens are appended, before this step's outputs are
+rendered and handed to the caller: the device computes step t+1 while the host builds
+step t's text and `RequestOutput`s and the caller streams them.
+
 Hooks that tests and benchmarks may replace: `proposer`, `spec_control`, `runner.forward`
 and `runner.decode_steps`, `verifier.sample_and_verify`, `clock` (the controller's step
 timer) and `observer` (told of tokens of steps without trees).
@@ -31,7 +36,7 @@ from gpu_target.sampler import sample, target_probs
 from hetero.core.config import EngineConfig
 from hetero.core.protocols import MAX_TREE_NODES, DraftsAhead, ProposalRequest, Proposer, SpecStats
 from hetero.core.sampling_params import SamplingParams
-from hetero.input_layout import SampleRow, build_chunks, row_offsets
+from hetero.input_layout import ChunkRows, SampleRow, build_chunks, row_offsets
 from hetero.input_processor import InputProcessor
 from hetero.output_processor import OutputProcessor
 from hetero.outputs import RequestOutput
@@ -45,21 +50,6 @@ logger = logging.getLogger("hetero")
 
 _DEFAULT_TREE_NODES = 16
 _DEFAULT_TARGET_PARALLELISM = 64
-
-
-def _can_run_ahead(seq: Sequence) -> bool:
-    """Whether a sequence's next few tokens depend on their logits alone (see `_reserve_run_ahead`)."""
-    params = seq.params
-    return (
-        params.logprobs is None
-        and (params.best_of or params.n) == params.n
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and params.repetition_penalty == 1.0
-        and not params.no_repeat_ngram_size
-        and params.structured_outputs is None
-        and seq.num_output_tokens >= params.min_tokens
-    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,15 +70,16 @@ def _freeze_startup_heap() -> None:
 
 @dataclass
 class _StepPlan:
-    """A scheduled step and what the engine decided to run for it."""
+    """A scheduled step, what the engine decided to run for it, and its device work once launched."""
 
     scheduled: list[ScheduledSeq]
-    started: float  # the clock when the step began
     decode_only: bool  # no prefill chunk: a step the controller may measure
     nodes_per_seq: int = 0  # tree nodes granted per sequence (0: no speculation)
     num_steps: int = 1  # decode steps run ahead (1: a single step)
     rooms: list[int] = field(default_factory=list)  # the sequences' remaining lengths, for `cut_short`
     tokens_before: int = 0  # generated tokens before the step, to count what it emitted
+    layout: Optional[list[ChunkRows]] = None  # the logits rows each sequence gets (a single step)
+    result: Optional[torch.Tensor] = None  # launched: the rows' logits, or the window's tokens [B, num_steps]
 
 
 class LLMEngine:
@@ -137,6 +128,8 @@ class LLMEngine:
         self.num_trees_withheld = 0  # sequence-steps whose tree DraftBackoff withheld (drafts that kept missing)
         self.draft_wait_seconds = 0.0  # time the engine waited for the proposer's trees
         self.clock = time.perf_counter  # step timing for the controller (tests replace it)
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: Optional[_StepPlan] = None  # the step launched ahead (async scheduling)
         self._last_step_end: Optional[float] = None  # None: idle since, or nothing ran yet
         # Whether the caller takes its outputs only once every request is done (`LLM`, not a
         # server): then a batch with no request waiting drains, and the controller probes
@@ -197,25 +190,42 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """One step: schedule -> propose -> run -> verify -> output."""
+        """One step: schedule -> propose -> run -> verify -> output.
+
+        Under async scheduling the step verified here was launched by the previous call, and
+        the next one is launched before this one's outputs are built. Every decision the
+        next step depends on (stops, finished sequences, the proposer's verdicts, KV moves)
+        is taken before it is scheduled, so the outputs are those of synchronous steps. A
+        request added between two calls joins a step later; one aborted meanwhile has its
+        part of the step in flight dropped.
+        """
         started = self.clock()
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
+        plan = self._in_flight if self._in_flight is not None else self._launch()
+        self._in_flight = None
+        if plan is None:
             self._last_step_end = None  # idle: the wait before the next step is not work
             return []
-        plan = self._propose(scheduled, started)
-        if plan.num_steps > 1:
-            touched = self._decode_ahead(scheduled, plan.num_steps)
-        else:
-            chunks, layout = build_chunks(scheduled)
-            logits = self.runner.forward(chunks)
-            touched = self._verify(scheduled, layout, logits)
-        self._observe(plan)
+        touched = self._verify(plan)
+        if self.async_scheduling:
+            self._in_flight = self._launch()
         outputs = self._outputs(touched)
-        self._record_step(plan)
+        self._record_step(plan, started)
         return outputs
 
-    def _propose(self, scheduled: list[ScheduledSeq], started: float) -> _StepPlan:
+    def _launch(self) -> Optional[_StepPlan]:
+        """Schedule -> propose -> run: a step whose device work is queued (None: nothing to run)."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return None
+        plan = self._propose(scheduled)
+        chunks, plan.layout = build_chunks(scheduled)
+        if plan.num_steps > 1:
+            plan.layout, plan.result = None, self._decode_ahead(chunks, scheduled, plan.num_steps)
+        else:
+            plan.result = self.runner.forward(chunks)
+        return plan
+
+    def _propose(self, scheduled: list[ScheduledSeq]) -> _StepPlan:
         """Stamp first scheduling times, then ask for trees, or else reserve a run-ahead window."""
         now = time.time()
         for item in scheduled:
@@ -224,19 +234,34 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
                 metrics.time_in_queue = now - metrics.arrival_time
         decoding = [item for item in scheduled if item.samples and item.num_new_tokens == 1]
-        plan = _StepPlan(scheduled, started, decode_only=len(decoding) == len(scheduled))
+        plan = _StepPlan(scheduled, decode_only=len(decoding) == len(scheduled))
         plan.nodes_per_seq = self._attach_trees(decoding, measured=plan.decode_only) if decoding else 0
         plan.tokens_before = self.num_generation_tokens_total
         if plan.decode_only and self.proposer is not None:
             plan.rooms = [self._length_room(item.seq) for item in scheduled]
         if plan.decode_only and not plan.nodes_per_seq:
-            plan.num_steps = self._reserve_run_ahead(scheduled)
+            plan.num_steps = self.scheduler.reserve_run_ahead(scheduled, self.num_scheduler_steps, self.max_model_len)
         return plan
 
-    def _verify(self, scheduled: list[ScheduledSeq], layout, logits: torch.Tensor) -> list[SequenceGroup]:
-        """Score prompt tokens, sample and verify, tell the proposer, append the tokens, compact the KV."""
+    def _verify(self, plan: _StepPlan) -> list[SequenceGroup]:
+        """Turn a launched step's results into tokens (the host waits for the device here) and
+        append them; tell a drafting-ahead proposer of a step without trees."""
+        if plan.layout is None:
+            touched = self._append_window(plan.scheduled, plan.result.tolist(), plan.num_steps)
+        else:
+            touched = self._verify_logits(plan.scheduled, plan.layout, plan.result)
+        self._observe(plan)
+        return touched
+
+    def _verify_logits(self, scheduled: list[ScheduledSeq], layout: list[ChunkRows], logits: torch.Tensor) -> list[SequenceGroup]:
+        """Score prompt tokens, sample and verify, tell the proposer, append the tokens, compact the KV.
+
+        Sequences finished since the step was launched (aborted under async scheduling) are skipped.
+        """
         prompt_slices, _, _ = row_offsets(layout)
         for item, rows, (start, stop) in zip(scheduled, layout, prompt_slices):
+            if item.seq.is_finished:
+                continue
             if rows.num_prompt_rows:
                 self.outputs.record_prompt_logprobs(item.seq, logits[start:stop])
             if not rows.num_sample_rows:
@@ -277,7 +302,7 @@ class LLMEngine:
                 self.groups.pop(output.request_id, None)
         return outputs
 
-    def _record_step(self, plan: _StepPlan) -> None:
+    def _record_step(self, plan: _StepPlan, started: float) -> None:
         """Show the controller the step's cost and tokens.
 
         The controller compares whole steps: scheduling, building outputs and the caller's
@@ -290,7 +315,7 @@ class LLMEngine:
         tokens_per_seq = plan.nodes_per_seq + 1 if plan.nodes_per_seq else self.num_scheduler_steps
         if self.proposer is not None and plan.decode_only and not cut_short(plan.rooms, tokens_per_seq):
             emitted = self.num_generation_tokens_total - plan.tokens_before
-            seconds = self._step_seconds(plan.started, finished)
+            seconds = self._step_seconds(started, finished)
             self.spec_control.record_step(len(plan.scheduled), plan.nodes_per_seq > 0, emitted, seconds)
         self._last_step_end = finished
 
@@ -381,48 +406,19 @@ class LLMEngine:
             squared=[seq.spec.sum_squared_accepted for seq in seqs],
         )
 
-    def _reserve_run_ahead(self, decoding: list[ScheduledSeq]) -> int:
-        """How many decode steps to run before the host looks at the tokens (1: a plain step).
-
-        Running ahead keeps the device busy while the host would otherwise be scheduling and
-        detokenising (vLLM's multi-step scheduling). It needs every row's next token to be a
-        function of its logits alone, so rows with penalties, n-gram bans, pending
-        min_tokens, logprobs or best_of ranking decode one step at a time, as does a batch
-        with room for a waiting request (so it is admitted at the next step, not a window
-        later). Steps past a sequence's stop are discarded,
-        like rejected draft tokens. Reserves the KV blocks the extra steps write.
-        """
-        scheduler = self.scheduler
-        if self.num_scheduler_steps <= 1 or (scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs):
-            return 1
-        if not all(_can_run_ahead(item.seq) for item in decoding):
-            return 1
-        num_steps = min(
-            self.num_scheduler_steps,
-            min(self.max_model_len - item.seq.num_computed for item in decoding),
-            max(item.seq.group.max_tokens - item.seq.num_output_tokens for item in decoding),
-        )
-        if num_steps <= 1:
-            return 1
-        for item in decoding:
-            if not self.scheduler.try_extend(item.seq, item.seq.num_computed + num_steps):
-                for undo in decoding:
-                    self.scheduler.trim_blocks(undo.seq, undo.seq.num_computed + 1)
-                return 1
-        return num_steps
-
-
-    def _decode_ahead(self, decoding: list[ScheduledSeq], num_steps: int) -> list[SequenceGroup]:
-        """Run `num_steps` decode steps on the device, then append each sequence's tokens up to its stop."""
-        chunks, _ = build_chunks(decoding)
+    def _decode_ahead(self, chunks, decoding: list[ScheduledSeq], num_steps: int) -> torch.Tensor:
+        """Queue `num_steps` decode steps on the device; their tokens, [B, num_steps], stay there."""
         if all(item.seq.group.plain_greedy for item in decoding):
-            tokens = self.runner.decode_steps(chunks, num_steps, lambda logits: logits.argmax(dim=-1))
-        else:
-            rows = [self.verifier.row_context(SampleRow(item.seq, [])) for item in decoding]
-            tokens = self.runner.decode_steps(chunks, num_steps, lambda logits: sample(target_probs(logits, rows), rows))
-        for item in decoding:
-            item.seq.num_computed += num_steps
-        return self._append([(item.seq, seq_tokens, []) for item, seq_tokens in zip(decoding, tokens)], None)
+            return self.runner.decode_steps(chunks, num_steps, lambda logits: logits.argmax(dim=-1))
+        rows = [self.verifier.row_context(SampleRow(item.seq, [])) for item in decoding]
+        return self.runner.decode_steps(chunks, num_steps, lambda logits: sample(target_probs(logits, rows), rows))
+
+    def _append_window(self, decoding: list[ScheduledSeq], tokens: list[list[int]], num_steps: int) -> list[SequenceGroup]:
+        """Append each sequence's tokens of a run-ahead window up to its stop (aborted ones skipped)."""
+        live = [(item.seq, seq_tokens) for item, seq_tokens in zip(decoding, tokens) if not item.seq.is_finished]
+        for seq, _ in live:
+            seq.num_computed += num_steps
+        return self._append([(seq, seq_tokens, []) for seq, seq_tokens in live], None)
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

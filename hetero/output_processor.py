@@ -3,6 +3,12 @@
 A sequence takes its new tokens one at a time up to the first stop (a stop token, EOS,
 a stop string in the incrementally decoded text, max_tokens or max_model_len), as vLLM's
 output processor does; tokens after a stop (the rest of an accepted draft path) are dropped.
+
+Appending (`append_tokens`) decides what the next step schedules; rendering
+(`request_outputs`: the text and the `RequestOutput`s) decides nothing, so the engine may run
+it while the device computes the next step (async scheduling). A sequence with stop strings
+is detokenised as it appends, since its text decides whether it stops; every other one's text
+is caught up token by token when it is rendered, which gives the same text.
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import torch
 
 from gpu_target.sampler import raw_logprobs
 from hetero.core.sampling_params import RequestOutputKind
-from hetero.detokenizer import decode_new_text, find_stop_string
+from hetero.detokenizer import catch_up, decode_new_text, find_stop_string
 from hetero.outputs import CompletionOutput, Logprob, RequestOutput
 from hetero.scheduler import Scheduler, Sequence, SequenceGroup
 
@@ -62,7 +68,7 @@ class OutputProcessor:
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         params = seq.params
         num_output = seq.num_output_tokens
-        if params.detokenize:
+        if params.detokenize and params.stop:
             new_text = decode_new_text(
                 self.tokenizer, seq.token_ids, seq.detok, params.skip_special_tokens, params.spaces_between_special_tokens
             )
@@ -102,7 +108,12 @@ class OutputProcessor:
         return {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in entry.items()}
 
     def request_outputs(self, touched: list[SequenceGroup]) -> list[RequestOutput]:
-        """The outputs of the groups a step touched, except unfinished FINAL_ONLY ones."""
+        """The text of the groups a step touched, and their outputs, except unfinished FINAL_ONLY ones."""
+        for group in touched:
+            if group.params.detokenize:
+                for seq in group.seqs:
+                    catch_up(self.tokenizer, seq.token_ids, seq.detok, group.params.skip_special_tokens,
+                             group.params.spaces_between_special_tokens)
         return [
             request_output(group)
             for group in touched

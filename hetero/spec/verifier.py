@@ -73,7 +73,8 @@ class BatchVerifier:
     def sample_and_verify(self, scheduled: list[ScheduledSeq], layout: list[ChunkRows], logits: torch.Tensor) -> StepTokens:
         """Sample each plain sequence's next token and verify each tree; queue the accepted paths' KV moves."""
         _, sample_starts, sample_index = row_offsets(layout)
-        sampling = [b for b, rows in enumerate(layout) if rows.num_sample_rows]
+        # Sequences finished since the step was launched (aborted) are left out, as if never scheduled.
+        sampling = [b for b, rows in enumerate(layout) if rows.num_sample_rows and not rows.seq.is_finished]
         if not sampling:
             return StepTokens()
         # Decode and verification steps sample every row: no gather (a copy of all the logits).
