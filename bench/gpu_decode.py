@@ -22,6 +22,13 @@ Sections (all in one run, side by side):
            ``spec_steps_by_round``): trees verified per sequence in a speculating run (where
            speculation does not pay, its probes), so rounds without any can be told apart.
 
+``--async-scheduling on,off`` runs the decode and spec sections with the engine's async
+scheduling on and off side by side (`LLMEngine.async_scheduling`); ``gpu_idle_ms`` columns
+are the device's mean time per step outside the runner's forward calls (`GpuIdle`: CUDA
+events around them), i.e. the device waiting for the host. ``--stream`` makes every request
+stream its outputs (a `RequestOutput` per step, as a server's requests do) instead of
+`LLM.generate`'s final ones.
+
 ``--waves W`` runs each batch point as a server would: batch x W requests through `batch`
 slots, a finished request's slot going to the next waiting one (W = 1: one closed batch,
 whose requests all start and end together, run as `LLM.generate` runs one: the engine
@@ -112,9 +119,45 @@ def request_lengths(count: int, longest: int, shortest: int, seed: int) -> list[
     return [rng.randint(shortest, longest) for _ in range(count)]
 
 
+OUTPUT_KIND = [RequestOutputKind.FINAL_ONLY]  # as LLM.generate asks; --stream: CUMULATIVE, as a server's requests
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
-                          output_kind=RequestOutputKind.FINAL_ONLY)  # as LLM.generate asks
+                          output_kind=OUTPUT_KIND[0])
+
+
+class GpuIdle:
+    """The device's time between the end of one runner call's work and the start of the next
+    (CUDA events recorded around `runner.forward` and `runner.decode_steps`): time it waits
+    for the host, plus the small kernels the host queues between steps (sampling, KV moves)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        runner = engine.runner
+
+        def timed(call):
+            def wrapper(*args, **kwargs):
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                result = call(*args, **kwargs)
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.events.append((start, end))
+                return result
+
+            return wrapper
+
+        runner.forward, runner.decode_steps = timed(runner.forward), timed(runner.decode_steps)
+
+    def reset(self) -> None:
+        self.events = []
+
+    def mean_gap_ms(self) -> float:
+        """Mean idle time between consecutive recorded calls, in ms (0 with fewer than two)."""
+        torch.cuda.synchronize()
+        gaps = [end.elapsed_time(start) for (_, end), (start, _) in zip(self.events, self.events[1:])]
+        return sum(gaps) / len(gaps) if gaps else 0.0
 
 
 TRITON_COMPILES: list[str] = []  # kernels whose variants were built in this process, in order (see `count_triton_compiles`)
@@ -184,11 +227,12 @@ class StepKinds:
                         + (f"+compiled:{','.join(self.compiles[kind])}" if kind in self.compiles else "") for kind in sorted(self.seconds))
 
 
-def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int | list[int], kinds: StepKinds | None = None) -> tuple[float, int, dict]:
+def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int | list[int], kinds: StepKinds | None = None,
+                 idle: GpuIdle | None = None) -> tuple[float, int, dict]:
     """Prefill the first batch of prompts (as many as the engine runs at once), then time the
     steps until every prompt is done, later ones prefilled as slots free up: (seconds, tokens, outputs).
     `max_tokens`: one length for all, or each prompt's. With `kinds`, each timed step's
-    seconds and tokens are added under its label."""
+    seconds and tokens are added under its label; `idle` records the timed steps only."""
     lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
     ids = []
     for i, (prompt, length) in enumerate(zip(prompts, lengths)):
@@ -201,6 +245,8 @@ def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int | list[
         engine.step()
     done_before = sum(len(engine.groups[r].seqs[0].output_token_ids) for r in ids if r in engine.groups)
     torch.cuda.synchronize()
+    if idle is not None:
+        idle.reset()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         step_start, tokens_before, compiles_before = time.perf_counter(), engine.num_generation_tokens_total, len(TRITON_COMPILES)
@@ -361,8 +407,9 @@ def graph_replay_ms(engine: LLMEngine, batch: int) -> float | None:
     return median_replay_ms(graph, 50)
 
 
-def bench_decode(model_dir, batches, scheduler_steps, prompt_len, new_tokens, bandwidth, rows, waves=1):
+def bench_decode(model_dir, batches, scheduler_steps, prompt_len, new_tokens, bandwidth, rows, waves=1, async_modes=(True,)):
     engine = engine_for(model_dir, max(batches))
+    idle = GpuIdle(engine)
     rows.append(dict(section="startup", what="cuda_graph_capture_s", value=round(engine.cuda_graph_capture_seconds, 2)))
     rows.append(dict(section="profile", text=profile_decode_step(engine)))
     print(rows[-1]["text"], flush=True)
@@ -371,12 +418,13 @@ def bench_decode(model_dir, batches, scheduler_steps, prompt_len, new_tokens, ba
     # A step reads only B rows of an untied embedding table: the stricter "bytes read" roofline.
     embedding_bytes = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2
     truth = {}
-    for batch, steps in [(b, s) for b in batches for s in scheduler_steps]:
+    for batch, steps, mode in [(b, s, m) for b in batches for s in scheduler_steps for m in async_modes]:
         engine.num_scheduler_steps = steps
+        engine.async_scheduling = mode
         engine.scheduler.max_num_seqs = batch
         prompts = random_prompts(batch * waves, prompt_len, cfg.vocab_size, seed=batch)
         timed_decode(engine, prompts[:1], 8)  # warm-up
-        elapsed, tokens, outputs = timed_decode(engine, prompts, new_tokens)
+        elapsed, tokens, outputs = timed_decode(engine, prompts, new_tokens, idle=idle)
         # Multi-step decoding must not change a token: the first setting's outputs are the reference.
         same_tokens = all(truth.get(prompt, tokens_out) == tokens_out for prompt, tokens_out in outputs.items())
         truth.update(outputs)
@@ -387,8 +435,9 @@ def bench_decode(model_dir, batches, scheduler_steps, prompt_len, new_tokens, ba
         roofline_steps = bandwidth / (weight_bytes + kv_bytes)
         read_roofline_steps = bandwidth / (weight_bytes - embedding_bytes + kv_bytes)
         replay_ms = graph_replay_ms(engine, batch)
-        rows.append(dict(section="decode", engine="hetero", num_scheduler_steps=steps, batch=batch, waves=waves, tokens_per_s=round(tok_s, 1),
-                         step_ms=round(1e3 / steps_s, 3), graph_replay_ms=round(replay_ms, 3) if replay_ms else "",
+        rows.append(dict(section="decode", engine="hetero", num_scheduler_steps=steps, async_scheduling=mode, batch=batch, waves=waves,
+                         tokens_per_s=round(tok_s, 1), step_ms=round(1e3 / steps_s, 3), gpu_idle_ms=round(idle.mean_gap_ms(), 3),
+                         graph_replay_ms=round(replay_ms, 3) if replay_ms else "",
                          roofline_steps_per_s=round(roofline_steps, 1),
                          fraction_of_roofline=round(steps_s / roofline_steps, 3),
                          fraction_of_bytes_read_roofline=round(steps_s / read_roofline_steps, 3),
@@ -447,12 +496,12 @@ def warm_up_speculation(engine: LLMEngine, oracle: ChainOracle, prompts: list[di
 
 
 def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, prompt_len, new_tokens, repeats, rows, waves=1,
-               mix=(0.0, 1.0), offline=False, min_new_tokens=None):
+               mix=(0.0, 1.0), offline=False, min_new_tokens=None, async_modes=(True,)):
     vocab = LLAMA3_8B["vocab_size"]
     oracle = ChainOracle([], k=k, p=0.0, vocab=vocab, target_parallelism=target_parallelism, mix=mix)
     engine = engine_for(model_dir, max(batches), oracle, num_speculative_tokens=k)
     engine.waits_for_all = waves == 1 or offline
-    kinds, plain_kinds = StepKinds(engine), StepKinds(engine)
+    kinds, plain_kinds, idle = StepKinds(engine), StepKinds(engine), GpuIdle(engine)
     oracle.successors = greedy_successors(engine.model)
     rows.append(dict(section="startup", what="oracle_successor_agreement", value=round(successor_agreement(oracle.successors, truth), 4)))
     print(rows[-1], flush=True)
@@ -461,33 +510,40 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
         prompts = random_prompts(batch * waves, prompt_len, vocab, seed=batch)
         lengths = request_lengths(len(prompts), new_tokens, min_new_tokens or new_tokens, seed=batch)
         warm_up_speculation(engine, oracle, prompts, k, target_parallelism)
-        for p in probabilities:
+        for p, mode in [(p, m) for p in probabilities for m in async_modes]:
             oracle.p = p
+            engine.async_scheduling = mode
             engine.spec_control = fresh_controller(engine, k, target_parallelism)  # learns across the repeats
             plain_runs, spec_runs, steps, accepted, drafted, matching, outputs = [], [], 0, 0, 0, 0, 0
+            plain_idle, spec_idle = [], []
             kinds.reset()
             plain_kinds.reset()
             for _ in range(repeats):  # alternate, so drift hits both alike; medians below
                 engine.proposer = None  # the same engine, graphs and KV pool, decoding plainly
-                elapsed, tokens, _ = timed_decode(engine, prompts, lengths, plain_kinds)
+                elapsed, tokens, _ = timed_decode(engine, prompts, lengths, plain_kinds, idle)
                 plain_runs.append(tokens / elapsed)
+                plain_idle.append(idle.mean_gap_ms())
                 engine.proposer = oracle
                 stats = engine.spec_stats
                 before = (stats.num_steps, stats.num_accepted_tokens, stats.num_draft_tokens)
-                elapsed, tokens, spec_out = timed_decode(engine, prompts, lengths, kinds)
+                elapsed, tokens, spec_out = timed_decode(engine, prompts, lengths, kinds, idle)
                 spec_runs.append(tokens / elapsed)
+                spec_idle.append(idle.mean_gap_ms())
                 matching += sum(truth.get(prompt, [])[: len(out)] == out for prompt, out in spec_out.items())
                 outputs += len(spec_out)
                 steps += stats.num_steps - before[0]
                 accepted += stats.num_accepted_tokens - before[1]
                 drafted += stats.num_draft_tokens - before[2]
             plain, spec = float(np.median(plain_runs)), float(np.median(spec_runs))
-            rows.append(dict(section="spec", batch=batch, waves=waves, caller="generate" if engine.waits_for_all else "server",
+            rows.append(dict(section="spec", batch=batch, async_scheduling=mode, waves=waves,
+                             caller="generate" if engine.waits_for_all else "server",
                              new_tokens=f"{min(lengths)}-{max(lengths)}", draft_p=getattr(p, "name", p), draft_mix=f"{mix[0]:g} at {mix[1]:g}p", k=k, repeats=repeats,
                              spec_seq_steps=steps, mean_tree_nodes=round(drafted / max(steps, 1), 2),
                              mean_accepted_length=round((accepted + steps) / max(steps, 1), 2),
                              same_tokens_as_plain=f"{matching}/{outputs}",
                              tokens_per_s=round(spec, 1), plain_tokens_per_s=round(plain, 1),
+                             spec_gpu_idle_ms=round(float(np.median(spec_idle)), 3),
+                             plain_gpu_idle_ms=round(float(np.median(plain_idle)), 3),
                              speedup=round(spec / plain, 2), speedup_range=f"{min(spec_runs) / max(plain_runs):.2f}-{max(spec_runs) / min(plain_runs):.2f}",
                              pair_ratios=",".join(f"{s / p:.3f}" for s, p in zip(spec_runs, plain_runs)),
                              spec_run_steps=kinds.summary(), plain_run_steps=plain_kinds.summary()))
@@ -575,6 +631,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sections", default="decode,verify,spec,hf")
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--scheduler-steps", default="1,8", help="hetero's num_scheduler_steps values, side by side")
+    parser.add_argument("--async-scheduling", default="on", help="'on', 'off' or both ('on,off'), side by side")
+    parser.add_argument("--stream", action="store_true", help="requests stream an output per step, as a server's do")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--hf-new-tokens", type=int, default=32)
@@ -602,6 +660,11 @@ def main(argv=None) -> None:
     if args.min_new_tokens is not None and not 1 <= args.min_new_tokens <= args.new_tokens:
         parser.error(f"--min-new-tokens must be in [1, --new-tokens={args.new_tokens}], got {args.min_new_tokens}")
     sections = set(args.sections.split(","))
+    if not set(args.async_scheduling.split(",")) <= {"on", "off"}:
+        parser.error(f"--async-scheduling takes 'on', 'off' or 'on,off', got {args.async_scheduling!r}")
+    async_modes = tuple(mode == "on" for mode in args.async_scheduling.split(","))
+    if args.stream:
+        OUTPUT_KIND[0] = RequestOutputKind.CUMULATIVE
     batches = [int(b) for b in args.batches.split(",")]
     os.makedirs(args.out, exist_ok=True)
     model_dir = tempfile.mkdtemp(prefix="llama3-8b-shape-")
@@ -615,7 +678,7 @@ def main(argv=None) -> None:
     truth = {}
     if "decode" in sections or "spec" in sections:
         steps = [int(n) for n in args.scheduler_steps.split(",")]
-        truth = bench_decode(model_dir, batches, steps, args.prompt_len, args.new_tokens, bandwidth, rows, args.waves)
+        truth = bench_decode(model_dir, batches, steps, args.prompt_len, args.new_tokens, bandwidth, rows, args.waves, async_modes)
     gc.collect()
     torch.cuda.empty_cache()
     if "verify" in sections:
@@ -627,7 +690,7 @@ def main(argv=None) -> None:
         acceptances = [load_trace(n) for n in args.trace.split(",")] if args.trace else [float(p) for p in args.draft_p.split(",")]
         bench_spec(model_dir, truth, batches, acceptances, args.spec_k, args.target_parallelism,
                    args.prompt_len, args.new_tokens, args.repeats, rows, args.waves,
-                   tuple(float(x) for x in args.draft_mix.split(",")), args.offline, args.min_new_tokens)
+                   tuple(float(x) for x in args.draft_mix.split(",")), args.offline, args.min_new_tokens, async_modes)
         gc.collect()
         torch.cuda.empty_cache()
     if "floor" in sections:

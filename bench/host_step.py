@@ -13,8 +13,9 @@ plain windows at large batches. This benchmark measures it alone, on any machine
   (`fill_host_inputs` into a bucket's buffers) and logits whose argmax is each token's
   successor, so trees are accepted as p says, as on the GPU host.
 
-Each phase is the time inside that engine method, summed over the timed steps; ``step_ms``
-is the whole `LLMEngine.step`. Compare commits by running it from each checkout side by
+Each phase is the time inside one of the engine's parts (the hooks `LLMEngine` documents:
+scheduler, proposer, runner, verifier, output processor), summed over the timed steps;
+``step_ms`` is the whole `LLMEngine.step`. Compare commits by running it from each checkout side by
 side (``PYTHONPATH`` pointing at the other tree).
 
     python -m bench.host_step --batches 64 --nodes 1,3 --draft-p 0.3,0.6
@@ -44,7 +45,9 @@ from hetero.spec.controller import SpeculationController
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUERY_BUCKETS = (1, 2, 4, 8, 16)  # the GPU engine's graph query lengths for trees of up to 15 nodes
-ENGINE_PHASES = ("_attach_trees", "_build_chunks", "_consume_logits")
+# (engine attribute, its method): each timed on its own
+PHASES = (("scheduler", "schedule"), ("proposer", "propose"), ("runner", "forward"),
+          ("verifier", "sample_and_verify"), ("outputs", "append_tokens"))
 
 
 def tiny_llama_config(vocab: int) -> dict:
@@ -96,11 +99,8 @@ def timed_phases(engine: LLMEngine) -> Counter:
 
         setattr(owner, name, wrapper)
 
-    for name in ENGINE_PHASES:
-        timed(engine, name)
-    timed(engine.scheduler, "schedule")
-    timed(engine.proposer, "propose")
-    timed(engine.runner, "forward")
+    for part, name in PHASES:
+        timed(getattr(engine, part), name)
     return seconds
 
 
@@ -131,8 +131,7 @@ def measure(model_dir: str, batch: int, nodes: int, p: float, steps: int, seed: 
     return dict(batch=batch, nodes=nodes, draft_p=p, steps=steps,
                 tokens_per_seq_step=round((engine.num_generation_tokens_total - tokens_before) / steps / batch, 3),
                 step_ms=round(1e3 * elapsed / steps, 4),
-                **{f"{name.strip('_')}_ms": round(1e3 * seconds[name] / steps, 4)
-                   for name in ("schedule", "propose", *ENGINE_PHASES, "forward")})
+                **{f"{name}_ms": round(1e3 * seconds[name] / steps, 4) for _, name in PHASES})
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -39,6 +39,7 @@ from bench.gpu_decode import LLAMA3_8B
 from gpu_target.kv_cache import KVCachePool
 from gpu_target.loader import load_config
 from hetero.core.config import EngineConfig
+from gpu_target.runner import GPU_ACTIVATION_RESERVE_GIB
 from hetero.engine import LLMEngine
 from hetero.core.sampling_params import RequestOutputKind, SamplingParams
 
@@ -59,7 +60,6 @@ DEFAULTS = {
     "cuda": dict(model=LLAMA3_8B, dtype="bfloat16", kv_blocks=1024, system_tokens=512, user_tokens=256,
                  reply_tokens=64, turns=4, concurrency=8, max_model_len=2048),
 }
-_GPU_ACTIVATION_RESERVE_GIB = 4.0  # what the engine keeps back for activations and CUDA graphs (hetero.engine)
 
 
 @dataclass
@@ -118,7 +118,7 @@ def kv_size_args(device: str, model_dir: str, dtype: str, kv_blocks: int, block_
         return dict(kv_cache_space=kv_blocks * block_bytes / 2**30)
     total = torch.cuda.mem_get_info()[1]
     weights = config.num_parameters() * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    wanted = weights + _GPU_ACTIVATION_RESERVE_GIB * 2**30 + kv_blocks * block_bytes
+    wanted = weights + GPU_ACTIVATION_RESERVE_GIB * 2**30 + kv_blocks * block_bytes
     return dict(gpu_memory_utilization=min(0.95, wanted / total))
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
-from hetero.engine import _cut_short
+from hetero.spec.controller import cut_short
 from hetero.spec.backoff import DraftBackoff
 from hetero.spec.controller import SpeculationController
 from hetero.spec.draining import DrainingBatch
@@ -117,7 +117,7 @@ def closed_batch_ms(controller, batch: int, new_tokens: int, workload: Workload,
                 emitted += 1 + took
             controller.record_acceptance(sizes, counts)
             step = spec_step_ms(len(active), nodes) * jitter
-            if not _cut_short(room, nodes + 1):
+            if not cut_short(room, nodes + 1):
                 controller.record_step(len(active), True, emitted, step / 1e3)
         else:
             steps = min(SCHEDULER_STEPS, max(room))
@@ -125,7 +125,7 @@ def closed_batch_ms(controller, batch: int, new_tokens: int, workload: Workload,
             for i in active:
                 rooms[i] -= min(steps, rooms[i])
             step = steps * plain_step_ms(len(active)) * jitter + WINDOW_HOST_MS
-            if speculate and not _cut_short(room, SCHEDULER_STEPS):
+            if speculate and not cut_short(room, SCHEDULER_STEPS):
                 controller.record_step(len(active), False, emitted, step / 1e3)
         elapsed += step
 

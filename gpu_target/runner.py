@@ -1,20 +1,35 @@
-"""Runs one batched forward of the target model over the paged KV cache.
+"""The target model runner: builds the model and its paged KV cache, and runs one batched
+forward over it per step.
 
-The scheduler hands over, per sequence, the new tokens of this step (a prefill chunk, one
-decode token, or a root plus token-tree nodes) with their rotary positions and block
-table; the runner flattens them, builds the attention metadata, runs the model and
+`ModelRunner.load` owns start-up, as nano-vllm's model runner does: weights, the KV
+cache's size, the attention implementation, and (`capture_graphs`) the CUDA graphs.
+Each step the engine hands over, per sequence, the new tokens of this step (a prefill
+chunk, one decode token, or a root plus token-tree nodes) with their rotary positions and
+block table; the runner flattens them, builds the attention metadata, runs the model and
 returns the logits of the rows that were asked for.
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from gpu_target.attention import AttentionMetadata, reference_attention
+from gpu_target.batch_invariant import batch_invariant_attention, make_batch_invariant
+from gpu_target.batch_invariant_gpu import make_batch_invariant_gpu
 from gpu_target.kv_cache import KVCachePool
-from gpu_target.model import AttentionFn, CausalLM
+from gpu_target.loader import load_state_dict, random_state_dict
+from gpu_target.model_config import ModelConfig
+from gpu_target.model import AttentionFn, CausalLM, build_model
+from hetero.core.config import EngineConfig
+
+logger = logging.getLogger("hetero")
+
+CPU_DEFAULT_KV_GIB = 4.0  # the KV cache's size on the CPU when kv_cache_space is not given
+GPU_ACTIVATION_RESERVE_GIB = 4.0  # GPU memory kept back from the KV cache for activations and CUDA-graph pools
 
 
 @dataclass
@@ -64,6 +79,44 @@ class ModelRunner:
         self.attention_fn = attention_fn
         self.block_size = kv_pool.block_size
         self.graph_runner = graph_runner  # CudaGraphRunner, or None (CPU, enforce_eager)
+        self.cuda_graph_capture_seconds = 0.0
+
+    @classmethod
+    def load(cls, config: EngineConfig, model_path: os.PathLike, model_config: ModelConfig, max_model_len: int,
+             dtype: torch.dtype, device: torch.device) -> "ModelRunner":
+        """The target model with its weights (or random ones under load_format="dummy"), a KV
+        cache sized by `num_kv_blocks`, and the attention it runs with. Block 0 is reserved on
+        CUDA as the CUDA-graph padding's null block (`first_kv_block`)."""
+        if config.load_format != "dummy":
+            state = load_state_dict(model_path, model_config, dtype, device, config.quantization)
+        else:
+            state = random_state_dict(model_config, dtype, device, config.seed, config.quantization)
+        model = build_model(model_config, state, dtype, device)
+        if config.batch_invariant:
+            (make_batch_invariant_gpu if device.type == "cuda" else make_batch_invariant)(model)
+        del state
+        num_blocks = num_kv_blocks(config, model_config, max_model_len, dtype, device)
+        reserved = 1 if device.type == "cuda" else 0
+        kv_pool = KVCachePool(model_config, num_blocks + reserved, config.block_size, dtype, device)
+        runner = cls(model, kv_pool, device, _attention_fn(config, model_config, kv_pool, dtype, device))
+        runner.num_kv_blocks, runner.first_kv_block = num_blocks, reserved
+        return runner
+
+    def capture_graphs(self, config: EngineConfig, max_query_len: int, max_model_len: int, step_tokens: int) -> None:
+        """CUDA graphs for decode/verification steps of up to `step_tokens` tokens, unless on the CPU or enforce_eager."""
+        if self.device.type != "cuda" or config.enforce_eager:
+            return
+        from gpu_target.cuda_graphs import CudaGraphRunner
+
+        self.graph_runner = CudaGraphRunner(self.model, self.kv_pool, config.max_num_seqs, max_query_len, max_model_len,
+                                            max_step_tokens=step_tokens, attention_fn=self.attention_fn)
+        self.cuda_graph_capture_seconds = self.graph_runner.capture_all()
+        logger.info("CUDA graph capture took %.1f s for %d buckets", self.cuda_graph_capture_seconds, len(self.graph_runner.graphs))
+
+    @property
+    def query_buckets(self) -> Optional[list[int]]:
+        """The query lengths the CUDA graphs cover (None: no graphs)."""
+        return self.graph_runner.query_buckets if self.graph_runner is not None else None
 
     def build_inputs(self, chunks: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the chunks into (input_ids, positions, metadata, logits row indices)."""
@@ -126,13 +179,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
-    def decode_steps(self, chunks: Sequence[SequenceChunk], num_steps: int, pick: PickTokens) -> list[list[int]]:
-        """Decode `num_steps` tokens per sequence with one host sync at the end.
+    def decode_steps(self, chunks: Sequence[SequenceChunk], num_steps: int, pick: PickTokens) -> torch.Tensor:
+        """Queue `num_steps` decode steps per sequence, without a host sync.
 
         Each step feeds the tokens `pick` chose from the previous step's logits, so the
         device runs the steps back to back while the host only queues them. The chunks
         must be single-token decodes whose block tables already cover `num_steps` KV
-        entries from `num_cached` on. Returns the picked tokens, [B][num_steps].
+        entries from `num_cached` on. Returns the picked tokens on the device, [B, num_steps];
+        reading them is the host's one wait.
         """
         bucket = self.graph_runner.bucket_for(chunks) if self.graph_runner is not None else None
         if isinstance(bucket, tuple) and bucket[1] == 1:
@@ -144,7 +198,7 @@ class ModelRunner:
             if step:
                 inputs.advance(picks[-1], self.block_size)
             picks.append(pick(self.model.compute_logits(forward(step))))
-        return torch.stack(picks, dim=1).tolist()
+        return torch.stack(picks, dim=1)
 
     def _eager_decode_inputs(self, chunks: Sequence[SequenceChunk]) -> tuple[DecodeInputs, Callable[[int], torch.Tensor]]:
         input_ids, positions, meta, _ = self.build_inputs(chunks)
@@ -169,3 +223,49 @@ class ModelRunner:
             torch.tensor(src, dtype=torch.int64, device=self.device),
             torch.tensor(dst, dtype=torch.int64, device=self.device),
         )
+
+
+def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, max_model_len: int, dtype: torch.dtype,
+                  device: torch.device) -> int:
+    """KV blocks that fit gpu_memory_utilization (CUDA) or kv_cache_space (CPU); at least one sequence's worth."""
+    per_block = KVCachePool.bytes_per_block(model_config, config.block_size, dtype)
+    blocks_per_seq = -(-max_model_len // config.block_size)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        ours = torch.cuda.memory_allocated(device)
+        others = total - free - torch.cuda.memory_reserved(device)
+        budget = total * config.gpu_memory_utilization - others - ours - GPU_ACTIVATION_RESERVE_GIB * 2**30
+        num_blocks = int(budget // per_block)
+        knob = (
+            f"gpu_memory_utilization (GPU {total / 2**30:.1f} GiB, this process's tensors {ours / 2**30:.1f} GiB, "
+            f"other processes {others / 2**30:.1f} GiB)"
+        )
+    else:
+        space = config.kv_cache_space or CPU_DEFAULT_KV_GIB
+        num_blocks = min(int(space * 2**30 // per_block), config.max_num_seqs * blocks_per_seq + 1)
+        knob = "kv_cache_space"
+    if num_blocks < blocks_per_seq:
+        raise ValueError(
+            f"the KV cache holds {max(num_blocks, 0) * config.block_size} tokens, fewer than max_model_len "
+            f"({max_model_len}); raise {knob} or lower max_model_len"
+        )
+    return num_blocks
+
+
+def _attention_fn(config: EngineConfig, model_config: ModelConfig, kv_pool: KVCachePool, dtype: torch.dtype,
+                  device: torch.device) -> AttentionFn:
+    """The attention the model runs with; on CUDA, its kernel variants are compiled here, at start-up."""
+    if config.batch_invariant and device.type == "cuda":
+        from gpu_target.invariant_attention import invariant_paged_attention
+
+        return invariant_paged_attention
+    if config.batch_invariant:
+        return batch_invariant_attention
+    if device.type == "cuda":
+        from gpu_target.triton_attention import compile_variants, paged_attention
+
+        k_cache, v_cache = kv_pool.layers[0]
+        compile_variants(dtype, model_config.num_heads, k_cache, v_cache)
+        return paged_attention
+    return reference_attention

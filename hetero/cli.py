@@ -101,6 +101,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("cpu_offload_gib", "GiB of host memory for the prefix cache offload pool.", float),
     Flag("enforce_eager", "Never capture CUDA graphs.", None),
     Flag("num_scheduler_steps", "Decode steps per host round trip, 1-64 (default: 8 on CUDA, 1 on the CPU).", int),
+    Flag("async_scheduling", "Launch the next step on the device before the last one's outputs are built "
+         "and streamed (vLLM V1's async scheduling).", None),
     Flag("tensor_parallel_size", "GPUs for the target model (only 1 is supported).", int),
     Flag("device", "Where the target runs: auto, cpu, cuda or cuda:N."),
     Flag("batch_invariant", "Each token's KV and logits bit-identical whatever the batch "

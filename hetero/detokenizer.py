@@ -14,30 +14,42 @@ class DetokenizerState:
     prefix_offset: int = 0
     read_offset: int = 0
     text: str = ""
+    num_seen: int = 0  # tokens the detokeniser has been shown, text held back or not
 
 
 def init_state(prompt_token_ids: Sequence[int]) -> DetokenizerState:
     start = len(prompt_token_ids)
-    return DetokenizerState(prefix_offset=max(start - _CONTEXT_TOKENS, 0), read_offset=start)
+    return DetokenizerState(prefix_offset=max(start - _CONTEXT_TOKENS, 0), read_offset=start, num_seen=start)
 
 
-def decode_new_text(tokenizer, all_token_ids: Sequence[int], state: DetokenizerState, skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> str:
-    """Append the newly decodable text of `all_token_ids` to `state.text`; return the delta.
+def decode_new_text(tokenizer, all_token_ids: Sequence[int], state: DetokenizerState, skip_special_tokens: bool,
+                    spaces_between_special_tokens: bool = True, end: Optional[int] = None) -> str:
+    """Append the newly decodable text of `all_token_ids[:end]` to `state.text`; return the delta.
 
     Text is held back while the tail decodes to an incomplete UTF-8 sequence (U+FFFD).
     """
+    end = len(all_token_ids) if end is None else end
     kwargs = {"skip_special_tokens": skip_special_tokens}
     if not spaces_between_special_tokens:
         kwargs["spaces_between_special_tokens"] = False
+    state.num_seen = end
     prefix = tokenizer.decode(all_token_ids[state.prefix_offset : state.read_offset], **kwargs)
-    full = tokenizer.decode(all_token_ids[state.prefix_offset :], **kwargs)
+    full = tokenizer.decode(all_token_ids[state.prefix_offset : end], **kwargs)
     if len(full) <= len(prefix) or full.endswith("\ufffd"):
         return ""
     delta = full[len(prefix) :]
     state.prefix_offset = state.read_offset
-    state.read_offset = len(all_token_ids)
+    state.read_offset = end
     state.text += delta
     return delta
+
+
+def catch_up(tokenizer, all_token_ids: Sequence[int], state: DetokenizerState, skip_special_tokens: bool,
+             spaces_between_special_tokens: bool = True) -> None:
+    """Show the detokeniser the tokens appended since it last looked, one at a time: the same
+    text as `decode_new_text` called after every append, produced later (off the step's path)."""
+    for end in range(state.num_seen + 1, len(all_token_ids) + 1):
+        decode_new_text(tokenizer, all_token_ids, state, skip_special_tokens, spaces_between_special_tokens, end)
 
 
 def find_stop_string(text: str, new_chars: int, stops: Sequence[str], include_stop: bool) -> Optional[tuple[str, int]]:

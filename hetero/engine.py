@@ -1,8 +1,19 @@
 """The engine: requests in, one batched target forward per step, RequestOutputs out.
 
-`LLMEngine.step()` schedules a batch, asks the proposer (if any) for a token tree per
-decoding sequence, runs the target once over everything, samples or verifies, and turns
-the new tokens into text with stop handling. `LLM` (offline) and the server both drive it.
+`LLMEngine.step()` reads schedule -> propose -> run -> verify -> output: the scheduler
+picks a batch, the proposer (if any) drafts a token tree per decoding sequence (or the
+batch runs several plain decode steps ahead), the model runner runs the target once over
+everything, `BatchVerifier` samples and verifies, and `OutputProcessor` appends the tokens
+with stop handling and builds the outputs. `LLM` (offline) and the server both drive it.
+
+With `async_scheduling` (vLLM V1's name) the next step is scheduled, proposed and launched
+on the device as soon as this step's tokens are appended, before this step's outputs are
+rendered and handed to the caller: the device computes step t+1 while the host builds
+step t's text and `RequestOutput`s and the caller streams them.
+
+Hooks that tests and benchmarks may replace: `proposer`, `spec_control`, `runner.forward`
+and `runner.decode_steps`, `verifier.sample_and_verify`, `clock` (the controller's step
+timer) and `observer` (told of tokens of steps without trees).
 """
 from __future__ import annotations
 
@@ -11,138 +22,64 @@ import functools
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from gpu_target.batch_invariant import batch_invariant_attention, make_batch_invariant
-from gpu_target.batch_invariant_gpu import make_batch_invariant_gpu
-from gpu_target.kv_cache import BlockAllocator, KVCachePool, extend_block_hashes
+from gpu_target.kv_cache import BlockAllocator
 from gpu_target.kv_offload import HitCountLog, PrefixCacheOffload
-from gpu_target.loader import load_config, load_state_dict, load_tokenizer, random_state_dict, resolve_model_path
-from gpu_target.model import build_model
-from gpu_target.runner import ModelRunner, SequenceChunk
-from gpu_target.sampler import (
-    RowContext,
-    greedy_accept,
-    raw_logprobs,
-    sample,
-    target_probs,
-    verify_tree,
-)
+from gpu_target.loader import load_config, load_tokenizer, resolve_model_path
+from gpu_target.runner import ModelRunner
+from gpu_target.sampler import sample, target_probs
 from hetero.core.config import EngineConfig
-from hetero.detokenizer import decode_new_text, find_stop_string
-from hetero.outputs import CompletionOutput, Logprob, RequestOutput
+from hetero.core.protocols import DEFAULT_TARGET_PARALLELISM, MAX_TREE_NODES, DraftsAhead, ProposalRequest, Proposer, SpecStats
+from hetero.core.sampling_params import SamplingParams
+from hetero.input_layout import ChunkRows, SampleRow, build_chunks, row_offsets
+from hetero.input_processor import InputProcessor
+from hetero.output_processor import OutputProcessor
+from hetero.outputs import RequestOutput
 from hetero.proposers import build_proposer
-from hetero.core.protocols import DEFAULT_TARGET_PARALLELISM, MAX_TREE_NODES, DraftsAhead, ProposalRequest, Proposer, SpecStats, TokenTree, Verdict, tree_row_layout
-from hetero.core.sampling_params import RequestOutputKind, SamplingParams
 from hetero.scheduler import ScheduledSeq, Scheduler, Sequence, SequenceGroup
-from hetero.spec.controller import SpeculationController
+from hetero.spec.controller import SpeculationController, cut_short
 from hetero.spec.draining import DrainingBatch
+from hetero.spec.verifier import BatchVerifier
 
 logger = logging.getLogger("hetero")
 
-_CPU_DEFAULT_KV_GIB = 4.0
-_GPU_ACTIVATION_RESERVE_GIB = 4.0  # activations and CUDA-graph pools
 _DEFAULT_TREE_NODES = 16
-
-
-@dataclass
-class _SampleRow:
-    """One logits row that feeds sampling or verification, and whose sequence it is."""
-
-    seq: Sequence
-    path: list[int]  # draft tokens between the sequence's output and this row's position
-
-    def context(self) -> list[int]:
-        """Output tokens before this row's position (built only when a processor needs them)."""
-        return self.seq.output_token_ids + self.path
-
-
-@dataclass
-class _ChunkRows:
-    """The logits rows one scheduled sequence asked for: prompt-logprob rows, then sampling
-    rows (none, the last new token's, or a tree's root and each of its nodes)."""
-
-    seq: Sequence
-    num_prompt_rows: int
-    num_sample_rows: int
-    tree: Optional[TokenTree] = None
-
-    def sample_rows(self) -> list[_SampleRow]:
-        """The sampling rows with the draft path before each one's position.
-
-        Built only when a logits processor needs the rows' contexts: a greedy speculative
-        step at batch 64 would otherwise build a few hundred paths it never reads.
-        """
-        if not self.num_sample_rows:
-            return []
-        rows = [_SampleRow(self.seq, [])]
-        if self.tree is not None:
-            tokens = self.tree.token_list
-            for node, parent in enumerate(self.tree.parent_list):
-                rows.append(_SampleRow(self.seq, rows[parent + 1].path + [tokens[node]]))
-        return rows
-
-
-def _as_int64(masks: list[int]) -> list[int]:
-    """Masks as int64 values: node 62's bit lands on bit 63, the sign bit, as the kernels expect."""
-    return [m - (1 << 64) if m >> 63 else m for m in masks]
-
-
-@functools.lru_cache(maxsize=4096)
-def _tree_layout(parents: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """`tree_row_layout` with the masks as the kernels' int64 values, also once per shape."""
-    depths, masks = tree_row_layout(parents)
-    return depths, tuple(_as_int64(list(masks)))
-
-
-def _cut_short(rooms: list[int], tokens_per_seq: int, tolerance: float = 0.1) -> bool:
-    """Whether the sequences' remaining lengths (``rooms``) take more than ``tolerance`` of the
-    ``tokens_per_seq`` each could emit this step: a step that mostly measures requests ending.
-
-    A share, not any one sequence: in a server some request is always about to finish.
-    """
-    lost = sum(max(0, tokens_per_seq - room) for room in rooms)
-    return lost > tolerance * tokens_per_seq * len(rooms)
-
-
-def _can_run_ahead(seq: Sequence) -> bool:
-    """Whether a sequence's next few tokens depend on their logits alone (see `_reserve_run_ahead`)."""
-    params = seq.params
-    return (
-        params.logprobs is None
-        and (params.best_of or params.n) == params.n
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and params.repetition_penalty == 1.0
-        and not params.no_repeat_ngram_size
-        and params.structured_outputs is None
-        and seq.num_output_tokens >= params.min_tokens
-    )
 
 
 @functools.lru_cache(maxsize=None)
 def _freeze_startup_heap() -> None:
-    """Take the objects alive once the first engine is built (torch, transformers, the rest of
-    the imports and the engine itself) out of the cyclic garbage collector's scans.
+    """Take the objects alive once the first engine is built (torch, transformers, the engine
+    itself) out of the cyclic garbage collector's scans, as vLLM does after start-up.
 
-    A full collection walks every tracked object; with the imports in the heap (about 200
-    thousand objects) one took 150 ms on the development vm, and the steps that allocate
-    most (speculative ones, at large batches) set them off in the middle of a step, with the
-    GPU waiting: 2.2 ms per batch-64 step on average there (bench.host_step, before the
-    engine allocated less). The engine's own construction adds about 120 thousand more
-    (modules imported on first use among them): frozen before it, the first collection
-    after start-up still took 60 ms. vLLM freezes its heap after start-up the same way.
-    An engine dropped later is still freed, by reference counting: it holds no reference
-    cycles (`test_an_engine_is_freed_without_the_cyclic_collector`). Once per process;
-    the objects are handed back at exit, for extension modules that check for leaks then.
+    A full collection walks every tracked object, and the steps that allocate most would
+    otherwise set one off in the middle of a step, with the GPU waiting. An engine dropped
+    later is still freed, by reference counting: it holds no reference cycles
+    (`test_an_engine_is_freed_without_the_cyclic_collector`). Once per process; the objects
+    are handed back at exit, for extension modules that check for leaks then.
     """
     gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)
+
+
+@dataclass
+class _StepPlan:
+    """A scheduled step, what the engine decided to run for it, and its device work once launched."""
+
+    scheduled: list[ScheduledSeq]
+    decode_only: bool  # no prefill chunk: a step the controller may measure
+    nodes_per_seq: int = 0  # tree nodes granted per sequence (0: no speculation)
+    unready: bool = False  # speculative, but no tree came back because the proposer was not ready (`TokenTree.pending`)
+    num_steps: int = 1  # decode steps run ahead (1: a single step)
+    rooms: list[int] = field(default_factory=list)  # the sequences' remaining lengths, for `cut_short`
+    tokens_before: int = 0  # generated tokens before the step, to count what it emitted
+    layout: Optional[list[ChunkRows]] = None  # the logits rows each sequence gets (a single step)
+    result: Optional[torch.Tensor] = None  # launched: the rows' logits, or the window's tokens [B, num_steps]
 
 
 class LLMEngine:
@@ -156,53 +93,44 @@ class LLMEngine:
         self.tokenizer = (
             None if config.skip_tokenizer_init else load_tokenizer(model_path, config.tokenizer, config.trust_remote_code)
         )
-        self.eos_token_ids = self._eos_token_ids()
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) is larger than the model's "
                 f"max_position_embeddings ({self.model_config.max_position_embeddings})"
             )
-        if real_weights:
-            state = load_state_dict(model_path, self.model_config, self.dtype, self.device, config.quantization)
-        else:
-            state = random_state_dict(self.model_config, self.dtype, self.device, config.seed, config.quantization)
-        self.model = build_model(self.model_config, state, self.dtype, self.device)
-        if config.batch_invariant:
-            (make_batch_invariant_gpu if self.device.type == "cuda" else make_batch_invariant)(self.model)
-        del state
-        num_blocks = self._num_kv_blocks()
-        reserved = 1 if self.device.type == "cuda" else 0  # the CUDA-graph padding's null block
-        self.kv_pool = KVCachePool(self.model_config, num_blocks + reserved, config.block_size, self.dtype, self.device)
+        self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, self.device)
+        self.eos_token_ids = self.inputs.eos_token_ids
+        self.runner = ModelRunner.load(config, model_path, self.model_config, self.max_model_len, self.dtype, self.device)
         offload = (
             PrefixCacheOffload.sized(self.kv_pool, config.cpu_offload_gib, config.apc_offload_min_access_threshold)
             if config.enable_prefix_cache_offload else None
         )
         allocator = BlockAllocator(
-            num_blocks, config.block_size, config.enable_prefix_caching, first_block=reserved, offload=offload,
-            hit_count_log=HitCountLog() if config.apc_offload_enable_hit_cnt else None,
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching, first_block=self.runner.first_kv_block,
+            offload=offload, hit_count_log=HitCountLog() if config.apc_offload_enable_hit_cnt else None,
         )
         max_batched = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
         self.scheduler = Scheduler(allocator, config.max_num_seqs, max_batched)
         self.proposer = proposer if proposer is not None else build_proposer(config, self.model_config, self.tokenizer)
         # Told of the tokens of steps without trees, so that it drafts the next tree meanwhile.
-        self._observer = self.proposer if isinstance(self.proposer, DraftsAhead) else None
+        self.observer = self.proposer if isinstance(self.proposer, DraftsAhead) else None
         max_tree_nodes = min(config.num_speculative_tokens or _DEFAULT_TREE_NODES, MAX_TREE_NODES)
         self.num_scheduler_steps = config.resolve_scheduler_steps(self.device)
         target_parallelism = self.proposer.target_parallelism if self.proposer is not None else DEFAULT_TARGET_PARALLELISM
         # A step's tokens: the scheduler's budget, plus the tree nodes verified beside it.
         step_tokens = self.scheduler.max_num_batched_tokens + (target_parallelism if self.proposer is not None else 0)
-        attention_fn = self._attention_fn()
-        graph_runner = self._capture_graphs(1 + max_tree_nodes if self.proposer is not None else 1, step_tokens, attention_fn)
-        self.spec_control = SpeculationController(
-            max_tree_nodes, target_parallelism, query_buckets=graph_runner.query_buckets if graph_runner is not None else None
-        )
-        self.runner = ModelRunner(self.model, self.kv_pool, self.device, attention_fn, graph_runner)
+        self.runner.capture_graphs(config, 1 + max_tree_nodes if self.proposer is not None else 1, self.max_model_len, step_tokens)
+        self.spec_control = SpeculationController(max_tree_nodes, target_parallelism, query_buckets=self.runner.query_buckets)
+        self.verifier = BatchVerifier(self.scheduler, self.eos_token_ids)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler)
         self.spec_stats = SpecStats()
         self.num_trees_withheld = 0  # sequence-steps whose tree DraftBackoff withheld (drafts that kept missing)
         self.draft_wait_seconds = 0.0  # time the engine waited for the proposer's trees
         self._proposer_pending = False  # the last proposal had trees the proposer was not ready to draft
-        self._clock = time.perf_counter  # step timing for the controller (tests replace it)
+        self.clock = time.perf_counter  # step timing for the controller (tests replace it)
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: Optional[_StepPlan] = None  # the step launched ahead (async scheduling)
         self._last_step_end: Optional[float] = None  # None: idle since, or nothing ran yet
         # Whether the caller takes its outputs only once every request is done (`LLM`, not a
         # server): then a batch with no request waiting drains, and the controller probes
@@ -211,73 +139,23 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}
         torch.manual_seed(config.seed)
         self.num_prompt_tokens_total = 0
-        self.num_generation_tokens_total = 0
-        self._grammar_compiler = None  # built at the first request with structured_outputs
         _freeze_startup_heap()
 
-    # ----------------------------------------------------------------- set-up
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
+    @property
+    def model(self):
+        return self.runner.model
 
-    def _num_kv_blocks(self) -> int:
-        c = self.config
-        per_block = KVCachePool.bytes_per_block(self.model_config, c.block_size, self.dtype)
-        blocks_per_seq = -(-self.max_model_len // c.block_size)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            ours = torch.cuda.memory_allocated(self.device)
-            others = total - free - torch.cuda.memory_reserved(self.device)
-            budget = total * c.gpu_memory_utilization - others - ours - _GPU_ACTIVATION_RESERVE_GIB * 2**30
-            num_blocks = int(budget // per_block)
-            knob = (
-                f"gpu_memory_utilization (GPU {total / 2**30:.1f} GiB, this process's tensors {ours / 2**30:.1f} GiB, "
-                f"other processes {others / 2**30:.1f} GiB)"
-            )
-        else:
-            space = c.kv_cache_space or _CPU_DEFAULT_KV_GIB
-            num_blocks = min(int(space * 2**30 // per_block), c.max_num_seqs * blocks_per_seq + 1)
-            knob = "kv_cache_space"
-        if num_blocks < blocks_per_seq:
-            raise ValueError(
-                f"the KV cache holds {max(num_blocks, 0) * c.block_size} tokens, fewer than max_model_len "
-                f"({self.max_model_len}); raise {knob} or lower max_model_len"
-            )
-        return num_blocks
+    @property
+    def kv_pool(self):
+        return self.runner.kv_pool
 
-    def _capture_graphs(self, max_query_len: int, step_tokens: int, attention_fn):
-        """CUDA graphs for decode/verification steps of up to `step_tokens` tokens, unless on the CPU or enforce_eager."""
-        self.cuda_graph_capture_seconds = 0.0
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return None
-        from gpu_target.cuda_graphs import CudaGraphRunner
+    @property
+    def cuda_graph_capture_seconds(self) -> float:
+        return self.runner.cuda_graph_capture_seconds
 
-        runner = CudaGraphRunner(self.model, self.kv_pool, self.config.max_num_seqs, max_query_len, self.max_model_len,
-                                 max_step_tokens=step_tokens, attention_fn=attention_fn)
-        self.cuda_graph_capture_seconds = runner.capture_all()
-        logger.info("CUDA graph capture took %.1f s for %d buckets", self.cuda_graph_capture_seconds, len(runner.graphs))
-        return runner
-
-    def _attention_fn(self):
-        """The attention the model runs with; on CUDA, its kernel variants are compiled here, at start-up."""
-        if self.config.batch_invariant and self.device.type == "cuda":
-            from gpu_target.invariant_attention import invariant_paged_attention
-
-            return invariant_paged_attention
-        if self.config.batch_invariant:
-            return batch_invariant_attention
-        if self.device.type == "cuda":
-            from gpu_target.triton_attention import compile_variants, paged_attention
-
-            k_cache, v_cache = self.kv_pool.layers[0]
-            compile_variants(self.dtype, self.model_config.num_heads, k_cache, v_cache)
-            return paged_attention
-        from gpu_target.attention import reference_attention
-
-        return reference_attention
+    @property
+    def num_generation_tokens_total(self) -> int:
+        return self.outputs.num_generation_tokens
 
     # --------------------------------------------------------------- requests
     def add_request(
@@ -290,83 +168,11 @@ class LLMEngine:
         """`prompt`: a string, or a dict with "prompt_token_ids" (and optionally "prompt")."""
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if self.tokenizer is None and (params.detokenize or params.stop):
-            raise ValueError("detokenize and stop strings need a tokenizer; skip_tokenizer_init=True is set")
-        text, token_ids = self._tokenize(prompt)
-        self._validate_prompt(token_ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt ({len(token_ids)} tokens) is longer than max_model_len ({self.max_model_len}) "
-                "minus the one token it must leave room to generate"
-            )
-        self._validate_logit_bias(params)
-        num_seqs = max(params.n, params.best_of or params.n)
-        grammars = self._grammar_states(params, num_seqs)
-        group = SequenceGroup(request_id, text, token_ids, params, max_tokens, arrival_time or time.time())
-        for index in range(num_seqs):
-            seq = Sequence(group, index, self._generator(params.seed, index))
-            seq.grammar = grammars[index] if grammars else None
-            group.seqs.append(seq)
+        group = self.inputs.new_group(request_id, prompt, params, arrival_time)
+        for seq in group.seqs:
             self.scheduler.add(seq)
         self.groups[request_id] = group
-        self.num_prompt_tokens_total += len(token_ids)
-
-    def _validate_logit_bias(self, params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        bad = [t for t in params.logit_bias or () if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is out of the vocabulary range [0, {vocab})")
-
-    def _grammar_states(self, params: SamplingParams, count: int) -> list:
-        """A fresh grammar state for each of the request's sequences ([] without structured_outputs).
-
-        The grammar is compiled here, so a bad one is a ValueError before anything is scheduled.
-        """
-        spec = params.structured_outputs
-        if spec is None:
-            return []
-        if self.tokenizer is None:
-            raise ValueError("structured_outputs needs a tokenizer; skip_tokenizer_init=True is set")
-        if self._grammar_compiler is None:
-            from hetero.structured_output import GrammarCompiler
-
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        return self._grammar_compiler.new_states(spec, count)
-
-    def _tokenize(self, prompt: Any) -> tuple[Optional[str], list[int]]:
-        if isinstance(prompt, str) and self.tokenizer is None:
-            raise ValueError("text prompts need a tokenizer; with skip_tokenizer_init=True pass {'prompt_token_ids': [...]}")
-        if isinstance(prompt, str):
-            return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of ints")
-            return prompt.get("prompt"), list(ids)
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return self._tokenize(prompt["prompt"])
-        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
-
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary range [0, {vocab})")
-
-    def _generator(self, seed: Optional[int], index: int) -> Optional[torch.Generator]:
-        """A seeded request's own generator, so it samples the same whatever the batch.
-
-        Unseeded requests share the default generator (seeded from the engine's `seed`),
-        which lets their rows be sampled in one batched call.
-        """
-        if seed is None:
-            return None
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed if index == 0 else hash((seed, index)) & (2**63 - 1))
-        return generator
+        self.num_prompt_tokens_total += len(group.prompt_token_ids)
 
     def abort_request(self, request_id: str) -> None:
         group = self.groups.pop(request_id, None)
@@ -385,11 +191,43 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        started = self._clock()
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
+        """One step: schedule -> propose -> run -> verify -> output.
+
+        Under async scheduling the step verified here was launched by the previous call, and
+        the next one is launched before this one's outputs are built. Every decision the
+        next step depends on (stops, finished sequences, the proposer's verdicts, KV moves)
+        is taken before it is scheduled, so the outputs are those of synchronous steps. A
+        request added between two calls joins a step later; one aborted meanwhile has its
+        part of the step in flight dropped.
+        """
+        started = self.clock()
+        plan = self._in_flight if self._in_flight is not None else self._launch()
+        self._in_flight = None
+        if plan is None:
             self._last_step_end = None  # idle: the wait before the next step is not work
             return []
+        touched = self._verify(plan)
+        if self.async_scheduling:
+            self._in_flight = self._launch()
+        outputs = self._outputs(touched)
+        self._record_step(plan, started)
+        return outputs
+
+    def _launch(self) -> Optional[_StepPlan]:
+        """Schedule -> propose -> run: a step whose device work is queued (None: nothing to run)."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return None
+        plan = self._propose(scheduled)
+        chunks, plan.layout = build_chunks(scheduled)
+        if plan.num_steps > 1:
+            plan.layout, plan.result = None, self._decode_ahead(chunks, scheduled, plan.num_steps)
+        else:
+            plan.result = self.runner.forward(chunks)
+        return plan
+
+    def _propose(self, scheduled: list[ScheduledSeq]) -> _StepPlan:
+        """Stamp first scheduling times, then ask for trees, or else reserve a run-ahead window."""
         now = time.time()
         for item in scheduled:
             metrics = item.seq.group.metrics
@@ -397,44 +235,96 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
                 metrics.time_in_queue = now - metrics.arrival_time
         decoding = [item for item in scheduled if item.samples and item.num_new_tokens == 1]
-        decode_only = len(decoding) == len(scheduled)
-        nodes_per_seq = self._attach_trees(decoding, measured=decode_only) if decoding else 0
-        speculated = nodes_per_seq > 0
-        tokens_before = self.num_generation_tokens_total
-        rooms = [self._length_room(item.seq) for item in scheduled] if decode_only and self.proposer is not None else []
-        num_steps = self._reserve_run_ahead(scheduled) if decode_only and not speculated else 1
-        if num_steps > 1:
-            touched = self._decode_ahead(scheduled, num_steps)
+        plan = _StepPlan(scheduled, decode_only=len(decoding) == len(scheduled))
+        plan.nodes_per_seq = self._attach_trees(decoding, measured=plan.decode_only) if decoding else 0
+        plan.unready = bool(plan.nodes_per_seq) and self._proposer_pending and all(item.tree is None for item in decoding)
+        plan.tokens_before = self.num_generation_tokens_total
+        if plan.decode_only and self.proposer is not None:
+            plan.rooms = [self._length_room(item.seq) for item in scheduled]
+        if plan.decode_only and not plan.nodes_per_seq:
+            plan.num_steps = self.scheduler.reserve_run_ahead(scheduled, self.num_scheduler_steps, self.max_model_len)
+        return plan
+
+    def _verify(self, plan: _StepPlan) -> list[SequenceGroup]:
+        """Turn a launched step's results into tokens (the host waits for the device here) and
+        append them; tell a drafting-ahead proposer of a step without trees."""
+        if plan.layout is None:
+            touched = self._append_window(plan.scheduled, plan.result.tolist(), plan.num_steps)
         else:
-            chunks, layout = self._build_chunks(scheduled)
-            logits = self.runner.forward(chunks)
-            touched = self._consume_logits(scheduled, layout, logits)
-        if not speculated and self._observer is not None:
-            self._observer.observe([ProposalRequest(item.seq.seq_key, item.seq.token_ids, item.seq.num_prompt_tokens, 0)
-                                    for item in scheduled if item.seq.num_output_tokens and not item.seq.is_finished])
-        outputs = [
-            self._request_output(group)
-            for group in touched
-            if group.is_finished or group.params.output_kind is not RequestOutputKind.FINAL_ONLY
-        ]
-        finished = self._clock()
-        # The controller compares whole steps: scheduling, building outputs and the caller's
-        # work between steps cost once per step, which a multi-step window spreads over many
-        # tokens and a speculative step not. Steps that the requests' lengths cut short (the
-        # last window or trees of sequences about to finish) say nothing about either
-        # option's steady pace, and are left out.
-        # Nor does a speculative step without a tree because the proposer was not ready yet.
-        unready = speculated and self._proposer_pending and all(item.tree is None for item in decoding)
-        if (self.proposer is not None and decode_only and not unready
-                and not _cut_short(rooms, nodes_per_seq + 1 if speculated else self.num_scheduler_steps)):
-            emitted = self.num_generation_tokens_total - tokens_before
-            self.spec_control.record_step(len(scheduled), speculated, emitted, self._step_seconds(started, finished))
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("step of %d sequences (%d prefilling): %d trees, %d tokens, %.2f ms (%.2f ms waiting for drafts in all)",
-                         len(scheduled), len(scheduled) - len(decoding), sum(item.tree is not None for item in scheduled),
-                         self.num_generation_tokens_total - tokens_before, 1e3 * (finished - started), 1e3 * self.draft_wait_seconds)
-        self._last_step_end = finished
+            touched = self._verify_logits(plan.scheduled, plan.layout, plan.result)
+        self._observe(plan)
+        return touched
+
+    def _verify_logits(self, scheduled: list[ScheduledSeq], layout: list[ChunkRows], logits: torch.Tensor) -> list[SequenceGroup]:
+        """Score prompt tokens, sample and verify, tell the proposer, append the tokens, compact the KV.
+
+        Sequences finished since the step was launched (aborted under async scheduling) are skipped.
+        """
+        prompt_slices, _, _ = row_offsets(layout)
+        for item, rows, (start, stop) in zip(scheduled, layout, prompt_slices):
+            if item.seq.is_finished:
+                continue
+            if rows.num_prompt_rows:
+                self.outputs.record_prompt_logprobs(item.seq, logits[start:stop])
+            if not rows.num_sample_rows:
+                item.seq.num_computed += item.num_new_tokens
+                self.scheduler.register_blocks(item.seq)
+        result = self.verifier.sample_and_verify(scheduled, layout, logits)
+        if result.verdicts:
+            # One call for the step, before the tokens are appended: a stop among them
+            # releases its sequence, and the proposer should still learn this last step.
+            self.proposer.commit(result.verdicts)
+        touched = self._append(result.appends, result.sample_logits)
+        self.runner.copy_kv_slots(result.kv_moves)
+        self.spec_stats.record_batch(result.tree_sizes, result.accepted_counts)
+        self.spec_control.record_acceptance(result.tree_sizes, result.accepted_counts)
+        return touched
+
+    def _append(self, appends, logits: Optional[torch.Tensor]) -> list[SequenceGroup]:
+        """Append each sequence's new tokens (finishing those that stop); the groups touched, in order."""
+        now = time.time()
+        touched: dict[str, SequenceGroup] = {}
+        for seq, new_tokens, token_rows in appends:
+            if self.outputs.append_tokens(seq, new_tokens, logits, token_rows, now):
+                self._finish(seq)
+            touched[seq.group.request_id] = seq.group
+        return list(touched.values())
+
+    def _observe(self, plan: _StepPlan) -> None:
+        """Tell a drafting-ahead proposer the tokens of a step without trees."""
+        if plan.nodes_per_seq or self.observer is None:
+            return
+        self.observer.observe([ProposalRequest(item.seq.seq_key, item.seq.token_ids, item.seq.num_prompt_tokens, 0)
+                               for item in plan.scheduled if item.seq.num_output_tokens and not item.seq.is_finished])
+
+    def _outputs(self, touched: list[SequenceGroup]) -> list[RequestOutput]:
+        outputs = self.outputs.request_outputs(touched)
+        for output in outputs:
+            if output.finished:
+                self.groups.pop(output.request_id, None)
         return outputs
+
+    def _record_step(self, plan: _StepPlan, started: float) -> None:
+        """Show the controller the step's cost and tokens.
+
+        The controller compares whole steps: scheduling, building outputs and the caller's
+        work between steps cost once per step, which a multi-step window spreads over many
+        tokens and a speculative step not. Steps that the requests' lengths cut short (the
+        last window or trees of sequences about to finish) say nothing about either
+        option's steady pace, and are left out; nor does a speculative step without a tree
+        because the proposer was not ready yet (``plan.unready``).
+        """
+        finished = self.clock()
+        tokens_per_seq = plan.nodes_per_seq + 1 if plan.nodes_per_seq else self.num_scheduler_steps
+        emitted = self.num_generation_tokens_total - plan.tokens_before
+        if self.proposer is not None and plan.decode_only and not plan.unready and not cut_short(plan.rooms, tokens_per_seq):
+            seconds = self._step_seconds(started, finished)
+            self.spec_control.record_step(len(plan.scheduled), plan.nodes_per_seq > 0, emitted, seconds)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step of %d sequences: %d trees, %d tokens, %.2f ms (%.2f ms waiting for drafts in all)",
+                         len(plan.scheduled), sum(item.tree is not None for item in plan.scheduled), emitted,
+                         1e3 * (finished - started), 1e3 * self.draft_wait_seconds)
+        self._last_step_end = finished
 
     def _step_seconds(self, started: float, finished: float) -> float:
         """A step's cost: from the previous step's end while the engine is busy, else its own time.
@@ -468,8 +358,8 @@ class LLMEngine:
         (run-ahead windows included) and the proposer is not asked. A step counts as
         speculative even when every tree comes back empty: proposing is part of what
         speculation costs; but one that got no tree while some were `TokenTree.pending` (the
-        proposer not ready yet, ``_proposer_pending``) says nothing about speculation's pace,
-        and the controller does not judge it.
+        proposer not ready yet, ``_proposer_pending``, then `_StepPlan.unready`) says nothing
+        about speculation's pace, and the controller does not judge it.
         """
         self._proposer_pending = False
         if self.proposer is None:
@@ -527,320 +417,22 @@ class LLMEngine:
             squared=[seq.spec.sum_squared_accepted for seq in seqs],
         )
 
-    def _reserve_run_ahead(self, decoding: list[ScheduledSeq]) -> int:
-        """How many decode steps to run before the host looks at the tokens (1: a plain step).
-
-        Running ahead keeps the device busy while the host would otherwise be scheduling and
-        detokenising (vLLM's multi-step scheduling). It needs every row's next token to be a
-        function of its logits alone, so rows with penalties, n-gram bans, pending
-        min_tokens, logprobs or best_of ranking decode one step at a time, as does a batch
-        with room for a waiting request (so it is admitted at the next step, not a window
-        later). Steps past a sequence's stop are discarded,
-        like rejected draft tokens. Reserves the KV blocks the extra steps write.
-        """
-        scheduler = self.scheduler
-        if self.num_scheduler_steps <= 1 or (scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs):
-            return 1
-        if not all(_can_run_ahead(item.seq) for item in decoding):
-            return 1
-        num_steps = min(
-            self.num_scheduler_steps,
-            min(self.max_model_len - item.seq.num_computed for item in decoding),
-            max(item.seq.group.max_tokens - item.seq.num_output_tokens for item in decoding),
-        )
-        if num_steps <= 1:
-            return 1
-        for item in decoding:
-            if not self.scheduler.try_extend(item.seq, item.seq.num_computed + num_steps):
-                for undo in decoding:
-                    self.scheduler.trim_blocks(undo.seq, undo.seq.num_computed + 1)
-                return 1
-        return num_steps
-
-    def _decode_ahead(self, decoding: list[ScheduledSeq], num_steps: int) -> list[SequenceGroup]:
-        """Run `num_steps` decode steps on the device, then append each sequence's tokens up to its stop."""
-        chunks, _ = self._build_chunks(decoding)
+    def _decode_ahead(self, chunks, decoding: list[ScheduledSeq], num_steps: int) -> torch.Tensor:
+        """Queue `num_steps` decode steps on the device; their tokens, [B, num_steps], stay there."""
         if all(item.seq.group.plain_greedy for item in decoding):
-            tokens = self.runner.decode_steps(chunks, num_steps, lambda logits: logits.argmax(dim=-1))
-        else:
-            rows = [self._row_context(_SampleRow(item.seq, [])) for item in decoding]
-            tokens = self.runner.decode_steps(chunks, num_steps, lambda logits: sample(target_probs(logits, rows), rows))
-        touched: dict[str, SequenceGroup] = {}
-        now = time.time()
-        for item, seq_tokens in zip(decoding, tokens):
-            seq = item.seq
+            return self.runner.decode_steps(chunks, num_steps, lambda logits: logits.argmax(dim=-1))
+        rows = [self.verifier.row_context(SampleRow(item.seq, [])) for item in decoding]
+        return self.runner.decode_steps(chunks, num_steps, lambda logits: sample(target_probs(logits, rows), rows))
+
+    def _append_window(self, decoding: list[ScheduledSeq], tokens: list[list[int]], num_steps: int) -> list[SequenceGroup]:
+        """Append each sequence's tokens of a run-ahead window up to its stop (aborted ones skipped)."""
+        live = [(item.seq, seq_tokens) for item, seq_tokens in zip(decoding, tokens) if not item.seq.is_finished]
+        for seq, _ in live:
             seq.num_computed += num_steps
-            self._append_tokens(seq, seq_tokens, None, [], now)
-            touched[seq.group.request_id] = seq.group
-        return list(touched.values())
-
-    def _build_chunks(self, scheduled: list[ScheduledSeq]) -> tuple[list[SequenceChunk], list[_ChunkRows]]:
-        chunks, layout = [], []
-        for item in scheduled:
-            seq = item.seq
-            start = seq.num_computed
-            if item.tree is None:
-                tokens = seq.token_ids[start : start + item.num_new_tokens]
-                positions = list(range(start, start + item.num_new_tokens))
-                logits_indices = self._prompt_logprob_indices(item)
-                num_prompt_rows = len(logits_indices)
-                if item.samples:
-                    logits_indices.append(item.num_new_tokens - 1)
-                chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, logits_indices))
-                layout.append(_ChunkRows(seq, num_prompt_rows, int(item.samples)))
-            else:
-                # Row 0 is the root (the last known token), row i + 1 is node i.
-                depths, masks = _tree_layout(tuple(item.tree.parent_list))
-                tokens = [seq.token_ids[-1]] + item.tree.token_list
-                positions = [start + depth for depth in depths]
-                chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, list(range(len(tokens))), masks))
-                layout.append(_ChunkRows(seq, 0, len(tokens), item.tree))
-        return chunks, layout
-
-    def _prompt_logprob_indices(self, item: ScheduledSeq) -> list[int]:
-        """Chunk rows whose logits score prompt tokens not scored yet, when prompt_logprobs is asked.
-
-        Row i of the chunk scores the prompt token at position num_computed + i + 1. Counting
-        from what is already recorded keeps a recomputed prefill (after a preemption) from
-        scoring positions twice.
-        """
-        seq = item.seq
-        group = seq.group
-        if seq.params.prompt_logprobs is None or seq.index != 0:
-            return []
-        scored = len(group.prompt_logprobs) - 1 if group.prompt_logprobs else 0
-        first = max(0, scored - seq.num_computed)
-        last = min(seq.num_computed + item.num_new_tokens, seq.num_prompt_tokens - 1) - seq.num_computed
-        return list(range(first, max(first, last)))
-
-    def _consume_logits(self, scheduled: list[ScheduledSeq], layout: list[_ChunkRows], logits: torch.Tensor) -> list[SequenceGroup]:
-        prompt_slices, sample_starts, sample_index = [], [], []
-        offset = 0
-        for rows in layout:
-            prompt_slices.append((offset, offset + rows.num_prompt_rows))
-            offset += rows.num_prompt_rows
-            sample_starts.append(len(sample_index))
-            sample_index.extend(range(offset, offset + rows.num_sample_rows))
-            offset += rows.num_sample_rows
-        # Decode and verification steps sample every row: no gather (a copy of all the logits).
-        sample_logits = logits if len(sample_index) == logits.shape[0] else logits[sample_index]
-        plain = [b for b, item in enumerate(scheduled) if item.samples and item.tree is None]
-        # Plain greedy needs only the argmax of each row: one reduction and one host copy.
-        all_greedy = all(item.seq.group.plain_greedy for item, rows in zip(scheduled, layout) if rows.num_sample_rows)
-        argmax = sample_logits.argmax(dim=-1).tolist() if all_greedy else None
-        contexts = [c for rows in layout for c in self._row_contexts(rows, logits.device)] if argmax is None else []
-        probs = target_probs(sample_logits, contexts) if contexts else None
-        if argmax is not None:
-            plain_tokens = {b: argmax[sample_starts[b]] for b in plain}
-        elif plain:
-            picks = [sample_starts[b] for b in plain]
-            plain_tokens = dict(zip(plain, sample(probs[picks], [contexts[i] for i in picks]).tolist()))
-        else:
-            plain_tokens = {}
-        kv_moves: list[tuple[list[int], int, int]] = []  # compacting accepted paths, one copy for the batch
-        tree_sizes, accepted_counts, verdicts = [], [], []
-        appends: list[tuple[Sequence, list[int], list[int]]] = []  # (sequence, its new tokens, their logits rows)
-        for b, (item, rows) in enumerate(zip(scheduled, layout)):
-            seq = item.seq
-            if rows.num_prompt_rows:
-                start, stop = prompt_slices[b]
-                self._record_prompt_logprobs(seq, logits[start:stop])
-            if not item.samples:
-                seq.num_computed += item.num_new_tokens
-                self._register_blocks(seq)
-                continue
-            first = sample_starts[b]
-            if item.tree is None:
-                seq.num_computed += item.num_new_tokens
-                appends.append((seq, [plain_tokens[b]], [first]))
-                continue
-            end = first + rows.num_sample_rows
-            if argmax is not None:
-                accepted, bonus = greedy_accept(argmax[first:end], item.tree)
-            else:
-                accepted, bonus = verify_tree(probs[first:end], item.tree, seq.params.is_greedy, seq.generator)
-            tree_tokens = item.tree.token_list
-            accepted_tokens = [tree_tokens[i] for i in accepted]
-            self._keep_accepted_kv(item, accepted, kv_moves)
-            seq.spec.record(len(tree_tokens), len(accepted))
-            tree_sizes.append(len(tree_tokens))
-            accepted_counts.append(len(accepted))
-            seq.draft_backoff.record(len(accepted))
-            verdicts.append(Verdict(seq.seq_key, accepted_tokens, bonus, len(tree_tokens)))
-            appends.append((seq, accepted_tokens + [bonus], [first] + [first + i + 1 for i in accepted]))
-        if verdicts:
-            # One call for the step, before the tokens are appended: a stop among them
-            # releases its sequence, and the proposer should still learn this last step.
-            self.proposer.commit(verdicts)
-        now = time.time()
-        touched: dict[str, SequenceGroup] = {}
-        for seq, new_tokens, token_rows in appends:
-            self._append_tokens(seq, new_tokens, sample_logits, token_rows, now)
-            touched[seq.group.request_id] = seq.group
-        self.runner.copy_kv_slots(kv_moves)
-        self.spec_stats.record_batch(tree_sizes, accepted_counts)
-        self.spec_control.record_acceptance(tree_sizes, accepted_counts)
-        return list(touched.values())
-
-    def _row_contexts(self, rows: _ChunkRows, device: torch.device) -> list[RowContext]:
-        """The contexts of one sequence's sampling rows, with its grammar's mask at each."""
-        contexts = [self._row_context(r) for r in rows.sample_rows()]
-        grammar = rows.seq.grammar
-        if grammar is not None and contexts:
-            for context, allowed in zip(contexts, grammar.row_masks(rows.tree, device)):
-                context.allowed_tokens = allowed
-        return contexts
-
-    def _row_context(self, row: _SampleRow) -> RowContext:
-        seq = row.seq
-        return RowContext(seq.params, seq.group.prompt_token_ids, row.context(), self.eos_token_ids, seq.generator)
-
-    def _keep_accepted_kv(self, item: ScheduledSeq, accepted: list[int], moves: list) -> None:
-        """Queue the moves of the accepted nodes' KV right behind the root and drop the rest of the tree.
-
-        The caller copies every sequence's moves at once; each move keeps its own copy of the
-        block table, whose tail is freed here.
-        """
-        seq = item.seq
-        root = seq.num_computed
-        # A path's node indices increase (parents precede children), so it is already in
-        # place, nodes 0..m-1, exactly when its last node is m - 1.
-        if accepted and accepted[-1] != len(accepted) - 1:
-            table = list(seq.block_table)
-            moves.extend((table, root + 1 + node, root + 1 + m) for m, node in enumerate(accepted) if node != m)
-        seq.num_computed = root + 1 + len(accepted)
-        self.scheduler.trim_blocks(seq, seq.num_computed)
-
-    def _register_blocks(self, seq: Sequence) -> None:
-        """Put the sequence's newly filled blocks in the prefix cache (hashing only those).
-
-        A block is full when its KV is computed and its tokens are known: KV computed past
-        the last appended token (steps after a stop) is never registered.
-        """
-        allocator = self.scheduler.allocator
-        full = min(seq.num_computed, len(seq.token_ids)) // allocator.block_size
-        if not allocator.enable_prefix_caching or full <= seq.num_registered_blocks:
-            return
-        extend_block_hashes(seq.block_hashes, seq.token_ids, allocator.block_size, full * allocator.block_size)
-        first = seq.num_registered_blocks
-        allocator.register_blocks(seq.block_hashes[first:full], seq.block_table[first:full])
-        seq.num_registered_blocks = full
-
-    def _append_tokens(
-        self, seq: Sequence, new_tokens: list[int], logits: Optional[torch.Tensor], token_rows: list[int], now: float
-    ) -> None:
-        """Append tokens up to the first stop, then register the filled blocks (and finish on a stop).
-
-        `logits` rows `token_rows` score the tokens; they are read only for logprobs. `now`
-        is the step's time, for the request's token timestamps.
-        """
-        params = seq.params
-        want = params.logprobs
-        ranks_samples = (params.best_of or params.n) > params.n  # best_of picks by cumulative logprob
-        if want is not None or ranks_samples:
-            chosen = torch.tensor(new_tokens, device=logits.device)
-            token_logprobs = raw_logprobs(logits[token_rows], chosen, [want or 0] * len(new_tokens))
-        metrics = seq.group.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
-        for i, token in enumerate(new_tokens):
-            seq.token_ids.append(token)
-            if seq.grammar is not None:
-                seq.grammar.accept(token)
-            self.num_generation_tokens_total += 1
-            if want is not None or ranks_samples:
-                seq.cumulative_logprob += token_logprobs[i][token][0]
-            if want is not None:
-                seq.logprobs.append(self._logprob_entry(token_logprobs[i]))
-            if self._check_stop(seq, token):
-                self._register_blocks(seq)
-                self._finish(seq)
-                return
-        self._register_blocks(seq)
-
-    def _check_stop(self, seq: Sequence, token: int) -> bool:
-        params = seq.params
-        num_output = seq.num_output_tokens
-        if params.detokenize:
-            new_text = decode_new_text(
-                self.tokenizer, seq.token_ids, seq.detok, params.skip_special_tokens, params.spaces_between_special_tokens
-            )
-        else:
-            new_text = ""
-        if num_output >= params.min_tokens:
-            if token in (params.stop_token_ids or ()):
-                seq.finish_reason, seq.stop_reason = "stop", token
-                return True
-            if not params.ignore_eos and token in self.eos_token_ids:
-                seq.finish_reason = "stop"
-                return True
-            if new_text and params.stop:
-                hit = find_stop_string(seq.detok.text, len(new_text), params.stop, params.include_stop_str_in_output)
-                if hit is not None:
-                    seq.detok.text = seq.detok.text[: hit[1]]
-                    seq.finish_reason, seq.stop_reason = "stop", hit[0]
-                    return True
-        if num_output >= seq.group.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            seq.finish_reason = "length"
-            return True
-        return False
+        return self._append([(seq, seq_tokens, []) for seq, seq_tokens in live], None)
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         seq.group.metrics.finished_time = time.time() if seq.group.is_finished else None
         if self.proposer is not None:
             self.proposer.release(seq.seq_key)
-
-    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
-        group = seq.group
-        if group.prompt_logprobs is None:
-            group.prompt_logprobs = [None]
-        start = len(group.prompt_logprobs)  # the first prompt position not scored yet
-        targets = torch.tensor(seq.token_ids[start : start + logits.shape[0]], device=logits.device)
-        top = seq.params.prompt_logprobs
-        for entry in raw_logprobs(logits, targets, [top] * logits.shape[0]):
-            group.prompt_logprobs.append(self._logprob_entry(entry))
-
-    def _logprob_entry(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
-        decode = (lambda t: None) if self.tokenizer is None else (lambda t: self.tokenizer.decode([t]))
-        return {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in entry.items()}
-
-    # ----------------------------------------------------------------- output
-    def _request_output(self, group: SequenceGroup) -> RequestOutput:
-        params = group.params
-        finished = group.is_finished
-        seqs = group.seqs
-        if (params.best_of or params.n) > params.n:
-            if not finished:
-                seqs = []
-            else:
-                seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
-        outputs = [
-            CompletionOutput(
-                index=i if (params.best_of or params.n) > params.n else seq.index,
-                text=seq.detok.text,
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if params.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for i, seq in enumerate(seqs)
-        ]
-        metrics = group.metrics
-        metrics.num_draft_tokens = sum(s.spec.num_draft_tokens for s in group.seqs)
-        metrics.num_accepted_tokens = sum(s.spec.num_accepted_tokens for s in group.seqs)
-        metrics.num_spec_steps = sum(s.spec.num_steps for s in group.seqs)
-        if finished:
-            self.groups.pop(group.request_id, None)
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            prompt_logprobs=group.prompt_logprobs,
-            outputs=outputs,
-            finished=finished,
-            metrics=metrics,
-            num_cached_tokens=group.num_cached_tokens,
-        )

@@ -223,6 +223,50 @@ class Scheduler:
         while len(seq.block_table) > keep:
             self.allocator.free(seq.block_table.pop())
 
+    def reserve_run_ahead(self, decoding: list[ScheduledSeq], max_steps: int, max_model_len: int) -> int:
+        """How many decode steps to run before the host looks at the tokens (1: a plain step).
+
+        Running ahead keeps the device busy while the host would otherwise be scheduling and
+        detokenising (vLLM's multi-step scheduling). It needs every row's next token to be a
+        function of its logits alone, so rows with penalties, n-gram bans, pending
+        min_tokens, logprobs or best_of ranking decode one step at a time, as does a batch
+        with room for a waiting request (so it is admitted at the next step, not a window
+        later). Steps past a sequence's stop are discarded, like rejected draft tokens.
+        Reserves the KV blocks the extra steps write.
+        """
+        if max_steps <= 1 or (self.waiting and len(self.running) < self.max_num_seqs):
+            return 1
+        if not all(_can_run_ahead(item.seq) for item in decoding):
+            return 1
+        num_steps = min(
+            max_steps,
+            min(max_model_len - item.seq.num_computed for item in decoding),
+            max(item.seq.group.max_tokens - item.seq.num_output_tokens for item in decoding),
+        )
+        if num_steps <= 1:
+            return 1
+        for item in decoding:
+            if not self.try_extend(item.seq, item.seq.num_computed + num_steps):
+                for undo in decoding:
+                    self.trim_blocks(undo.seq, undo.seq.num_computed + 1)
+                return 1
+        return num_steps
+
+    def register_blocks(self, seq: Sequence) -> None:
+        """Put the sequence's newly filled blocks in the prefix cache (hashing only those).
+
+        A block is full when its KV is computed and its tokens are known: KV computed past
+        the last appended token (steps after a stop) is never registered.
+        """
+        allocator = self.allocator
+        full = min(seq.num_computed, len(seq.token_ids)) // allocator.block_size
+        if not allocator.enable_prefix_caching or full <= seq.num_registered_blocks:
+            return
+        extend_block_hashes(seq.block_hashes, seq.token_ids, allocator.block_size, full * allocator.block_size)
+        first = seq.num_registered_blocks
+        allocator.register_blocks(seq.block_hashes[first:full], seq.block_table[first:full])
+        seq.num_registered_blocks = full
+
     def finish(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING:
             seq.group.num_running -= 1
@@ -232,3 +276,18 @@ class Scheduler:
         self.allocator.free_all(seq.block_table)
         seq.block_table = []
         seq.status = SeqStatus.FINISHED
+
+
+def _can_run_ahead(seq: Sequence) -> bool:
+    """Whether a sequence's next few tokens depend on their logits alone (see `Scheduler.reserve_run_ahead`)."""
+    params = seq.params
+    return (
+        params.logprobs is None
+        and (params.best_of or params.n) == params.n
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and not params.no_repeat_ngram_size
+        and params.structured_outputs is None
+        and seq.num_output_tokens >= params.min_tokens
+    )

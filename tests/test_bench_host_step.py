@@ -11,7 +11,7 @@ def test_host_step_accepts_as_the_drafts_say_and_splits_the_step_into_its_phases
     assert float(rows[1.0]["tokens_per_seq_step"]) == 4.0
     assert float(rows[0.0]["tokens_per_seq_step"]) < 1.3
     for row in rows.values():
-        phases = sum(float(row[f"{name}_ms"]) for name in ("schedule", "attach_trees", "build_chunks", "consume_logits", "forward"))
-        assert 0 < float(row["propose_ms"]) < float(row["attach_trees_ms"])
-        assert 0 < phases <= float(row["step_ms"])
+        phases = [float(row[f"{name}_ms"]) for name in ("schedule", "propose", "forward", "sample_and_verify", "append_tokens")]
+        assert all(ms > 0 for ms in phases)
+        assert sum(phases) <= float(row["step_ms"])
         assert row["command"].startswith("python") and "bench.host_step" in row["command"]

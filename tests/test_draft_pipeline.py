@@ -76,7 +76,7 @@ def test_the_engine_tells_the_worker_of_plain_steps_and_outputs_stay_plain(tiny_
     engine = llm.llm_engine
     told = []
     observe = engine.proposer.observe
-    engine._observer.observe = lambda batch: (told.append(len(batch)), observe(batch))
+    engine.observer.observe = lambda batch: (told.append(len(batch)), observe(batch))
     try:
         got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
     finally:

@@ -530,12 +530,12 @@ class _StepClock:
 
 
 def test_a_step_is_cut_short_when_ending_requests_take_a_tenth_of_it():
-    from hetero.engine import _cut_short
+    from hetero.spec.controller import cut_short
 
-    assert not _cut_short([100] * 63 + [2], tokens_per_seq=8)  # one request of 64 ending: a server's usual step
-    assert _cut_short([100] * 8 + [1] * 56, tokens_per_seq=8)  # the batch's last window
-    assert _cut_short([5], tokens_per_seq=8)
-    assert not _cut_short([9], tokens_per_seq=9)
+    assert not cut_short([100] * 63 + [2], tokens_per_seq=8)  # one request of 64 ending: a server's usual step
+    assert cut_short([100] * 8 + [1] * 56, tokens_per_seq=8)  # the batch's last window
+    assert cut_short([5], tokens_per_seq=8)
+    assert not cut_short([9], tokens_per_seq=9)
 
 
 def test_engine_counts_the_callers_time_and_leaves_out_windows_cut_short(tiny_llama_dir):
@@ -546,7 +546,7 @@ def test_engine_counts_the_callers_time_and_leaves_out_windows_cut_short(tiny_ll
     config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", num_scheduler_steps=4)
     engine = LLMEngine(config, proposer=_IdleProposer())
     engine.spec_control = spy = _PlainSpy()
-    engine._clock = clock = _StepClock()
+    engine.clock = clock = _StepClock()
     engine.add_request("r", "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True))
     engine.step()  # the prefill samples the first token; not a decode step, not recorded
     # 22 tokens follow in windows of 4, 4, 4, 4, 4 and a last one cut to 2 by max_tokens.

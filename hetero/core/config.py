@@ -130,8 +130,12 @@ class EngineConfig:
     cpu_offload_gib: float = 4.0
     enforce_eager: bool = False
     # Decode steps run back to back on the device per host round trip (vLLM's multi-step
-    # scheduling); None: 8 on CUDA, 1 on the CPU. See LLMEngine._reserve_run_ahead.
+    # scheduling); None: 8 on CUDA, 1 on the CPU. See Scheduler.reserve_run_ahead.
     num_scheduler_steps: Optional[int] = None
+    # vLLM V1's async scheduling: the next step is scheduled and launched on the device before
+    # the host turns the last one's tokens into outputs (text, RequestOutputs) and hands them
+    # to the caller. Outputs are identical either way. See LLMEngine.step.
+    async_scheduling: bool = True
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     device: str = "auto"
@@ -187,6 +191,7 @@ class EngineConfig:
         _check(self.load_format in ("auto", "dummy"), "load_format", self.load_format, "must be 'auto' or 'dummy'")
         check_quantization(self.quantization)
         _check(isinstance(self.batch_invariant, bool), "batch_invariant", self.batch_invariant, "must be True or False")
+        _check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "must be True or False")
         self.batch_invariant = self.batch_invariant or _env_flag(BATCH_INVARIANT_ENV)
         _check(0 < self.cpu_decoding_memory_utilization <= 1, "cpu_decoding_memory_utilization", self.cpu_decoding_memory_utilization, "must be in (0, 1]")
         if self.num_speculative_tokens is not None:

@@ -13,7 +13,8 @@ import socket
 from typing import Optional
 
 from gpu_target.kv_cache import KVCachePool
-from hetero.engine import _CPU_DEFAULT_KV_GIB, LLMEngine
+from gpu_target.runner import CPU_DEFAULT_KV_GIB
+from hetero.engine import LLMEngine
 
 logger = logging.getLogger("hetero.server")
 
@@ -25,7 +26,7 @@ def kv_cache_source(engine: LLMEngine) -> str:
         return f"--gpu-memory-utilization {config.gpu_memory_utilization}"
     blocks_per_seq = -(-engine.max_model_len // config.block_size)
     space = f"--kv-cache-space {config.kv_cache_space:g} GiB" if config.kv_cache_space else (
-        f"--kv-cache-space's default {_CPU_DEFAULT_KV_GIB:g} GiB")
+        f"--kv-cache-space's default {CPU_DEFAULT_KV_GIB:g} GiB")
     if engine.scheduler.allocator.num_blocks == config.max_num_seqs * blocks_per_seq + 1:
         return f"--max-num-seqs {config.max_num_seqs} x --max-model-len {engine.max_model_len} (less than {space})"
     return space

@@ -43,6 +43,17 @@ NOTHING_ACCEPTED_SEQUENCE_STEPS = 32
 SOLID_SEQUENCE_STEPS = 128
 
 
+def cut_short(rooms: list[int], tokens_per_seq: int, tolerance: float = 0.1) -> bool:
+    """Whether the sequences' remaining lengths (``rooms``) take more than ``tolerance`` of the
+    ``tokens_per_seq`` each could emit this step: a step that mostly measures requests ending,
+    which `SpeculationController.record_step` should not be shown.
+
+    A share, not any one sequence: in a server some request is always about to finish.
+    """
+    lost = sum(max(0, tokens_per_seq - room) for room in rooms)
+    return lost > tolerance * tokens_per_seq * len(rooms)
+
+
 @dataclass
 class _Samples:
     """Recent steps of one option in one bucket: (tokens emitted, seconds, sequences) each.
