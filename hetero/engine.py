@@ -17,12 +17,15 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from gpu_target.batch_invariant import batch_invariant_attention, make_batch_invariant
+from cpu_draft.affinity import tp_worker_cpus
 from gpu_target.kv_cache import BlockAllocator, KVCachePool, extend_block_hashes
 from gpu_target.kv_offload import HitCountLog, PrefixCacheOffload
-from gpu_target.loader import load_config, load_state_dict, load_tokenizer, random_state_dict, resolve_model_path
-from gpu_target.model import build_model
-from gpu_target.runner import ModelRunner, SequenceChunk
+from gpu_target.loader import load_config, load_tokenizer, resolve_model_path
+from gpu_target.model_config import ModelConfig
+from gpu_target.runner import SequenceChunk
+from gpu_target.target import CacheShape, TargetSpec, build_runner, load_model, make_kv_pool
+from gpu_target.tensor_parallel import SINGLE, check_divisible, local_config
+from gpu_target.tp_worker import DrivingRunner, RankGroup
 from gpu_target.sampler import (
     RowContext,
     greedy_accept,
@@ -163,17 +166,17 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}) is larger than the model's "
                 f"max_position_embeddings ({self.model_config.max_position_embeddings})"
             )
-        if real_weights:
-            state = load_state_dict(model_path, self.model_config, self.dtype, self.device, config.quantization)
-        else:
-            state = random_state_dict(self.model_config, self.dtype, self.device, config.seed, config.quantization)
-        self.model = build_model(self.model_config, state, self.dtype, self.device)
-        if config.batch_invariant:
-            make_batch_invariant(self.model)
-        del state
-        num_blocks = self._num_kv_blocks()
+        spec = TargetSpec(str(model_path), self.model_config, self.dtype, self.device.type, real_weights, config.seed,
+                          config.quantization, config.batch_invariant, config.block_size, config.enforce_eager)
+        # Tensor parallelism: ranks 1..N-1 in worker processes, rank 0 here (gpu_target/tp_worker.py).
+        self._ranks = self._start_ranks(spec)
+        tp = self._ranks.tp if self._ranks is not None else SINGLE
+        self.model = load_model(spec, tp, self.device)
+        if self._ranks is not None:
+            self._ranks.wait_for("loaded")
+        num_blocks = self._num_kv_blocks(local_config(self.model_config, config.tensor_parallel_size))
         reserved = 1 if self.device.type == "cuda" else 0  # the CUDA-graph padding's null block
-        self.kv_pool = KVCachePool(self.model_config, num_blocks + reserved, config.block_size, self.dtype, self.device)
+        self.kv_pool = make_kv_pool(spec, tp, num_blocks + reserved, self.device)
         offload = (
             PrefixCacheOffload.sized(self.kv_pool, config.cpu_offload_gib, config.apc_offload_min_access_threshold)
             if config.enable_prefix_cache_offload else None
@@ -192,11 +195,19 @@ class LLMEngine:
         target_parallelism = getattr(self.proposer, "target_parallelism", _DEFAULT_TARGET_PARALLELISM)
         # A step's tokens: the scheduler's budget, plus the tree nodes verified beside it.
         step_tokens = self.scheduler.max_num_batched_tokens + (target_parallelism if self.proposer is not None else 0)
-        graph_runner = self._capture_graphs(1 + max_tree_nodes if self.proposer is not None else 1, step_tokens)
+        shape = CacheShape(num_blocks + reserved, config.max_num_seqs, 1 + max_tree_nodes if self.proposer is not None else 1,
+                           self.max_model_len, step_tokens)
+        if self._ranks is not None:
+            self._ranks.build(shape)  # the workers capture their graphs alongside rank 0: the collectives pair up
+        self.runner = build_runner(spec, self.model, self.kv_pool, tp, shape)
+        graph_runner = self.runner.graph_runner
+        self.cuda_graph_capture_seconds = graph_runner.capture_seconds if graph_runner is not None else 0.0
+        if self._ranks is not None:
+            self._ranks.wait_for("built")
+            self.runner = DrivingRunner(self.runner, self._ranks)
         self.spec_control = SpeculationController(
             max_tree_nodes, target_parallelism, query_buckets=graph_runner.query_buckets if graph_runner is not None else None
         )
-        self.runner = ModelRunner(self.model, self.kv_pool, self.device, self._attention_fn(), graph_runner)
         self.spec_stats = SpecStats()
         self.num_trees_withheld = 0  # sequence-steps whose tree DraftBackoff withheld (drafts that kept missing)
         self.draft_wait_seconds = 0.0  # time the engine waited for the proposer's trees
@@ -220,9 +231,10 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, layer_config: ModelConfig) -> int:
+        """KV blocks that fit this rank's memory (with tensor parallelism, each rank holds its own KV heads of every block)."""
         c = self.config
-        per_block = KVCachePool.bytes_per_block(self.model_config, c.block_size, self.dtype)
+        per_block = KVCachePool.bytes_per_block(layer_config, c.block_size, self.dtype)
         blocks_per_seq = -(-self.max_model_len // c.block_size)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -246,32 +258,19 @@ class LLMEngine:
             )
         return num_blocks
 
-    def _capture_graphs(self, max_query_len: int, step_tokens: int):
-        """CUDA graphs for decode/verification steps of up to `step_tokens` tokens, unless on the CPU or enforce_eager."""
-        self.cuda_graph_capture_seconds = 0.0
-        if self.device.type != "cuda" or self.config.enforce_eager:
+    def _start_ranks(self, spec: TargetSpec) -> Optional[RankGroup]:
+        """The worker processes of tensor-parallel ranks 1..N-1 (None at tensor_parallel_size 1);
+        on CUDA each pinned to a core of its own (cpu_draft/affinity.py: tp_worker_cpus)."""
+        world_size = self.config.tensor_parallel_size
+        if world_size == 1:
             return None
-        from gpu_target.cuda_graphs import CudaGraphRunner
-
-        runner = CudaGraphRunner(self.model, self.kv_pool, self.config.max_num_seqs, max_query_len, self.max_model_len,
-                                 max_step_tokens=step_tokens)
-        self.cuda_graph_capture_seconds = runner.capture_all()
-        logger.info("CUDA graph capture took %.1f s for %d buckets", self.cuda_graph_capture_seconds, len(runner.graphs))
-        return runner
-
-    def _attention_fn(self):
-        """The attention the model runs with; on CUDA, its kernel variants are compiled here, at start-up."""
-        if self.config.batch_invariant:
-            return batch_invariant_attention
-        if self.device.type == "cuda":
-            from gpu_target.triton_attention import compile_variants, paged_attention
-
-            k_cache, v_cache = self.kv_pool.layers[0]
-            compile_variants(self.dtype, self.model_config.num_heads, k_cache, v_cache)
-            return paged_attention
-        from gpu_target.attention import reference_attention
-
-        return reference_attention
+        check_divisible(self.model_config, world_size)
+        if self.device.type == "cuda" and world_size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={world_size} exceeds the {torch.cuda.device_count()} visible GPUs"
+            )
+        cpus = tp_worker_cpus(world_size - 1) if self.device.type == "cuda" else []
+        return RankGroup(spec, world_size, cpus)
 
     # --------------------------------------------------------------- requests
     def add_request(
