@@ -144,7 +144,7 @@ class TensorParallel(Shard):
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank, in place (tokens picked by the coordinator between decode steps)."""
         if self.world_size > 1:
-            self.group.broadcast([x], 0).wait()
+            self.group.broadcast(x, 0).wait()
         return x
 
 

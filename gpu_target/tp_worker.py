@@ -64,12 +64,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, cpus: Optional[list[int]], conn) -> None:
+def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, cpus: Optional[list[int]],
+              num_threads: Optional[int], conn) -> None:
     """A worker's life: build the rank, then replay the coordinator's calls until told to stop."""
     try:
         if cpus:
             os.sched_setaffinity(0, cpus)
-            torch.set_num_threads(len(cpus))
+        if cpus or num_threads:
+            torch.set_num_threads(num_threads or len(cpus))
         device = rank_device(spec, TensorParallel(rank, world_size))
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -115,7 +117,10 @@ def _backend(spec: TargetSpec) -> str:
 class RankGroup:
     """The worker processes of ranks 1..N-1 and rank 0's end of their process group."""
 
-    def __init__(self, spec: TargetSpec, world_size: int, worker_cpus: Sequence[Optional[list[int]]] = ()):
+    def __init__(self, spec: TargetSpec, world_size: int, worker_cpus: Sequence[Optional[list[int]]] = (),
+                 num_threads: Optional[int] = None):
+        """`worker_cpus[r - 1]`: the cores rank r is pinned to (none: not pinned); `num_threads`:
+        each worker's torch intra-op threads (default: as many as its cores)."""
         context = multiprocessing.get_context("spawn")
         port = _free_port()
         self.world_size = world_size
@@ -124,7 +129,7 @@ class RankGroup:
         for rank in range(1, world_size):
             ours, theirs = context.Pipe()
             cpus = worker_cpus[rank - 1] if rank - 1 < len(worker_cpus) else None
-            process = context.Process(target=_run_rank, args=(spec, rank, world_size, port, cpus, theirs),
+            process = context.Process(target=_run_rank, args=(spec, rank, world_size, port, cpus, num_threads, theirs),
                                       name=f"hetero-tp-rank{rank}", daemon=True)
             process.start()
             theirs.close()

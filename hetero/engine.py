@@ -10,6 +10,7 @@ import atexit
 import functools
 import gc
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -260,7 +261,8 @@ class LLMEngine:
 
     def _start_ranks(self, spec: TargetSpec) -> Optional[RankGroup]:
         """The worker processes of tensor-parallel ranks 1..N-1 (None at tensor_parallel_size 1);
-        on CUDA each pinned to a core of its own (cpu_draft/affinity.py: tp_worker_cpus)."""
+        on CUDA each pinned to a core of its own (cpu_draft/affinity.py: tp_worker_cpus), on
+        the CPU each with its share of the cores as threads."""
         world_size = self.config.tensor_parallel_size
         if world_size == 1:
             return None
@@ -269,8 +271,13 @@ class LLMEngine:
             raise ValueError(
                 f"tensor_parallel_size={world_size} exceeds the {torch.cuda.device_count()} visible GPUs"
             )
-        cpus = tp_worker_cpus(world_size - 1) if self.device.type == "cuda" else []
-        return RankGroup(spec, world_size, cpus)
+        if self.device.type == "cuda":
+            return RankGroup(spec, world_size, tp_worker_cpus(world_size - 1))
+        # On the CPU every rank computes: the cores are shared out, or the ranks' OpenMP
+        # threads would spin on each other's cores while they wait in a collective.
+        threads = max(1, len(os.sched_getaffinity(0)) // world_size)
+        torch.set_num_threads(threads)
+        return RankGroup(spec, world_size, num_threads=threads)
 
     # --------------------------------------------------------------- requests
     def add_request(
