@@ -58,7 +58,7 @@ def make_group(backend: str, rank: int, world_size: int, port: int, timeout: dat
     return dist.ProcessGroupNCCL(store, rank, world_size, options)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -122,7 +122,7 @@ class RankGroup:
         """`worker_cpus[r - 1]`: the cores rank r is pinned to (none: not pinned); `num_threads`:
         each worker's torch intra-op threads (default: as many as its cores)."""
         context = multiprocessing.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.world_size = world_size
         self.conns = []
         self.processes = []
