@@ -42,6 +42,7 @@ logger = logging.getLogger("hetero")
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 _START_TIMEOUT_S = 1800.0  # loading a large shard and capturing its graphs
 _STOP_TIMEOUT_S = 10.0
+_DEATH_GRACE_S = 5.0
 
 
 class RankDiedError(RuntimeError):
@@ -148,7 +149,7 @@ class RankGroup:
     def wait_for(self, state: str, timeout_s: float = _START_TIMEOUT_S) -> None:
         """Block until every worker reports `state` ("loaded", "built"); RankDiedError if one fails first."""
         pending = dict(zip(self.conns, range(1, self.world_size)))
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+        sentinels = [p.sentinel for p in self.processes]
         while pending:
             ready = multiprocessing.connection.wait([*pending, *sentinels], timeout_s)
             if not ready:
@@ -159,7 +160,7 @@ class RankGroup:
                     if reply == "error":
                         raise RankDiedError(f"tensor-parallel rank {pending[item]} failed:\n{detail}")
                     del pending[item]
-                elif sentinels[item] in pending.values():
+                else:  # a worker exited
                     self.check_alive()
 
     def build(self, shape: CacheShape) -> None:
@@ -172,13 +173,20 @@ class RankGroup:
             try:
                 conn.send((call, args))
             except OSError:
-                self.check_alive()
+                self.check_alive(grace_s=_DEATH_GRACE_S)
                 raise
 
-    def check_alive(self) -> None:
-        """RankDiedError naming the first worker that exited, with its own error when it sent one."""
+    def check_alive(self, grace_s: float = 0.0) -> None:
+        """RankDiedError naming the first worker that exited, with its own error when it sent one;
+        `grace_s`: first wait that long for one to exit (a collective can fail on a closed
+        connection before the dying process is reaped)."""
+        if grace_s:
+            exited = multiprocessing.connection.wait([p.sentinel for p in self.processes], grace_s)
+            for process in self.processes:
+                if process.sentinel in exited:
+                    process.join(grace_s)  # its pipes close before it can be reaped
         for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
-            if process.exitcode is not None or not process.is_alive():
+            if not process.is_alive():
                 detail = ""
                 try:
                     if conn.poll():
@@ -250,5 +258,5 @@ class DrivingRunner:
         try:
             return call()
         except RuntimeError as error:
-            self.ranks.check_alive()
+            self.ranks.check_alive(grace_s=_DEATH_GRACE_S)
             raise RankDiedError(f"a tensor-parallel collective failed: {error}") from error

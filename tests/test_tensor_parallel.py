@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pathlib
 import threading
+import time
 
 import pytest
 import torch
@@ -178,30 +179,44 @@ def test_smollm2_heads_not_divisible_by_two():
         check_divisible(load_config(path), 2)
 
 
-def test_a_killed_rank_is_an_error_not_a_hang(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", device="cpu", tensor_parallel_size=2)
-    ranks = llm.llm_engine._ranks
-    worker = ranks.processes[0]
-    assert llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)  # healthy first
-    worker.kill()
-    worker.join(30)
-    errors: list[BaseException] = []
-
-    def generate(llm):
+def _generate_in_thread(llm, prompts, params, errors: list) -> threading.Thread:
+    def generate():
         try:
-            llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+            llm.generate(prompts, params, use_tqdm=False)
         except BaseException as error:  # noqa: BLE001 - the test inspects it
             errors.append(error)
 
-    thread = threading.Thread(target=generate, args=(llm,), daemon=True)
+    thread = threading.Thread(target=generate, daemon=True)
     thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("when", ["between steps", "mid-run"])
+def test_a_killed_rank_is_an_error_not_a_hang(tiny_llama_dir, when):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=512, dtype="float32", device="cpu", tensor_parallel_size=2)
+    engine = llm.llm_engine
+    ranks = engine._ranks
+    worker = ranks.processes[0]
+    assert llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)  # healthy first
+    errors: list[BaseException] = []
+    long_run = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    if when == "between steps":
+        worker.kill()
+        worker.join(30)
+        thread = _generate_in_thread(llm, PROMPTS, long_run, errors)
+    else:
+        tokens_before = engine.num_generation_tokens_total
+        thread = _generate_in_thread(llm, PROMPTS, long_run, errors)
+        while engine.num_generation_tokens_total == tokens_before and thread.is_alive():
+            time.sleep(0.01)
+        worker.kill()
     thread.join(120)  # bounded: a hang fails the test instead of the suite
     assert not thread.is_alive(), "generate hung after a rank died"
     assert len(errors) == 1 and isinstance(errors[0], RankDiedError), errors
     assert "rank 1" in str(errors[0])
-    del llm
+    del llm, engine
     ranks.close()
-    assert not worker.is_alive() and not any(p.is_alive() for p in ranks.processes)
+    assert not any(p.is_alive() for p in ranks.processes)
 
 
 def test_engine_release_stops_the_workers(tiny_llama_dir):
