@@ -101,6 +101,10 @@ def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, cpus: Opt
 def _replay(runner: ModelRunner, tp: TensorParallel, call: str, args: tuple) -> None:
     if call == "forward":
         runner.forward(*args)
+        if runner.device.type == "cuda":
+            # The graph runner reuses its pinned staging buffers each step; rank 0 waits for
+            # its logits before staging the next, and so must a worker that never reads its own.
+            torch.cuda.current_stream(runner.device).synchronize()
     elif call == "decode_steps":
         chunks, num_steps = args
         picked = torch.empty(len(chunks), dtype=torch.int64, device=runner.device)
