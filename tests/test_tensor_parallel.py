@@ -249,3 +249,13 @@ def test_default_core_split_gives_each_worker_rank_a_core_of_its_own(monkeypatch
     assert affinity.default_draft_cpus(None) == list(range(2, 16))
     monkeypatch.setattr(affinity, "_process_cpus", frozenset(range(2)))
     assert affinity.tp_worker_cpus(1) == []  # too few cores to pin: the ranks share them
+
+
+def test_serve_flag_reaches_the_engine_and_bad_sizes_are_usage_errors(capsys):
+    from hetero.cli import engine_config_from_args, main, parse_serve_args
+
+    assert engine_config_from_args(parse_serve_args(["serve", "m", "--tensor-parallel-size", "4"])).tensor_parallel_size == 4
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "m", "--tensor-parallel-size", "3"])
+    assert exit_info.value.code == 2
+    assert "tensor_parallel_size must be 1, 2, 4 or 8" in capsys.readouterr().err
