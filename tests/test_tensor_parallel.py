@@ -34,7 +34,8 @@ def odd_qwen2_dir(tmp_path_factory) -> pathlib.Path:
 
 
 def _generate(model_dir, prompts, params, **kwargs):
-    llm = LLM(model=str(model_dir), max_model_len=256, dtype="float32", device="cpu", **kwargs)
+    kwargs.setdefault("device", "cpu")
+    llm = LLM(model=str(model_dir), max_model_len=256, dtype="float32", **kwargs)
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -44,6 +45,17 @@ def test_tp2_greedy_equals_tp1(tiny_llama_dir, num_scheduler_steps):
     expected = _generate(tiny_llama_dir, PROMPTS, GREEDY, num_scheduler_steps=num_scheduler_steps)
     got = _generate(tiny_llama_dir, PROMPTS, GREEDY, num_scheduler_steps=num_scheduler_steps, tensor_parallel_size=2)
     assert got == expected
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tp2_on_two_gpus_equals_tp1_with_graphs_and_lookahead(tiny_llama_dir, tmp_path):
+    """NCCL, the all-reduces inside CUDA graphs, multi-step decoding and tree verification, in float32."""
+    (tmp_path / "lookahead_cache_config.json").write_text('{"cache_mode": 2, "copy_length": 8, "is_debug": false}')
+    common = dict(device="cuda", gpu_memory_utilization=0.3, max_num_seqs=8)
+    expected = _generate(tiny_llama_dir, PROMPTS, GREEDY, **common)
+    assert _generate(tiny_llama_dir, PROMPTS, GREEDY, tensor_parallel_size=2, **common) == expected
+    assert _generate(tiny_llama_dir, PROMPTS, GREEDY, tensor_parallel_size=2, lookahead_cache_config_dir=str(tmp_path),
+                     **common) == expected
 
 
 def test_tp2_with_replicated_kv_head_padded_vocab_and_biases(odd_qwen2_dir):
