@@ -3,8 +3,11 @@
 The GPU process keeps the first cores (one in eight, at least one) for its own Python loop,
 kernel launches and server threads, and pins itself there (`pin_coordinator`), so the
 draft worker's spinning threads and the coordinator never take each other's cores; the
-worker defaults to every other core it may use. ``DraftConfig.cpus`` (a Linux cpulist
-such as ``"4-15"`` or ``"2,4-7"``; default $HETERO_DRAFT_CPUS) overrides the default.
+worker defaults to every other core it may use. With tensor parallelism on CUDA, each
+worker rank (ranks 1..N-1; rank 0 is the coordinator) gets one core of its own right after
+the coordinator's (`tp_worker_cpus`) and the draft the cores after those. ``DraftConfig.cpus``
+(a Linux cpulist such as ``"4-15"`` or ``"2,4-7"``; default $HETERO_DRAFT_CPUS) overrides the
+draft's default.
 """
 from __future__ import annotations
 
@@ -45,8 +48,23 @@ def usable_cpus() -> list[int]:
     return sorted(_process_cpus)
 
 
-def default_draft_cpus(spec: Optional[str] = None) -> list[int]:
-    """The cores for the draft: ``spec`` (a cpulist), else the usable cores but one in eight (at least one)."""
+def _coordinator_cores(usable: Sequence[int]) -> int:
+    return max(1, len(usable) // 8)
+
+
+def tp_worker_cpus(num_workers: int) -> list[list[int]]:
+    """One core for each tensor-parallel worker rank, after the coordinator's; none (no pinning)
+    when the host has too few cores to leave the draft at least one."""
+    usable = usable_cpus()
+    keep = _coordinator_cores(usable)
+    if num_workers < 1 or len(usable) < keep + num_workers + 1:
+        return []
+    return [[cpu] for cpu in usable[keep:keep + num_workers]]
+
+
+def default_draft_cpus(spec: Optional[str] = None, tp_workers: int = 0) -> list[int]:
+    """The cores for the draft: ``spec`` (a cpulist), else the usable cores but one in eight (at
+    least one) and those of the `tp_worker_cpus(tp_workers)`."""
     usable = usable_cpus()
     if spec:
         cpus = parse_cpu_list(spec)
@@ -54,16 +72,17 @@ def default_draft_cpus(spec: Optional[str] = None) -> list[int]:
         if unusable:
             raise ValueError(f"draft CPUs {unusable} are not usable by this process (usable: {usable})")
         return cpus
-    keep = max(1, len(usable) // 8)
+    keep = _coordinator_cores(usable) + len(tp_worker_cpus(tp_workers))
     return usable[keep:] if len(usable) > keep else usable
 
 
-def pin_coordinator(draft_cpus: Sequence[int]) -> list[int]:
-    """Bind the calling thread (and the threads it starts later) to the usable cores the draft
-    does not use, and size torch's intra-op pool to them, so that no OpenMP thread of the
-    coordinator spins on a core the draft's threads need; returns those cores (empty, and
-    nothing changed, when the draft uses them all)."""
-    rest = sorted(set(usable_cpus()) - set(draft_cpus))
+def pin_coordinator(draft_cpus: Sequence[int], tp_workers: int = 0) -> list[int]:
+    """Bind the calling thread (and the threads it starts later) to the usable cores neither the
+    draft nor a tensor-parallel worker uses, and size torch's intra-op pool to them, so that no
+    OpenMP thread of the coordinator spins on a core the draft's threads need; returns those
+    cores (empty, and nothing changed, when the others use them all)."""
+    workers = {cpu for cpus in tp_worker_cpus(tp_workers) for cpu in cpus}
+    rest = sorted(set(usable_cpus()) - set(draft_cpus) - workers)
     if rest:
         os.sched_setaffinity(0, rest)
         torch.set_num_threads(len(rest))

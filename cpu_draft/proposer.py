@@ -69,9 +69,11 @@ def build_draft_proposer(config: EngineConfig, target_config: ModelConfig, token
     settings = config.draft
     keep = _special_token_ids(tokenizer)
     if config.cpu_draft_worker:
-        cpus = tuple(default_draft_cpus(settings.cpus))
-        if config.resolve_device().type == "cuda":  # a CPU target computes on every core it has
-            logger.info("coordinator pinned to cpus %s, the draft worker to %s", pin_coordinator(cpus), list(cpus))
+        on_cuda = config.resolve_device().type == "cuda"
+        tp_workers = config.tensor_parallel_size - 1 if on_cuda else 0  # each pinned to a core of its own
+        cpus = tuple(default_draft_cpus(settings.cpus, tp_workers))
+        if on_cuda:  # a CPU target computes on every core it has
+            logger.info("coordinator pinned to cpus %s, the draft worker to %s", pin_coordinator(cpus, tp_workers), list(cpus))
         options = WorkerOptions(
             model=str(draft_path),
             draft=_model_options(config, torch.device("cpu"), resolve_cpu_dtype(cpu_dtype(settings.dtype)), keep),

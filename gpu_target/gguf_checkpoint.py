@@ -274,6 +274,24 @@ def load_tensors(
     return tensors
 
 
+def load_tensor_slices(
+    path: pathlib.Path, config: ModelConfig, slices: dict[str, Optional[tuple[int, int, int]]],
+    dtype: torch.dtype, device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """`load_tensors`, each tensor cut to its (dim, start, stop) slice (None: whole) right after
+    it is dequantised (and its rotary rows restored), before the next one is read."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, part in slices.items():
+        whole = load_tensors(path, config, [name], torch.float32, device)
+        tensor = whole.pop(name)
+        if part is not None:
+            dim, start, stop = part
+            tensor = tensor.narrow(dim, start, stop - start)
+        tensors[name] = tensor.to(dtype).clone()
+        tensors.update(whole)  # the rope frequency factors, when the file has them
+    return tensors
+
+
 def load_tokenizer(path: pathlib.Path) -> transformers.PreTrainedTokenizerBase:
     """transformers' tokenizer built from the GGUF's `tokenizer.*` metadata (works offline).
 

@@ -164,6 +164,28 @@ def load_tensors(
     return tensors
 
 
+def load_tensor_slices(
+    directory: pathlib.Path, slices: dict[str, Optional[tuple[int, int, int]]], dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The named tensors, each cut to its (dim, start, stop) slice (None: whole) as it is read:
+    safetensors reads only the slice's bytes, so a tensor-parallel rank never holds another's part."""
+    owners = _file_of_each_tensor(directory)
+    missing = [name for name in slices if name not in owners]
+    if missing:
+        raise ValueError(f"{directory}: checkpoint has no tensor {missing[0]!r}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, part in slices.items():
+        with safe_open(owners[name], framework="pt", device="cpu") as f:
+            if part is None:
+                tensor = f.get_tensor(name)
+            else:
+                dim, start, stop = part
+                index = (slice(None),) * dim + (slice(start, stop),)
+                tensor = f.get_slice(name)[index]
+        tensors[name] = tensor.to(device=device, dtype=dtype)
+    return tensors
+
+
 def load_tokenizer(directory: pathlib.Path, trust_remote_code: bool) -> transformers.PreTrainedTokenizerBase:
     if not has_tokenizer_files(directory):
         raise FileNotFoundError(

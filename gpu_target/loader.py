@@ -17,6 +17,7 @@ from . import gguf_checkpoint, hf_checkpoint, model_catalog
 from . import quantization as methods
 from .quantization import checkpoint as quantized_checkpoint
 from .model_config import ModelConfig
+from .tensor_parallel import Shard
 
 PathLike = Union[str, pathlib.Path]
 
@@ -141,6 +142,7 @@ def load_state_dict(
     dtype: torch.dtype,
     device: Union[torch.device, str],
     quantization: Optional[str] = None,
+    shard: Shard = Shard(),
 ) -> dict[str, Union[torch.Tensor, methods.QuantizedWeight]]:
     """The model's weights under HF names, each read straight to `device` in `dtype`.
 
@@ -151,6 +153,10 @@ def load_state_dict(
     With `quantization` (or a checkpoint whose config.json has a `quantization_config`) the
     decoder projections' weights come back as `Fp8Weight` / `Int4Weight` (gpu_target/quantization),
     quantised as they are read or unpacked from the checkpoint's own layout.
+
+    With `shard` (tensor parallelism), only that rank's slice of each weight is kept
+    (`Shard.slice_of`): from safetensors only the slice is read; from a GGUF one tensor at a
+    time is dequantised and sliced, so no rank holds more than its shard plus one tensor.
     """
     path = resolve_model_path(path)
     shapes = parameter_shapes(config)
@@ -159,7 +165,16 @@ def load_state_dict(
     stored_method = quantized_checkpoint.checkpoint_method(stored_config, str(path))
     method = methods.resolve_method(quantization, stored_method, str(path))
     methods.check_device(method, device)
-    if is_gguf(path):
+    if shard.world_size > 1 and method is not None:
+        raise ValueError(f"quantization ({method}) is not supported with tensor_parallel_size > 1 yet")
+    if shard.world_size > 1:
+        shapes = {name: shard.shape_of(name, shape, config) for name, shape in shapes.items()}
+        slices = {name: shard.slice_of(name, config) for name in shapes}
+        if is_gguf(path):
+            tensors = gguf_checkpoint.load_tensor_slices(path, config, slices, dtype, device)
+        else:
+            tensors = hf_checkpoint.load_tensor_slices(path, slices, dtype, device)
+    elif is_gguf(path):
         tensors = gguf_checkpoint.load_tensors(path, config, list(shapes), dtype, device)
     elif stored_method is not None:
         plain = [name for name in shapes if not methods.is_projection_weight(name)]
@@ -191,21 +206,24 @@ def random_state_dict(
     device: Union[torch.device, str],
     seed: int = 0,
     quantization: Optional[str] = None,
+    shard: Shard = Shard(),
 ) -> dict[str, Union[torch.Tensor, methods.QuantizedWeight]]:
     """Random weights in the model's real shapes, made on `device` (vLLM's load_format="dummy").
 
     For timing: a large model's weights need not exist anywhere to measure its speed.
     Norm weights are ones and matrices N(0, 0.02), so activations stay finite in bf16. With
     `quantization`, each projection is quantised as soon as it is drawn, so the
-    full-precision model never exists (a 70B target fits one 80 GB GPU in FP8).
+    full-precision model never exists (a 70B target fits one 80 GB GPU in FP8). With `shard`,
+    only that rank's shapes are drawn (from the seed plus the rank).
     """
     method = {"gptq": "int4", "awq": "int4"}.get(quantization, quantization)  # the same kernels, random codes
     methods.check_quantization(quantization)
     methods.check_device(method, device)
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(seed + shard.rank)
     tensors = {}
     for name, shape in parameter_shapes(config).items():
+        shape = shard.shape_of(name, shape, config)
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(shape, dtype=dtype, device=device)
         else:

@@ -19,6 +19,7 @@ from gpu_target.gguf_checkpoint import ROPE_FREQ_FACTORS_NAME
 from gpu_target.model_config import ModelConfig
 from gpu_target.quantization import contains_quantized
 from gpu_target.quantization.linear import QuantizedLinear, fuse_weights, replace_projections
+from gpu_target.tensor_parallel import SINGLE, TensorParallel, local_config, local_vocab_size
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
@@ -151,8 +152,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp  # o_proj and down_proj are row-parallel: their partial sums are all-reduced
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -169,22 +171,36 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.self_attn(x, positions, rotary, kv_cache, meta, attention_fn)
+        x = self.tp.all_reduce(self.self_attn(x, positions, rotary, kv_cache, meta, attention_fn))
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x), residual
+        return self.tp.all_reduce(self.mlp(x)), residual
 
 
 class CausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 decoder over a paged KV cache."""
+    """Llama / Mistral / Qwen2 decoder over a paged KV cache; with `tp`, one rank's shard of it
+    (gpu_target/tensor_parallel.py): its heads and MLP slice, and its rows of the vocabulary."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.tp = tp
+        layer_config = local_config(config, tp.world_size)
+        vocab_rows = local_vocab_size(config.vocab_size, tp.world_size)
+        self.vocab_start, self.vocab_stop = tp.vocab_range(config.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(layer_config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, vocab_rows, bias=False)
         self.rotary = RotaryEmbedding(config)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; across ranks, each looks up its own vocabulary rows and the all-reduce adds them up."""
+        if self.tp.world_size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_stop - self.vocab_start)
+        x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(x)
 
     def forward(
         self,
@@ -195,14 +211,15 @@ class CausalLM(nn.Module):
         attention_fn: AttentionFn = reference_attention,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] (normalised); logits come from `compute_logits`."""
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, attention_fn)
         return self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return gemv.linear(hidden, weight).float()
+        logits = self.tp.all_gather_last(gemv.linear(hidden, weight))
+        return logits[..., : self.config.vocab_size].float()
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -211,10 +228,10 @@ class CausalLM(nn.Module):
         state.pop(ROPE_FREQ_FACTORS_NAME, None)
         own = dict(self.named_parameters())
         take = lambda name: _pop_required(state, name)  # noqa: E731
-        own["embed_tokens.weight"].copy_(take("model.embed_tokens.weight"))
+        _load_vocab_rows(own["embed_tokens.weight"], take("model.embed_tokens.weight"))
         own["norm.weight"].copy_(take("model.norm.weight"))
         if self.lm_head is not None:
-            own["lm_head.weight"].copy_(take("lm_head.weight"))
+            _load_vocab_rows(own["lm_head.weight"], take("lm_head.weight"))
         else:
             state.pop("lm_head.weight", None)
         for i in range(self.config.num_layers):
@@ -231,6 +248,12 @@ class CausalLM(nn.Module):
             _load_projection(layer.mlp.down_proj, [take(hf + "mlp.down_proj.weight")])
         if state:
             raise ValueError(f"unexpected weights in checkpoint: {sorted(state)[:5]}")
+
+
+def _load_vocab_rows(param: torch.Tensor, rows: torch.Tensor) -> None:
+    """This rank's vocabulary rows; the padding past the vocabulary (last rank) is zeros."""
+    param[: rows.shape[0]].copy_(rows)
+    param[rows.shape[0]:].zero_()
 
 
 def _load_projection(module: nn.Module, parts: list) -> None:
@@ -256,6 +279,7 @@ def build_model(
     state: dict[str, torch.Tensor],
     dtype: torch.dtype,
     device: torch.device | str,
+    tp: TensorParallel = SINGLE,
 ) -> CausalLM:
     """Allocate the model on `device` in `dtype` (no CPU or float32 copy), then copy the weights in.
 
@@ -263,10 +287,11 @@ def build_model(
     GGUF's frequency factors, wherever they were loaded), then moved once. Quantised
     projection weights (gpu_target/quantization, from the loader) make the decoder layers'
     projections `QuantizedLinear`s, which take the weights over (`fuse_weights`).
+    With `tp`, `state` holds this rank's slices (`Shard.slice_of`) and the model is its shard.
     """
     freq_factors = state.get(ROPE_FREQ_FACTORS_NAME)
     with torch.device("meta"):
-        model = CausalLM(config).to(dtype)
+        model = CausalLM(config, tp).to(dtype)
         if contains_quantized(state):
             replace_projections(model)
     model = model.to_empty(device=device)  # leaves buffers uninitialised: the rotary tables are rebuilt

@@ -1,9 +1,7 @@
-"""The target model runner: builds the model and its paged KV cache, and runs one batched
-forward over it per step.
+"""The target model runner: one batched forward over the model and its paged KV cache per step.
 
-`ModelRunner.load` owns start-up, as nano-vllm's model runner does: weights, the KV
-cache's size, the attention implementation, and (`capture_graphs`) the CUDA graphs.
-Each step the engine hands over, per sequence, the new tokens of this step (a prefill
+A rank's model, KV cache, attention and CUDA graphs are built by `gpu_target.target`
+(`num_kv_blocks` here sizes the cache). Each step the engine hands over, per sequence, the new tokens of this step (a prefill
 chunk, one decode token, or a root plus token-tree nodes) with their rotary positions and
 block table; the runner flattens them, builds the attention metadata, runs the model and
 returns the logits of the rows that were asked for.
@@ -11,19 +9,15 @@ returns the logits of the rows that were asked for.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from gpu_target.attention import AttentionMetadata, reference_attention
-from gpu_target.batch_invariant import batch_invariant_attention, make_batch_invariant
-from gpu_target.batch_invariant_gpu import make_batch_invariant_gpu
 from gpu_target.kv_cache import KVCachePool
-from gpu_target.loader import load_state_dict, random_state_dict
 from gpu_target.model_config import ModelConfig
-from gpu_target.model import AttentionFn, CausalLM, build_model
+from gpu_target.model import AttentionFn, CausalLM
 from hetero.core.config import EngineConfig
 
 logger = logging.getLogger("hetero")
@@ -79,39 +73,6 @@ class ModelRunner:
         self.attention_fn = attention_fn
         self.block_size = kv_pool.block_size
         self.graph_runner = graph_runner  # CudaGraphRunner, or None (CPU, enforce_eager)
-        self.cuda_graph_capture_seconds = 0.0
-
-    @classmethod
-    def load(cls, config: EngineConfig, model_path: os.PathLike, model_config: ModelConfig, max_model_len: int,
-             dtype: torch.dtype, device: torch.device) -> "ModelRunner":
-        """The target model with its weights (or random ones under load_format="dummy"), a KV
-        cache sized by `num_kv_blocks`, and the attention it runs with. Block 0 is reserved on
-        CUDA as the CUDA-graph padding's null block (`first_kv_block`)."""
-        if config.load_format != "dummy":
-            state = load_state_dict(model_path, model_config, dtype, device, config.quantization)
-        else:
-            state = random_state_dict(model_config, dtype, device, config.seed, config.quantization)
-        model = build_model(model_config, state, dtype, device)
-        if config.batch_invariant:
-            (make_batch_invariant_gpu if device.type == "cuda" else make_batch_invariant)(model)
-        del state
-        num_blocks = num_kv_blocks(config, model_config, max_model_len, dtype, device)
-        reserved = 1 if device.type == "cuda" else 0
-        kv_pool = KVCachePool(model_config, num_blocks + reserved, config.block_size, dtype, device)
-        runner = cls(model, kv_pool, device, _attention_fn(config, model_config, kv_pool, dtype, device))
-        runner.num_kv_blocks, runner.first_kv_block = num_blocks, reserved
-        return runner
-
-    def capture_graphs(self, config: EngineConfig, max_query_len: int, max_model_len: int, step_tokens: int) -> None:
-        """CUDA graphs for decode/verification steps of up to `step_tokens` tokens, unless on the CPU or enforce_eager."""
-        if self.device.type != "cuda" or config.enforce_eager:
-            return
-        from gpu_target.cuda_graphs import CudaGraphRunner
-
-        self.graph_runner = CudaGraphRunner(self.model, self.kv_pool, config.max_num_seqs, max_query_len, max_model_len,
-                                            max_step_tokens=step_tokens, attention_fn=self.attention_fn)
-        self.cuda_graph_capture_seconds = self.graph_runner.capture_all()
-        logger.info("CUDA graph capture took %.1f s for %d buckets", self.cuda_graph_capture_seconds, len(self.graph_runner.graphs))
 
     @property
     def query_buckets(self) -> Optional[list[int]]:
@@ -251,21 +212,3 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, max_model_len
             f"({max_model_len}); raise {knob} or lower max_model_len"
         )
     return num_blocks
-
-
-def _attention_fn(config: EngineConfig, model_config: ModelConfig, kv_pool: KVCachePool, dtype: torch.dtype,
-                  device: torch.device) -> AttentionFn:
-    """The attention the model runs with; on CUDA, its kernel variants are compiled here, at start-up."""
-    if config.batch_invariant and device.type == "cuda":
-        from gpu_target.invariant_attention import invariant_paged_attention
-
-        return invariant_paged_attention
-    if config.batch_invariant:
-        return batch_invariant_attention
-    if device.type == "cuda":
-        from gpu_target.triton_attention import compile_variants, paged_attention
-
-        k_cache, v_cache = kv_pool.layers[0]
-        compile_variants(dtype, model_config.num_heads, k_cache, v_cache)
-        return paged_attention
-    return reference_attention

@@ -103,7 +103,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("num_scheduler_steps", "Decode steps per host round trip, 1-64 (default: 8 on CUDA, 1 on the CPU).", int),
     Flag("async_scheduling", "Launch the next step on the device before the last one's outputs are built "
          "and streamed (vLLM V1's async scheduling).", None),
-    Flag("tensor_parallel_size", "GPUs for the target model (only 1 is supported).", int),
+    Flag("tensor_parallel_size", "GPUs the target model is split across (1, 2, 4 or 8; tensor parallelism).", int),
     Flag("device", "Where the target runs: auto, cpu, cuda or cuda:N."),
     Flag("batch_invariant", "Each token's KV and logits bit-identical whatever the batch "
          "(slower; also $HETERO_BATCH_INVARIANT=1).", None),

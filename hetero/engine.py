@@ -21,6 +21,7 @@ import atexit
 import functools
 import gc
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -28,11 +29,15 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from cpu_draft.affinity import tp_worker_cpus
 from gpu_target.kv_cache import BlockAllocator
 from gpu_target.kv_offload import HitCountLog, PrefixCacheOffload
 from gpu_target.loader import load_config, load_tokenizer, resolve_model_path
-from gpu_target.runner import ModelRunner
+from gpu_target.runner import num_kv_blocks
 from gpu_target.sampler import sample, target_probs
+from gpu_target.target import CacheShape, TargetSpec, build_runner, load_model, make_kv_pool
+from gpu_target.tensor_parallel import SINGLE, check_divisible, local_config
+from gpu_target.tp_worker import DrivingRunner, RankGroup
 from hetero.core.config import EngineConfig
 from hetero.core.protocols import DEFAULT_TARGET_PARALLELISM, MAX_TREE_NODES, DraftsAhead, ProposalRequest, Proposer, SpecStats
 from hetero.core.sampling_params import SamplingParams
@@ -101,13 +106,25 @@ class LLMEngine:
             )
         self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, self.device)
         self.eos_token_ids = self.inputs.eos_token_ids
-        self.runner = ModelRunner.load(config, model_path, self.model_config, self.max_model_len, self.dtype, self.device)
+        spec = TargetSpec(str(model_path), self.model_config, self.dtype, self.device.type, real_weights, config.seed,
+                          config.quantization, config.batch_invariant, config.block_size, config.enforce_eager)
+        # Tensor parallelism: ranks 1..N-1 in worker processes, rank 0 here (gpu_target/tp_worker.py).
+        self._ranks = self._start_ranks(spec)
+        tp = self._ranks.tp if self._ranks is not None else SINGLE
+        self.model = load_model(spec, tp, self.device)
+        if self._ranks is not None:
+            self._ranks.wait_for("loaded")
+        # Each rank holds its own KV heads of every block: sized by rank 0's share.
+        num_blocks = num_kv_blocks(config, local_config(self.model_config, config.tensor_parallel_size), self.max_model_len,
+                                   self.dtype, self.device)
+        reserved = 1 if self.device.type == "cuda" else 0  # the CUDA-graph padding's null block
+        self.kv_pool = make_kv_pool(spec, tp, num_blocks + reserved, self.device)
         offload = (
             PrefixCacheOffload.sized(self.kv_pool, config.cpu_offload_gib, config.apc_offload_min_access_threshold)
             if config.enable_prefix_cache_offload else None
         )
         allocator = BlockAllocator(
-            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching, first_block=self.runner.first_kv_block,
+            num_blocks, config.block_size, config.enable_prefix_caching, first_block=reserved,
             offload=offload, hit_count_log=HitCountLog() if config.apc_offload_enable_hit_cnt else None,
         )
         max_batched = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
@@ -120,8 +137,19 @@ class LLMEngine:
         target_parallelism = self.proposer.target_parallelism if self.proposer is not None else DEFAULT_TARGET_PARALLELISM
         # A step's tokens: the scheduler's budget, plus the tree nodes verified beside it.
         step_tokens = self.scheduler.max_num_batched_tokens + (target_parallelism if self.proposer is not None else 0)
-        self.runner.capture_graphs(config, 1 + max_tree_nodes if self.proposer is not None else 1, self.max_model_len, step_tokens)
-        self.spec_control = SpeculationController(max_tree_nodes, target_parallelism, query_buckets=self.runner.query_buckets)
+        shape = CacheShape(num_blocks + reserved, config.max_num_seqs, 1 + max_tree_nodes if self.proposer is not None else 1,
+                           self.max_model_len, step_tokens)
+        if self._ranks is not None:
+            self._ranks.build(shape)  # the workers capture their graphs alongside rank 0: the collectives pair up
+        self.runner = build_runner(spec, self.model, self.kv_pool, tp, shape)
+        graph_runner = self.runner.graph_runner
+        self.cuda_graph_capture_seconds = graph_runner.capture_seconds if graph_runner is not None else 0.0
+        if self._ranks is not None:
+            self._ranks.wait_for("built")
+            self.runner = DrivingRunner(self.runner, self._ranks)
+        self.spec_control = SpeculationController(
+            max_tree_nodes, target_parallelism, query_buckets=graph_runner.query_buckets if graph_runner is not None else None
+        )
         self.verifier = BatchVerifier(self.scheduler, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler)
         self.spec_stats = SpecStats()
@@ -142,20 +170,28 @@ class LLMEngine:
         _freeze_startup_heap()
 
     @property
-    def model(self):
-        return self.runner.model
-
-    @property
-    def kv_pool(self):
-        return self.runner.kv_pool
-
-    @property
-    def cuda_graph_capture_seconds(self) -> float:
-        return self.runner.cuda_graph_capture_seconds
-
-    @property
     def num_generation_tokens_total(self) -> int:
         return self.outputs.num_generation_tokens
+
+    def _start_ranks(self, spec: TargetSpec) -> Optional[RankGroup]:
+        """The worker processes of tensor-parallel ranks 1..N-1 (None at tensor_parallel_size 1);
+        on CUDA each pinned to a core of its own (cpu_draft/affinity.py: tp_worker_cpus), on
+        the CPU each with its share of the cores as threads."""
+        world_size = self.config.tensor_parallel_size
+        if world_size == 1:
+            return None
+        check_divisible(self.model_config, world_size)
+        if self.device.type == "cuda" and world_size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={world_size} exceeds the {torch.cuda.device_count()} visible GPUs"
+            )
+        if self.device.type == "cuda":
+            return RankGroup(spec, world_size, tp_worker_cpus(world_size - 1))
+        # On the CPU every rank computes: the cores are shared out, or the ranks' OpenMP
+        # threads would spin on each other's cores while they wait in a collective.
+        threads = max(1, len(os.sched_getaffinity(0)) // world_size)
+        torch.set_num_threads(threads)
+        return RankGroup(spec, world_size, num_threads=threads)
 
     # --------------------------------------------------------------- requests
     def add_request(

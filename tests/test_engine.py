@@ -184,7 +184,7 @@ def test_bad_prompts_are_clear_errors_and_lose_nothing(llama, prompt, message):
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 3}, "tensor_parallel_size"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"dtype": "int3"}, "dtype"),

@@ -168,10 +168,7 @@ class EngineConfig:
             raise ValueError("model must be a path to an HF model directory or a .gguf file")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: hetero runs the target on one GPU"
-            )
+        self._check_tensor_parallel()
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be at least 1")
         if self.max_model_len is not None:
             _check(self.max_model_len >= 1, "max_model_len", self.max_model_len, "must be at least 1")
@@ -198,6 +195,16 @@ class EngineConfig:
             _check(1 <= self.num_speculative_tokens <= 63, "num_speculative_tokens", self.num_speculative_tokens, "must be in [1, 63]")
         self._resolve_draft()
         self._resolve_lookahead()
+
+    def _check_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        _check(size in (1, 2, 4, 8) and not isinstance(size, bool), "tensor_parallel_size", size, "must be 1, 2, 4 or 8")
+        if size == 1:
+            return
+        _check(self.quantization is None, "quantization", self.quantization,
+               "is not supported with tensor_parallel_size > 1 yet")
+        _check(not self.enable_prefix_cache_offload, "enable_prefix_cache_offload", self.enable_prefix_cache_offload,
+               "is not supported with tensor_parallel_size > 1 yet")
 
     def _check_prefix_cache_offload(self) -> None:
         for name in ("enable_prefix_caching", "enable_prefix_cache_offload", "apc_offload_enable_hit_cnt"):

@@ -1,0 +1,273 @@
+"""Tensor parallelism on the CPU (gloo): tp=2 decodes exactly as tp=1, shards load right, errors are clear.
+
+Each rank beyond rank 0 is a spawned process, so every engine here costs a few seconds of
+start-up; the tests share engines where they can.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import threading
+import time
+
+import pytest
+import torch
+
+from gpu_target import gguf_checkpoint
+from gpu_target.loader import default_model_path, load_config, load_state_dict
+from gpu_target.runner import SequenceChunk
+from gpu_target.target import CacheShape, TargetSpec, build_runner, load_model, make_kv_pool
+from gpu_target.tensor_parallel import Shard, SINGLE, check_divisible
+from gpu_target.tp_worker import DrivingRunner, RankDiedError, RankGroup
+from hetero import LLM, SamplingParams
+from tiny_models import PROMPTS, save_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def odd_qwen2_dir(tmp_path_factory) -> pathlib.Path:
+    """Qwen2 (q/k/v biases) with one KV head (replicated on both ranks), tied embeddings and an
+    odd vocabulary (the last rank's rows padded)."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-odd"), "qwen2", seed=2, num_key_value_heads=1,
+                           tie_word_embeddings=True, vocab_size=321)
+
+
+def _generate(model_dir, prompts, params, **kwargs):
+    kwargs.setdefault("device", "cpu")
+    llm = LLM(model=str(model_dir), max_model_len=256, dtype="float32", **kwargs)
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_tp2_greedy_equals_tp1(tiny_llama_dir, num_scheduler_steps):
+    """Single steps and multi-step decoding (rank 0 broadcasts its picks between steps)."""
+    expected = _generate(tiny_llama_dir, PROMPTS, GREEDY, num_scheduler_steps=num_scheduler_steps)
+    got = _generate(tiny_llama_dir, PROMPTS, GREEDY, num_scheduler_steps=num_scheduler_steps, tensor_parallel_size=2)
+    assert got == expected
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tp2_on_two_gpus_equals_tp1_with_graphs_and_lookahead(tiny_llama_dir, tmp_path):
+    """NCCL, the all-reduces inside CUDA graphs, multi-step decoding and tree verification, in float32."""
+    (tmp_path / "lookahead_cache_config.json").write_text('{"cache_mode": 2, "copy_length": 8, "is_debug": false}')
+    common = dict(device="cuda", gpu_memory_utilization=0.3, max_num_seqs=8)
+    expected = _generate(tiny_llama_dir, PROMPTS, GREEDY, **common)
+    assert _generate(tiny_llama_dir, PROMPTS, GREEDY, tensor_parallel_size=2, **common) == expected
+    assert _generate(tiny_llama_dir, PROMPTS, GREEDY, tensor_parallel_size=2, lookahead_cache_config_dir=str(tmp_path),
+                     **common) == expected
+
+
+def test_tp2_with_replicated_kv_head_padded_vocab_and_biases(odd_qwen2_dir):
+    expected = _generate(odd_qwen2_dir, PROMPTS[:4], GREEDY)
+    assert _generate(odd_qwen2_dir, PROMPTS[:4], GREEDY, tensor_parallel_size=2) == expected
+
+
+def test_tp2_lookahead_speculation_equals_tp1(tiny_llama_dir, tmp_path):
+    """Tree verification and the accepted path's KV compaction run on every rank's KV heads."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    seed = _generate(tiny_llama_dir, ["The capital of Italy is Rome. The capital of"], params)[0]
+    copy_prompt = {"prompt_token_ids": seed + seed}
+    expected = _generate(tiny_llama_dir, [copy_prompt], params)
+    (tmp_path / "lookahead_cache_config.json").write_text('{"cache_mode": 2, "copy_length": 8, "is_debug": false}')
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", device="cpu", tensor_parallel_size=2,
+              lookahead_cache_config_dir=str(tmp_path))
+    llm.llm_engine.spec_control.always_speculate = True
+    out = llm.generate(copy_prompt, params, use_tqdm=False)[0]
+    assert [out.outputs[0].token_ids] == expected
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0  # trees were verified, not only plain steps
+
+
+def _concat_shards(name, shards, config):
+    part = Shard(0, len(shards)).slice_of(name, config)
+    return shards[0][name] if part is None else torch.cat([s[name] for s in shards], dim=part[0])
+
+
+def test_sharded_hf_loading_reads_each_ranks_slice(tiny_llama_dir):
+    config = load_config(tiny_llama_dir)
+    whole = load_state_dict(tiny_llama_dir, config, torch.float32, "cpu")
+    shards = [load_state_dict(tiny_llama_dir, config, torch.float32, "cpu", shard=Shard(r, 2)) for r in range(2)]
+    assert shards[0]["model.layers.0.self_attn.q_proj.weight"].shape[0] == config.q_size // 2
+    assert shards[1]["model.layers.0.self_attn.o_proj.weight"].shape[1] == config.q_size // 2
+    for name, tensor in whole.items():
+        for rank, shard in enumerate(shards):
+            assert torch.equal(shard[name], Shard(rank, 2).take(name, tensor, config)), name
+        if "embed" not in name and "lm_head" not in name:
+            assert torch.equal(_concat_shards(name, shards, config), tensor), name
+
+
+def test_kv_heads_are_replicated_when_fewer_than_ranks(odd_qwen2_dir):
+    config = load_config(odd_qwen2_dir)
+    shards = [load_state_dict(odd_qwen2_dir, config, torch.float32, "cpu", shard=Shard(r, 2)) for r in range(2)]
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.bias"):
+        assert shards[0][name].shape[0] == config.head_dim and torch.equal(shards[0][name], shards[1][name])
+    embed = "model.embed_tokens.weight"
+    assert shards[0][embed].shape[0] == 161 and shards[1][embed].shape[0] == 160  # 321 rows, the last rank's short
+
+
+def _smollm2():
+    try:
+        return default_model_path()
+    except FileNotFoundError as missing:
+        pytest.skip(str(missing))
+
+
+def test_sharded_gguf_loading_on_smollm2():
+    """SmolLM2-135M's 9 heads and 3 KV heads split three ways (Q4_1 tensors, rotary rows unpermuted first)."""
+    path = _smollm2()
+    config = load_config(path)
+    names = [f"model.layers.0.{p}" for p in ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                              "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.down_proj.weight",
+                                              "input_layernorm.weight")] + ["model.embed_tokens.weight"]
+    whole = gguf_checkpoint.load_tensors(path, config, names, torch.float32, torch.device("cpu"))
+    for rank in range(3):
+        shard = Shard(rank, 3)
+        part = gguf_checkpoint.load_tensor_slices(path, config, {n: shard.slice_of(n, config) for n in names},
+                                                  torch.float32, torch.device("cpu"))
+        for name in names:
+            assert torch.equal(part[name], shard.take(name, whole[name], config)), (rank, name)
+
+
+def _greedy_with_runner(runner, prompts: list[list[int]], new_tokens: int, block_size: int) -> list[list[int]]:
+    """Prefill each prompt, then decode greedily, one sequence per block range, straight on a runner."""
+    blocks_per_seq = 8
+    out = []
+    for s, prompt in enumerate(prompts):
+        table = list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
+        tokens = list(prompt)
+        chunk = SequenceChunk(tokens, list(range(len(tokens))), table, 0, [len(tokens) - 1])
+        for _ in range(new_tokens):
+            tokens.append(int(runner.forward([chunk]).argmax(-1)[0]))
+            n = len(tokens) - 1
+            chunk = SequenceChunk([tokens[-1]], [n], table, n, [0])
+        out.append(tokens[len(prompt):])
+    return out
+
+
+def test_smollm2_three_ranks_decode_as_one():
+    """Real weights through the whole rank machinery. SmolLM2's 9 heads split only three ways,
+    which `tensor_parallel_size` does not offer (1/2/4/8), so the ranks are driven directly."""
+    path = _smollm2()
+    config = load_config(path)
+    spec = TargetSpec(str(path), config, torch.float32, "cpu", True, 0, None, False, 16, True)
+    shape = CacheShape(32, 4, 1, 128, 256)
+    prompts = [[1, 504, 3458, 314, 4649, 314], [1, 9856, 28, 957]]
+    single = build_runner(spec, load_model(spec, SINGLE, torch.device("cpu")),
+                          make_kv_pool(spec, SINGLE, shape.num_blocks, torch.device("cpu")), SINGLE, shape)
+    expected = _greedy_with_runner(single, prompts, 6, 16)
+    del single
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # three ranks on a small CI machine: as the engine does, one share each
+    ranks = RankGroup(spec, 3, num_threads=1)
+    try:
+        model = load_model(spec, ranks.tp, torch.device("cpu"))
+        ranks.wait_for("loaded")
+        ranks.build(shape)
+        runner = build_runner(spec, model, make_kv_pool(spec, ranks.tp, shape.num_blocks, torch.device("cpu")), ranks.tp, shape)
+        ranks.wait_for("built")
+        assert _greedy_with_runner(DrivingRunner(runner, ranks), prompts, 6, 16) == expected
+    finally:
+        ranks.close()
+        torch.set_num_threads(threads)
+    assert not any(p.is_alive() for p in ranks.processes)
+
+
+def test_tp_size_errors(tiny_llama_dir, monkeypatch):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1, 2, 4 or 8"):
+        LLM(model=str(tiny_llama_dir), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, quantization="fp8")
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        LLM(model=str(tiny_llama_dir), tensor_parallel_size=8, device="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 exceeds the 1 visible GPUs"):
+        LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, device="cuda", dtype="float32")
+
+
+def test_smollm2_heads_not_divisible_by_two():
+    path = _smollm2()
+    with pytest.raises(ValueError, match="does not divide the model's 9 attention heads"):
+        check_divisible(load_config(path), 2)
+
+
+def _generate_in_thread(llm, prompts, params, errors: list) -> threading.Thread:
+    def generate():
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+        except BaseException as error:  # noqa: BLE001 - the test inspects it
+            errors.append(error)
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("when", ["between steps", "mid-run"])
+def test_a_killed_rank_is_an_error_not_a_hang(tiny_llama_dir, when):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=512, dtype="float32", device="cpu", tensor_parallel_size=2)
+    engine = llm.llm_engine
+    ranks = engine._ranks
+    worker = ranks.processes[0]
+    assert llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)  # healthy first
+    errors: list[BaseException] = []
+    long_run = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    if when == "between steps":
+        worker.kill()
+        worker.join(30)
+        thread = _generate_in_thread(llm, PROMPTS, long_run, errors)
+    else:
+        tokens_before = engine.num_generation_tokens_total
+        thread = _generate_in_thread(llm, PROMPTS, long_run, errors)
+        while engine.num_generation_tokens_total == tokens_before and thread.is_alive():
+            time.sleep(0.01)
+        worker.kill()
+    thread.join(120)  # bounded: a hang fails the test instead of the suite
+    assert not thread.is_alive(), "generate hung after a rank died"
+    assert len(errors) == 1 and isinstance(errors[0], RankDiedError), errors
+    assert "rank 1" in str(errors[0])
+    del llm, engine
+    ranks.close()
+    assert not any(p.is_alive() for p in ranks.processes)
+
+
+def test_engine_release_stops_the_workers(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", device="cpu", tensor_parallel_size=2)
+    pids = [p.pid for p in llm.llm_engine._ranks.processes]
+    processes = list(llm.llm_engine._ranks.processes)
+    del llm  # no reference cycles: the finalizer runs now
+    for process in processes:
+        process.join(30)
+    assert not any(p.is_alive() for p in processes)
+    assert all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid in pids)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_default_core_split_gives_each_worker_rank_a_core_of_its_own(monkeypatch):
+    """16 cores: the coordinator keeps 0-1, worker ranks 1..3 get 2, 3 and 4, the draft 5-15."""
+    from cpu_draft import affinity
+
+    monkeypatch.delenv(affinity.DRAFT_CPUS_ENV, raising=False)
+    monkeypatch.setattr(affinity, "_process_cpus", frozenset(range(16)))
+    assert affinity.tp_worker_cpus(3) == [[2], [3], [4]]
+    assert affinity.default_draft_cpus(None, tp_workers=3) == list(range(5, 16))
+    assert affinity.default_draft_cpus(None) == list(range(2, 16))
+    monkeypatch.setattr(affinity, "_process_cpus", frozenset(range(2)))
+    assert affinity.tp_worker_cpus(1) == []  # too few cores to pin: the ranks share them
+
+
+def test_serve_flag_reaches_the_engine_and_bad_sizes_are_usage_errors(capsys):
+    from hetero.cli import engine_config_from_args, main, parse_serve_args
+
+    assert engine_config_from_args(parse_serve_args(["serve", "m", "--tensor-parallel-size", "4"])).tensor_parallel_size == 4
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "m", "--tensor-parallel-size", "3"])
+    assert exit_info.value.code == 2
+    assert "tensor_parallel_size must be 1, 2, 4 or 8" in capsys.readouterr().err
