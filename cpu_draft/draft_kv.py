@@ -77,6 +77,11 @@ class SlotDraftKV:
     def holds_kv(self, handle: SlotHandle) -> bool:
         return handle.slot is not None
 
+    def reset(self) -> None:
+        """Give the storage back once no sequence holds a slot (after `Drafter.warm_up`): grown
+        for its batches, it would be copied whole each time a real sequence needs more room."""
+        self.cache.clear()
+
     def snapshot(self, handle: SlotHandle, length: int) -> torch.Tensor:
         """K with its head dims in the model's standard order, as `CausalLM` would have written it."""
         snapshot = self.cache.snapshot(handle, length)
@@ -152,6 +157,9 @@ class PagedDraftKV:
 
     def release(self, blocks: list[int]) -> None:
         self.truncate(blocks, 0)
+
+    def reset(self) -> None:
+        """Nothing to give back: released sequences' blocks are free again."""
 
     def holds_kv(self, blocks: list[int]) -> bool:
         return bool(blocks)

@@ -214,6 +214,7 @@ class Drafter:
             self.draft([(seq_id, max_nodes) for seq_id in seq_ids])
             for seq_id in seq_ids:
                 self.release(seq_id)
+        self.kv.reset()
 
     # -------------------------------------------------------------- drafting
     def draft(

@@ -175,6 +175,14 @@ class SlotKVCache:
             mask=causal_slot_mask(query_lens, seq_lens, kv_heads, self.config.num_heads // kv_heads, torch.float32),
         )
 
+    def clear(self) -> None:
+        """Give the storage back (no sequence may hold a slot): it grows again on demand."""
+        if any(holder is not None for holder in self._holders):
+            raise RuntimeError("clearing a slot KV cache that sequences still hold")
+        L, _, _, kv_heads, _, head_dim = self.storage.shape
+        self.storage = torch.zeros((L, 2, 0, kv_heads, 0, head_dim), dtype=self.dtype)
+        self._holders = []
+
     def _regrow(self, live: list[SlotHandle], slots: int, capacity: int) -> None:
         """New storage of ``slots`` x ``capacity``; the live sequences move, in slot order, to the first slots."""
         old, old_capacity = self.storage, self.capacity

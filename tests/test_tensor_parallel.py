@@ -254,7 +254,6 @@ def test_default_core_split_gives_each_worker_rank_a_core_of_its_own(monkeypatch
     """16 cores: the coordinator keeps 0-1, worker ranks 1..3 get 2, 3 and 4, the draft 5-15."""
     from cpu_draft import affinity
 
-    monkeypatch.delenv(affinity.DRAFT_CPUS_ENV, raising=False)
     monkeypatch.setattr(affinity, "_process_cpus", frozenset(range(16)))
     assert affinity.tp_worker_cpus(3) == [[2], [3], [4]]
     assert affinity.default_draft_cpus(None, tp_workers=3) == list(range(5, 16))
