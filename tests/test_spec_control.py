@@ -922,17 +922,18 @@ class _WarmingProposer(_IdleProposer):
         return [TokenTree.pending() if self.asked <= 2 else TokenTree.empty() for _ in batch]
 
 
-def test_steps_without_a_tree_because_the_proposer_was_not_ready_are_not_judged(tiny_llama_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_steps_without_a_tree_because_the_proposer_was_not_ready_are_not_judged(tiny_llama_dir, async_scheduling):
     from hetero.core.config import EngineConfig
     from hetero.engine import LLMEngine
     from hetero.core.sampling_params import SamplingParams
 
-    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32")
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", async_scheduling=async_scheduling)
     engine = LLMEngine(config, proposer=_WarmingProposer())
     engine.spec_control = spy = _SpeculatingSpy()
     engine.add_request("r", "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     for _ in range(6):
         engine.step()  # the prefill, two steps whose trees were pending, three whose proposer had nothing
-    assert engine.proposer.asked == 5
+    assert engine.proposer.asked == (6 if async_scheduling else 5)  # async: the sixth call launched the next step too
     # An empty answer is what speculation delivered (one token at a verification's cost); a pending one is not.
     assert [(n, speculated, tokens) for n, speculated, tokens, _ in spy.records] == [(1, True, 1)] * 3
