@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from gpu_target.runner import ModelRunner, PickTokens, SequenceChunk
 from gpu_target.target import CacheShape, TargetSpec, build_runner, load_model, make_kv_pool, rank_device
-from gpu_target.tensor_parallel import TensorParallel
+from gpu_target.tensor_parallel import TensorParallel, check_divisible
 
 logger = logging.getLogger("hetero")
 
@@ -204,6 +204,21 @@ class RankGroup:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def start_ranks(spec: TargetSpec, world_size: int, worker_cpus: list[list[int]]) -> RankGroup:
+    """The worker processes of tensor-parallel ranks 1..N-1: on CUDA each pinned to its core
+    of ``worker_cpus`` (none: unpinned); on the CPU every rank computes, so the cores are
+    shared out, or the ranks' OpenMP threads would spin on each other's cores while they
+    wait in a collective. Checks that N divides the model and fits the visible GPUs first."""
+    check_divisible(spec.model_config, world_size)
+    if spec.device_type == "cuda":
+        if world_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
+        return RankGroup(spec, world_size, worker_cpus)
+    threads = max(1, len(os.sched_getaffinity(0)) // world_size)
+    torch.set_num_threads(threads)
+    return RankGroup(spec, world_size, num_threads=threads)
 
 
 def _watch(processes: list, group: Any) -> None:

@@ -21,7 +21,6 @@ import atexit
 import functools
 import gc
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -36,8 +35,8 @@ from gpu_target.loader import load_config, load_tokenizer, resolve_model_path
 from gpu_target.runner import num_kv_blocks
 from gpu_target.sampler import sample, target_probs
 from gpu_target.target import CacheShape, TargetSpec, build_runner, load_model, make_kv_pool
-from gpu_target.tensor_parallel import SINGLE, check_divisible, local_config
-from gpu_target.tp_worker import DrivingRunner, RankGroup
+from gpu_target.tensor_parallel import SINGLE, local_config
+from gpu_target.tp_worker import DrivingRunner, start_ranks
 from hetero.core.config import EngineConfig
 from hetero.core.protocols import DEFAULT_TARGET_PARALLELISM, MAX_TREE_NODES, DraftsAhead, ProposalRequest, Proposer, SpecStats
 from hetero.core.sampling_params import SamplingParams
@@ -109,7 +108,8 @@ class LLMEngine:
         spec = TargetSpec(str(model_path), self.model_config, self.dtype, self.device.type, real_weights, config.seed,
                           config.quantization, config.batch_invariant, config.block_size, config.enforce_eager)
         # Tensor parallelism: ranks 1..N-1 in worker processes, rank 0 here (gpu_target/tp_worker.py).
-        self._ranks = self._start_ranks(spec)
+        world_size = config.tensor_parallel_size
+        self._ranks = start_ranks(spec, world_size, tp_worker_cpus(world_size - 1)) if world_size > 1 else None
         tp = self._ranks.tp if self._ranks is not None else SINGLE
         self.model = load_model(spec, tp, self.device)
         if self._ranks is not None:
@@ -172,26 +172,6 @@ class LLMEngine:
     @property
     def num_generation_tokens_total(self) -> int:
         return self.outputs.num_generation_tokens
-
-    def _start_ranks(self, spec: TargetSpec) -> Optional[RankGroup]:
-        """The worker processes of tensor-parallel ranks 1..N-1 (None at tensor_parallel_size 1);
-        on CUDA each pinned to a core of its own (cpu_draft/affinity.py: tp_worker_cpus), on
-        the CPU each with its share of the cores as threads."""
-        world_size = self.config.tensor_parallel_size
-        if world_size == 1:
-            return None
-        check_divisible(self.model_config, world_size)
-        if self.device.type == "cuda" and world_size > torch.cuda.device_count():
-            raise ValueError(
-                f"tensor_parallel_size={world_size} exceeds the {torch.cuda.device_count()} visible GPUs"
-            )
-        if self.device.type == "cuda":
-            return RankGroup(spec, world_size, tp_worker_cpus(world_size - 1))
-        # On the CPU every rank computes: the cores are shared out, or the ranks' OpenMP
-        # threads would spin on each other's cores while they wait in a collective.
-        threads = max(1, len(os.sched_getaffinity(0)) // world_size)
-        torch.set_num_threads(threads)
-        return RankGroup(spec, world_size, num_threads=threads)
 
     # --------------------------------------------------------------- requests
     def add_request(

@@ -13,7 +13,7 @@ import contextlib
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence, TypeVar, Union
+from typing import Any, Optional, TypeVar
 
 import jinja2
 import pydantic
@@ -21,12 +21,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hetero import __version__
-from hetero.async_engine import AsyncLLMEngine, EngineDeadError, EngineShutdownError, RequestStream
+from hetero.async_engine import AsyncLLMEngine
 from hetero.engine import LLMEngine
 from hetero.llm import render_chat_prompt
 from hetero.metrics import CONTENT_TYPE, ServerMetrics
-from hetero.outputs import RequestOutput
-from hetero.core.sampling_params import SamplingParams
 from hetero.server import serving
 from hetero.server.body_limit import BodySizeLimitMiddleware
 from hetero.server.errors import APIError, error_body, install_error_handlers
@@ -38,7 +36,8 @@ from hetero.server.protocol import (
     TokenizeRequest,
 )
 from hetero.server.request_prompts import chat_prompt, check_messages, completion_prompts
-from hetero.server.tool_parsers import TOOL_PARSERS, ToolCalling, ToolCallStream, tool_calling
+from hetero.server.streams import chat_events, collect, completion_events, submit, until_disconnect
+from hetero.server.tool_parsers import TOOL_PARSERS, tool_calling
 
 _CLIENT_CLOSED_REQUEST = 499
 BodyModel = TypeVar("BodyModel", bound=pydantic.BaseModel)
@@ -147,14 +146,14 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: R
         check_sampling(params, limits, engine.model_config.vocab_size, "logprobs")
         prompts = await completion_prompts(async_engine, body, params, body.add_special_tokens)
         response_id = async_engine.new_request_id("cmpl")
-        streams = await _submit(async_engine, response_id, prompts, params, "prompt")
+        streams = await submit(async_engine, response_id, prompts, params, "prompt")
         echoes = [_echo(engine, prompt, body) for prompt in prompts] if body.echo else None
         if body.stream:
             usage_mode = _usage_mode(body)
             num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-            events = _completion_events(streams, response_id, model, params, body.logprobs, usage_mode, num_prompt_tokens, echoes)
+            events = completion_events(streams, response_id, model, params, body.logprobs, usage_mode, num_prompt_tokens, echoes)
             return StreamingResponse(events, media_type="text/event-stream")
-        finals = await _until_disconnect(raw, _collect(streams))
+        finals = await until_disconnect(raw, collect(streams))
         if finals is None:
             return Response(status_code=_CLIENT_CLOSED_REQUEST)
         choices = [
@@ -183,13 +182,13 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: R
             async_engine, body, params, lambda: _render_chat(engine, body, settings.chat_template, tools.template_tools)
         )
         response_id = async_engine.new_request_id("chatcmpl")
-        streams = await _submit(async_engine, response_id, [prompt], params, "messages")
+        streams = await submit(async_engine, response_id, [prompt], params, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
-            events = _chat_events(streams, response_id, model, params, top, _usage_mode(body),
+            events = chat_events(streams, response_id, model, params, top, _usage_mode(body),
                                   len(prompt["prompt_token_ids"]), tools)
             return StreamingResponse(events, media_type="text/event-stream")
-        finals = await _until_disconnect(raw, _collect(streams))
+        finals = await until_disconnect(raw, collect(streams))
         if finals is None:
             return Response(status_code=_CLIENT_CLOSED_REQUEST)
         choices = []
@@ -264,204 +263,6 @@ async def parse_body(request: Request, model: type[BodyModel]) -> BodyModel:
     if len(raw) <= PARSE_ON_LOOP_BYTES:
         return parse_request(raw, model)
     return await asyncio.to_thread(parse_request, raw, model)
-
-
-# ------------------------------------------------------------- engine calls
-def _engine_error(exc: Exception) -> APIError:
-    if isinstance(exc, EngineShutdownError):
-        return APIError(503, str(exc), code="service_unavailable")
-    return APIError(500, str(exc), code="engine_dead")
-
-
-def _stream_error(exc: Exception) -> dict[str, Any]:
-    """The error chunk for a stream that fails after its headers were sent."""
-    if isinstance(exc, (EngineDeadError, EngineShutdownError)):
-        return _engine_error(exc).body()
-    return error_body(f"internal server error: {exc!r}", "server_error")
-
-
-async def _submit(
-    async_engine: AsyncLLMEngine, response_id: str, prompts: list, params: SamplingParams, param: str
-) -> list[RequestStream]:
-    """Add every prompt, or none: a bad one closes those already added and becomes a 400."""
-    streams: list[RequestStream] = []
-    try:
-        for index, prompt in enumerate(prompts):
-            streams.append(await async_engine.add_request(f"{response_id}-{index}", prompt, params))
-    except ValueError as exc:
-        _close_all(streams)
-        raise APIError(400, str(exc), param=param) from exc
-    except (EngineDeadError, EngineShutdownError) as exc:
-        _close_all(streams)
-        raise _engine_error(exc) from exc
-    except BaseException:
-        _close_all(streams)
-        raise
-    return streams
-
-
-def _close_all(streams: list[RequestStream]) -> None:
-    for stream in streams:
-        stream.close()
-
-
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from all streams as they come; leaving early aborts them all."""
-    queue: asyncio.Queue[tuple[int, Union[RequestOutput, BaseException, None]]] = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                queue.put_nowait((index, output))
-        except Exception as exc:  # noqa: BLE001 - handed to the reader
-            queue.put_nowait((index, exc))
-        finally:
-            queue.put_nowait((index, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        _close_all(streams)
-
-
-async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
-    finals: list[Optional[RequestOutput]] = [None] * len(streams)
-    try:
-        async for index, output in _merge(streams):
-            if output.finished:
-                finals[index] = output
-    except (EngineDeadError, EngineShutdownError) as exc:
-        raise _engine_error(exc) from exc
-    return [f for f in finals if f is not None]
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _until_disconnect(request: Request, work: Awaitable) -> Any:
-    """The result of `work`, or None when the client goes away first (the work is cancelled)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    return None if task.cancelled() else task.result()
-
-
-# ------------------------------------------------------------------ streams
-async def _sse_events(
-    streams: list[RequestStream],
-    head: dict,
-    params: SamplingParams,
-    usage_mode: Optional[str],
-    num_prompt_tokens: int,
-    build_choice: Callable[[int, Any, Any, serving.ChoiceProgress, RequestOutput], dict],
-    opening: Sequence[dict] = (),
-) -> AsyncIterator[str]:
-    """The SSE body of both endpoints: opening chunks, one chunk per text delta, usage, [DONE].
-
-    `build_choice(prompt_index, completion, delta, state, output)` formats one choice the way its
-    endpoint does; everything else (stop-string hold-back, usage, errors) is shared. With
-    `usage_mode` "continuous" (vLLM's continuous_usage_stats) every chunk carries the usage so far.
-    """
-    holdback = serving.stop_holdback(params)
-    progress: dict[tuple[int, int], serving.ChoiceProgress] = {}
-    generated: dict[tuple[int, int], int] = {}
-    finals: list[RequestOutput] = []
-
-    def chunk(choices: list[dict]) -> str:
-        payload = {**head, "choices": choices}
-        if usage_mode == "continuous":
-            payload["usage"] = serving.usage_of(num_prompt_tokens, sum(generated.values()))
-        return serving.sse(payload)
-
-    try:
-        for choice in opening:
-            yield chunk([choice])
-        async for prompt_index, output in _merge(streams):
-            for completion in output.outputs:
-                key = (prompt_index, completion.index)
-                generated[key] = len(completion.token_ids)
-                state = progress.setdefault(key, serving.ChoiceProgress())
-                delta = serving.next_delta(state, completion, holdback)
-                if delta is not None:
-                    yield chunk([build_choice(prompt_index, completion, delta, state, output)])
-            if output.finished:
-                finals.append(output)
-        if usage_mode is not None:
-            yield serving.sse({**head, "choices": [], "usage": serving.usage(finals)})
-    except Exception as exc:  # noqa: BLE001 - headers are sent; the error goes in the stream
-        yield serving.sse(_stream_error(exc))
-    yield serving.SSE_DONE
-
-
-def _completion_events(
-    streams: list[RequestStream], response_id: str, model: str, params: SamplingParams,
-    top_logprobs: Optional[int], usage_mode: Optional[str], num_prompt_tokens: int,
-    echoes: Optional[list[serving.Echo]],
-) -> AsyncIterator[str]:
-    echoed: set[int] = set()
-
-    def build_choice(prompt_index, completion, delta, state, output):
-        index = serving.choice_index(prompt_index, params.n, completion)
-        echo = None
-        if echoes is not None and index not in echoed:
-            echoed.add(index)
-            echo = serving.echo_of(echoes, prompt_index, output)
-        return serving.completion_choice(index, delta, top_logprobs, state, echo)
-
-    head = serving.envelope(response_id, "text_completion", model)
-    return _sse_events(streams, head, params, usage_mode, num_prompt_tokens, build_choice)
-
-
-def _chat_events(
-    streams: list[RequestStream], response_id: str, model: str, params: SamplingParams,
-    top_logprobs: Optional[int], usage_mode: Optional[str], num_prompt_tokens: int, tools: ToolCalling,
-) -> AsyncIterator[str]:
-    tool_streams: dict[int, ToolCallStream] = {}
-
-    def build_choice(_prompt_index, completion, delta, _state, _output):
-        content, calls, finish_reason = delta.text, [], delta.finish_reason
-        if tools.extractor is not None:
-            stream = tool_streams.setdefault(completion.index, ToolCallStream(tools.extractor))
-            content, calls = stream.feed(delta.text, delta.finish_reason is not None)
-            if calls:
-                finish_reason = tools.finish_reason(finish_reason)
-        message: dict[str, Any] = {"content": content} if content else {}
-        if calls:
-            message["tool_calls"] = [{"index": i, **call.as_dict()} for i, call in enumerate(calls)]
-        return {
-            "index": completion.index,
-            "delta": message,
-            "logprobs": serving.chat_choice_logprobs(delta, top_logprobs),
-            "finish_reason": finish_reason,
-            "stop_reason": delta.stop_reason,
-        }
-
-    head = serving.envelope(response_id, "chat.completion.chunk", model)
-    roles = [
-        {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        for index in range(params.n)
-    ]
-    return _sse_events(streams, head, params, usage_mode, num_prompt_tokens, build_choice, roles)
 
 
 # ---------------------------------------------------------- service routes

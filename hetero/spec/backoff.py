@@ -23,14 +23,10 @@ class DraftBackoff:
 
     Whether a tree accepts nothing depends on its first node only, so a run of misses has
     probability (1 - p)^n for drafts right with probability p, whatever the tree size. At
-    p = 0.6 a run of 4 turned up by chance in most sequences of a 100-step batch (the GPU
-    host's batch-64 runs), and the back-off put them behind the rest, lengthening the
-    batch's tail. A run of 8 is still 5.8 % likely per step at p = 0.3, where a 3-node tree
-    brings 0.42 tokens a step at batch 8 for a few percent of its cost: such sequences went
-    without trees 28-42 % of the time, and the batch's speculative steps emitted a tenth
-    fewer tokens by a run's end (the GPU host's batch 8). A run of 16 (0.3 % there) leaves
-    them their trees 97-99 % of the time, and still withholds drafts right one time in ten
-    for most of a run.
+    p = 0.6 a run of 4 turns up by chance in most sequences of a 100-step batch, and a run
+    of 8 is still 5.8 % likely per step at p = 0.3, where a 3-node tree still pays at batch
+    8: shorter runs withheld trees that paid. A run of 16 (0.3 % at p = 0.3) withholds only
+    drafts right about one time in ten or less (measurements: bench/results/gpu_decode-*).
     """
 
     MISSES_BEFORE_BACKOFF = 16

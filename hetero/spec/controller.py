@@ -298,12 +298,11 @@ class SpeculationController:
     def _thin(self, samples: _Samples) -> bool:
         """Whether an option's window is too short to trust: not full, and under `SOLID_SEQUENCE_STEPS`.
 
-        The first verdict comes after `min_samples` speculative steps; at batch 1 or 8 their
-        mean tokens are off by 10-25 %, and speculation that lost on them waited 64 of its
-        step times (a whole 128-token run at batch 8) for its next chance: on the GPU host,
-        batch 1 at p = 0.3 measured 1.00x in one run and 1.27x in the next. Drafts that
-        accepted something are probed four times as often until their window is full or
-        solid; drafts that accepted nothing are not, since at p = 0 each probe is a loss.
+        The first verdict comes after `min_samples` speculative steps, whose mean tokens at
+        small batches are far off the true mean; speculation that lost on them would wait 64 of
+        its step times (a whole short run) for its next chance. Drafts that accepted something
+        are probed four times as often until their window is full or solid; drafts that
+        accepted nothing are not, since at p = 0 each probe is a loss.
         """
         return len(samples.recent) < self.window and samples.sequence_steps() < SOLID_SEQUENCE_STEPS
 

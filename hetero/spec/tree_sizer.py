@@ -34,9 +34,8 @@ class TreeSizer:
     HALF_LIFE_SEQUENCE_STEPS = 512
     MIN_TREES = 16.0  # trees offering position i (decayed) before P(>= i) counts as measured
     # Cost of one more query row per sequence, as a share of a one-token step, at B sequences:
-    # min(B * ROW_COST_PER_SEQUENCE, MAX_ROW_COST). Fitted to Llama-3-8B-shaped verification on
-    # an H100 (graph replays and engine steps, bench/results/gpu_decode-20261123-07*): ~0.4 % per
-    # row at batch 1, ~3 % at batch 8, ~5 % at batch 64.
+    # min(B * ROW_COST_PER_SEQUENCE, MAX_ROW_COST), fitted to measured verification steps of a
+    # Llama-3-8B-shaped target (bench/results/gpu_decode-20261123-07*).
     ROW_COST_PER_SEQUENCE = 0.004
     MAX_ROW_COST = 0.05
     # P(>= i) = 0.6 ** i until measured: a batch of 64 starts at 3 nodes, not 8, and a batch of 1
