@@ -23,7 +23,7 @@ function. Built once from a loaded `CausalLM`, this forward:
   K/V in float32 or bfloat16 (its dtype; a bf16 cache is widened to float32 as it is read).
 
 Projections are plain float32 (MKL), oneDNN-packed BF16 (`PackedLinear`) or INT8
-(`Int8Linear`), quantised after folding. `tests/test_cpu_draft.py` checks logits and K/V
+(`Int8Linear`), quantised after folding. `tests/cpu_draft/test_cpu_draft.py` checks logits and K/V
 against `CausalLM`.
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ adjacent: one implementation of the folding), then converted once to the kernel'
   row like the projections under ``int8_weights``: for a large-vocabulary draft the head is
   most of the bytes a forward streams (Llama 3's 128256 x 576 is 148 MB in bf16), and
   per-row scales keep each logit's relative error at the projections' level
-  (`tests/test_native_draft.py` checks the drafted tokens and logits against float).
+  (`tests/cpu_draft/test_native_draft.py` checks the drafted tokens and logits against float).
 
 The residual stream and attention stay float32; the K/V cache is float32 or bfloat16 (the
 `SlotKVCache`'s dtype: bf16 K/V are stored rounded to nearest even, as torch's

@@ -542,7 +542,7 @@ def test_token_id_prompts_reach_the_server_at_their_exact_length(tmp_path, capsy
 @pytest.fixture
 def hetero_server(tiny_llama_dir):
     """`hetero serve` of the tiny random llama on a loopback port, in its own process."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     port = free_closed_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "hetero.cli", "serve", str(tiny_llama_dir), "--host", "127.0.0.1",

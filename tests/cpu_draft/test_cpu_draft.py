@@ -280,7 +280,7 @@ def test_tree_levels_respect_the_budget():
 
 @pytest.mark.parametrize("layout", ["slots", "paged"])
 def test_int8_weights_stay_close_to_float(tiny_llama_dir, layout):
-    """The torch forwards' INT8 layers (the native forward's: tests/test_native_draft.py)."""
+    """The torch forwards' INT8 layers (the native forward's: tests/cpu_draft/test_native_draft.py)."""
     float_drafter = _drafter(tiny_llama_dir, kv_layout=layout, native_kernels=False)
     int8_drafter = _drafter(tiny_llama_dir, kv_layout=layout, int8_weights=True, native_kernels=False)
     model = int8_drafter.kv.model if layout == "slots" else int8_drafter.kv.runner.model
