@@ -1,9 +1,9 @@
 """The draft model's forward on the CPU in as few torch ops as the maths allows.
 
-On the GPU host's Xeon a 135M draft's weights stream in ~3 ms, yet `CausalLM`'s forward
-took 24-57 ms: it runs ~60 torch ops per layer (HF-exact rounding casts each norm to
+`CausalLM`'s forward runs ~60 torch ops per layer (HF-exact rounding casts each norm to
 float32 and back, rotary gathers cos/sin and rotates halves in every layer, SDPA gets a
-broadcast mask) and every op costs 4-6 µs of host time there. A draft only proposes: the
+broadcast mask), and on the CPU each op's host cost, not the weights' bytes, sets a small
+draft's forward time (bench/results/cpu_draft-*). A draft only proposes: the
 target decides what is kept, so the draft's rounding need not match HF's, only its
 function. Built once from a loaded `CausalLM`, this forward:
 
@@ -18,8 +18,8 @@ function. Built once from a loaded `CausalLM`, this forward:
   (``addmm``) where the weights are plain float32;
 * reads K/V head-major (`cpu_draft.slot_kv`), so attention is two batched matmuls over
   views of the cache, with the mask built once per forward (none when nothing is hidden).
-  Q, K, V and attention compute in float32 whatever the weights: on the GPU host BF16
-  batched matmuls and softmax ran several times slower than float32 ones. The cache stores
+  Q, K, V and attention compute in float32 whatever the weights (BF16 batched matmuls and
+  softmax measured several times slower on the CPU). The cache stores
   K/V in float32 or bfloat16 (its dtype; a bf16 cache is widened to float32 as it is read).
 
 Projections are plain float32 (MKL), oneDNN-packed BF16 (`PackedLinear`) or INT8

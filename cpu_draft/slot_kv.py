@@ -49,7 +49,7 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, 
     """Write the new tokens' K/V [T, KVH, D], then causal attention of their queries [T, H, D] (pre-scaled): [T, H * D].
 
     q, k, v and the result are float32; K/V are stored in the cache's dtype and read back widened to
-    float32 (BF16 batched matmuls ran several times slower than float32 ones on the GPU host's Xeon).
+    float32 (BF16 batched matmuls measured several times slower than float32 ones on the CPU).
     """
     k_store, v_store = kv_cache
     k_store[meta.write_slots, :, meta.write_positions] = k.to(k_store.dtype)

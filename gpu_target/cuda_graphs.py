@@ -10,8 +10,8 @@ A step that prefills (a prompt chunk, alone or beside decodes and trees: under
 speculation requests finish unevenly and are admitted one or a few at a time) is laid out
 ragged instead: the chunks' tokens back to back, padded to a ladder of token counts
 (`Ragged` buckets), beside up to the largest sequence bucket's sequences, the unused ones
-empty. Eager, such a step of a few hundred tokens cost the GPU host ~27 ms of Python and
-kernel launches for ~9 ms of GPU work; replayed, it costs the GPU work.
+empty. Eager, such a step costs more in Python and kernel launches than in GPU work;
+replayed, it costs the GPU work.
 
 Padding never touches real data: padding tokens write their K/V into the reserved null
 block (block 0, which the allocator never hands out) and padding sequences read only that

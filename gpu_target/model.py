@@ -124,7 +124,7 @@ class Attention(nn.Module):
             q = gemv.gemv_rotary_and_store_kv(x, weight, self.qkv_proj.bias, rotary.cos, rotary.sin,
                                               positions, *kv_cache, meta.slot_mapping, c.num_heads)
         elif rotary_fused and x.dtype == torch.bfloat16:
-            # bf16 only: on the H100 the fp16 kernel differed from skinny_gemm + the rotary
+            # bf16 only: on the GPU the fp16 kernel differed from skinny_gemm + the rotary
             # kernel in a few elements by a rounding step (tests/gpu_target/test_gemv.py), bf16 bit for bit.
             q = gemv.skinny_gemm_rotary_and_store_kv(x, weight, self.qkv_proj.bias, rotary.cos,
                                                      rotary.sin, positions, *kv_cache, meta.slot_mapping, c.num_heads)
