@@ -16,6 +16,17 @@ def markdown_table(rows: Sequence[dict]) -> list[str]:
     return lines
 
 
+def section_tables(rows: Sequence[dict], sections: Iterable[str]) -> list[str]:
+    """A "## section" heading and table per section, in order, over the rows whose "section" it is
+    (the key itself left out); sections without rows are skipped."""
+    lines: list[str] = []
+    for section in sections:
+        part = [{k: v for k, v in r.items() if k != "section"} for r in rows if r.get("section") == section]
+        if part:
+            lines += [f"## {section}", "", *markdown_table(part), ""]
+    return lines
+
+
 def write_markdown_and_json(stem: str, title: str, command: str, machine: dict, rows: Sequence[dict],
                             body: Iterable[str]) -> str:
     """`stem`.md (title, command, machine, then `body` lines) and `stem`.json; returns the Markdown."""

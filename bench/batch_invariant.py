@@ -34,7 +34,7 @@ import torch
 
 from bench._cuda_timing import median_replay_ms
 from bench._machine import describe_machine
-from bench._report import markdown_table, write_markdown_and_json
+from bench._report import section_tables, write_markdown_and_json
 from bench.e2e_speculation import write_model_dir
 from bench.gpu_decode import LLAMA3_8B, random_prompts, timed_decode
 from gpu_target import gemv
@@ -169,11 +169,7 @@ def main(argv=None) -> None:
                              invariant_over_normal=f"{cost[('normal', batch)] / cost[('invariant', batch)]:.2f}x"))
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name())
     command = "python -m bench.batch_invariant " + " ".join(sys.argv[1:] if argv is None else argv)
-    body: list[str] = []
-    for section in ("gemm", "startup", "cost", "slowdown", "alone", "spec"):
-        part = [{k: v for k, v in r.items() if k != "section"} for r in rows if r["section"] == section]
-        if part:
-            body += [f"## {section}", "", *markdown_table(part), ""]
+    body = section_tables(rows, ("gemm", "startup", "cost", "slowdown", "alone", "spec"))
     stem = os.path.join(args.out, f"batch_invariant-{time.strftime('%Y%m%d-%H%M%S')}")
     print(write_markdown_and_json(stem, f"Batch-invariant mode ({info['gpu']}, python {platform.python_version()})",
                                   command, info, rows, body))

@@ -58,7 +58,7 @@ import torch
 
 from bench._cuda_timing import median_replay_ms
 from bench._machine import describe_machine
-from bench._report import markdown_table, write_markdown_and_json
+from bench._report import markdown_table, section_tables, write_markdown_and_json
 from bench.traces import Trace, load_trace
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
@@ -710,10 +710,7 @@ def write_results(args, rows) -> None:
     for row in rows:
         if row.get("section") == "profile":
             body += ["## profile (batch-1 decode step)", "", "```", row["text"], "```", ""]
-    for section in ["machine", "startup", "decode", "verify", "spec", "floor"]:
-        part = [{k: v for k, v in r.items() if k != "section"} for r in rows if r.get("section") == section]
-        if part:
-            body += [f"## {section}", "", *markdown_table(part), ""]
+    body += section_tables(rows, ["machine", "startup", "decode", "verify", "spec", "floor"])
     hetero = [r for r in rows if r.get("engine") == "hetero"]
     hf = {r["batch"]: r["tokens_per_s"] for r in rows if r.get("engine") == "transformers"}
     if hetero and hf:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from bench._machine import describe_machine
-from bench._report import markdown_table, write_markdown_and_json
+from bench._report import section_tables, write_markdown_and_json
 from bench.gpu_decode import LLAMA3_8B, LLAMA3_70B, ChainOracle, copy_bandwidth, graph_replay_ms, random_prompts, timed_decode, timed_steps
 from gpu_target.quantization.linear import QuantizedLinear
 from hetero.core.config import EngineConfig
@@ -157,11 +157,7 @@ def main(argv=None) -> None:
     add_speedups(rows)
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name(), python=platform.python_version())
     command = "python -m bench.quant_decode " + " ".join(sys.argv[1:] if argv is None else argv)
-    body = []
-    for section in ("machine", "memory", "decode", "verify"):
-        part = [{k: v for k, v in r.items() if k != "section"} for r in rows if r.get("section") == section]
-        if part:
-            body += [f"## {section}", "", *markdown_table(part), ""]
+    body = section_tables(rows, ("machine", "memory", "decode", "verify"))
     stem = os.path.join(args.out, f"quant_decode-{args.shape}-{time.strftime('%Y%m%d-%H%M%S')}")
     print(write_markdown_and_json(stem, f"Quantised target decode ({args.shape}, {info['gpu']})", command, info, rows, body))
 

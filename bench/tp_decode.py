@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from bench._machine import describe_machine
-from bench._report import markdown_table, write_markdown_and_json
+from bench._report import section_tables, write_markdown_and_json
 from bench.gpu_decode import LLAMA3_8B, count_triton_compiles, random_prompts, timed_decode
 from gpu_target.tp_worker import free_port, make_group
 from hetero.core.config import EngineConfig
@@ -134,11 +134,7 @@ def write_results(args, rows: list[dict]) -> None:
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name(),
                 gpus=torch.cuda.device_count(), python=platform.python_version())
     command = "python -m bench.tp_decode " + " ".join(sys.argv[1:])
-    body: list[str] = []
-    for section in ("startup", "decode", "all_reduce"):
-        part = [{k: v for k, v in r.items() if k != "section"} for r in rows if r["section"] == section]
-        if part:
-            body += [f"## {section}", "", *markdown_table(part), ""]
+    body = section_tables(rows, ("startup", "decode", "all_reduce"))
     stem = os.path.join(args.out, f"tp_decode-{time.strftime('%Y%m%d-%H%M%S')}")
     print(write_markdown_and_json(stem, f"Tensor-parallel decode, 8B Llama-3 shape ({info['gpu']})", command, info, rows, body))
 

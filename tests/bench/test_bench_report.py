@@ -3,7 +3,7 @@ import csv
 import json
 from pathlib import Path
 
-from bench._report import markdown_table, write_csv_with_context, write_markdown_and_json
+from bench._report import markdown_table, section_tables, write_csv_with_context, write_markdown_and_json
 
 
 def test_markdown_table_covers_the_union_of_keys_in_first_seen_order():
@@ -45,3 +45,10 @@ def test_the_recorded_commit_is_marked_dirty_when_tracked_files_differ_from_it(t
     assert git_commit(tmp_path) == head
     (tmp_path / "f.py").write_text("a = 2\n")
     assert git_commit(tmp_path) == head + "-dirty"
+
+
+def test_section_tables_head_each_section_in_order_and_skip_empty_ones():
+    rows = [dict(section="decode", batch=1), dict(section="machine", gpu="x"), dict(section="decode", batch=8)]
+    lines = section_tables(rows, ("machine", "verify", "decode"))
+    assert lines == ["## machine", "", "| gpu |", "|---|", "| x |", "",
+                     "## decode", "", "| batch |", "|---|", "| 1 |", "| 8 |", ""]
