@@ -106,7 +106,7 @@ def test_graphs_match_eager_and_cpu(tiny_llama_dir):
 def test_gpu_verifies_trees_losslessly(tiny_llama_dir, eager, max_num_seqs):
     """With 2 slots for 5 prompts, requests are admitted beside other sequences' trees: those
     steps replay ragged graphs."""
-    from test_speculative import OracleProposer, speculative_llm
+    from speculation_helpers import OracleProposer, speculative_llm
 
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     cpu = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=256)

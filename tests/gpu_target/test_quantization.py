@@ -455,8 +455,8 @@ def test_dummy_weights_are_quantised_as_drawn(tiny_llama_dir, quantization):
 
 @pytest.mark.parametrize("quantization", ["fp8", "int4"])
 def test_speculative_greedy_equals_plain_greedy_on_a_quantised_target(tiny_llama_dir, quantization):
-    from test_speculative import PROMPTS as SPEC_PROMPTS
-    from test_speculative import OracleProposer, speculative_llm
+    from speculation_helpers import PROMPTS as SPEC_PROMPTS
+    from speculation_helpers import OracleProposer, speculative_llm
 
     plain = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", quantization=quantization)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
