@@ -160,6 +160,14 @@ class GpuIdle:
         return sum(gaps) / len(gaps) if gaps else 0.0
 
 
+def unwrap_runner(engine: LLMEngine) -> None:
+    """Take `GpuIdle`'s and `StepKinds`' wrappers off the engine's runner: while they are on,
+    the runner (its weights and KV cache) outlives the engine, and the next section's engine
+    finds the GPU memory still taken."""
+    for name in ("forward", "decode_steps"):
+        engine.runner.__dict__.pop(name, None)
+
+
 TRITON_COMPILES: list[str] = []  # kernels whose variants were built in this process, in order (see `count_triton_compiles`)
 
 
@@ -443,6 +451,7 @@ def bench_decode(model_dir, batches, scheduler_steps, prompt_len, new_tokens, ba
                          fraction_of_bytes_read_roofline=round(steps_s / read_roofline_steps, 3),
                          same_tokens_as_first_setting=same_tokens))
         print(rows[-1], flush=True)
+    unwrap_runner(engine)
     del engine
     return truth
 
@@ -480,6 +489,7 @@ def bench_verify(model_dir, tree_sizes, batches, prompt_len, rows, repeats=1):
                              plain_step_ms=round(step_ms[0], 3), ratio_to_plain=round(step_ms[nodes] / step_ms[0], 3),
                              ratio_per_round=" ".join(f"{a / b:.3f}" for a, b in zip(runs[nodes], runs[0]))))
             print(rows[-1], flush=True)
+    unwrap_runner(engine)
     del engine
 
 
@@ -548,6 +558,7 @@ def bench_spec(model_dir, truth, batches, probabilities, k, target_parallelism, 
                              pair_ratios=",".join(f"{s / p:.3f}" for s, p in zip(spec_runs, plain_runs)),
                              spec_run_steps=kinds.summary(), plain_run_steps=plain_kinds.summary()))
             print(rows[-1], flush=True)
+    unwrap_runner(engine)
     del engine
 
 
@@ -589,6 +600,7 @@ def bench_floor(model_dir, batches, p, k, target_parallelism, prompt_len, new_to
             row[f"{name}_pairs"] = ",".join(f"{r:.3f}" for r in ratios)
         rows.append(row)
         print(rows[-1], flush=True)
+    unwrap_runner(engine)
     del engine
 
 
