@@ -287,6 +287,8 @@ class Drafter:
                 continue
             known = state.context + state.chain  # the last of these is fed now
             cached, checked = len(known) - 1, max(len(state.chain), 1)  # the chain's K/V (or the root's predecessor) must be in place
+            if len(state.kv_tokens) > cached:  # the KV holds the root too (a context set back): it is fed again
+                self._truncate(state, min(cached, common_prefix_length(state.kv_tokens, known)))
             if len(state.kv_tokens) != cached or state.kv_tokens[cached - checked :] != known[cached - checked : cached]:
                 continue
             if len(known) + 1 > self.max_positions or not self._reserve(state, len(known), set(seq_ids)):

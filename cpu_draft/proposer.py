@@ -59,6 +59,7 @@ _VOCAB_SAMPLE = 512
 INITIAL_AHEAD_NODES = 4  # tree size drafted ahead before the engine first asks for one (then: its last budget)
 
 
+REPLY_SPIN_S = 0.02  # the coordinator spins this long for the worker's trees before it sleeps (a wake-up costs more)
 DRAFT_START_TIMEOUT_S = 600.0  # a worker loading its weights (and building the native forward) may be slow
 
 
@@ -339,7 +340,7 @@ class WorkerDraftProposer(Proposer):
                 worker.channel.send(SYNC, arrays, timeout=self.reply_timeout_s)
             worker.channel.send(PROPOSE, messages[-1], timeout=self.reply_timeout_s)
             self._released = []
-            reply = worker.channel.recv(timeout=self.reply_timeout_s)
+            reply = worker.channel.recv(timeout=self.reply_timeout_s, spin_s=REPLY_SPIN_S)
             if reply.kind != TREES:
                 raise IPCError(f"expected TREES, got message kind {reply.kind}")
             trees = read_trees(reply.arrays)

@@ -44,6 +44,8 @@ from hetero.core.protocols import TokenTree
 from ipc import Channel, Message, PeerDeadError
 
 logger = logging.getLogger("hetero.cpu_draft.worker")
+NEXT_MESSAGE_SPIN_S = 0.02  # between messages the worker spins this long before it sleeps: the next step's request is due soon
+DRAFT_MISSES_NOW_SHARE = 0.75  # misses are drafted before the reply only when more than this share of the trees asked for missed
 
 
 @dataclass(frozen=True)
@@ -162,10 +164,16 @@ class DraftService:
         self.unserved.clear()
 
     def propose(self, batch: list[tuple[int, int]]) -> list[TokenTree]:
-        """Trees for (seq_id, max_nodes): drafted ahead where the guess held, else drafted now;
-        none for sequences beyond what the cores can draft within a step (`DraftCapacity`)."""
+        """Trees for (seq_id, max_nodes): drafted ahead where the guess held; none for sequences
+        beyond what the cores can draft within a step (`DraftCapacity`).
+
+        The rest (misses) are drafted now, before the reply, only when they are most of the
+        trees asked for (`DRAFT_MISSES_NOW_SHARE`; always at batch 1): the whole step waits for
+        them, so among hits a few misses would cost every sequence their drafting time. Otherwise
+        they get no tree this step and are drafted right after the reply, with the hits' next
+        trees, from the guess of the token this step decodes for them (`draft_ahead`)."""
         trees: dict[int, TokenTree] = {}
-        to_draft = []
+        misses = []
         self.stale.difference_update(seq_id for seq_id, _ in batch)
         self.budget = max((max_nodes for _, max_nodes in batch), default=self.budget) or self.budget
         depth = len(tree_levels(self.budget, self.drafter.options.tree_width))
@@ -187,8 +195,12 @@ class DraftService:
                 self.stale.add(seq_id)  # a prompt to prefill: no tree now, `catch_up` drafts one after the reply
                 self.unserved.add(seq_id)
                 continue
-            to_draft.append((seq_id, max_nodes))
-        trees.update(zip((s for s, _ in to_draft), self.drafter.draft(to_draft)))
+            misses.append((seq_id, max_nodes))
+        if self.overlap and misses and len(misses) <= DRAFT_MISSES_NOW_SHARE * (len(trees) + len(misses)):
+            self.stale.update(seq_id for seq_id, _ in misses)
+            self.unserved.update(seq_id for seq_id, _ in misses)
+            misses = []
+        trees.update(zip((s for s, _ in misses), self.drafter.draft(misses)))
         for seq_id, tree in trees.items():
             chain = self.drafter.last_chain(seq_id)
             if len(tree) and chain:
@@ -196,13 +208,15 @@ class DraftService:
         return [trees.get(seq_id, TokenTree.pending() if seq_id in self.unserved else TokenTree.empty()) for seq_id, _ in batch]
 
     def draft_ahead(self, batch: list[tuple[int, int]], pending) -> None:
-        """Draft the next step assuming full acceptance, until done or a message is waiting
-        that does not ask for these trees (``pending()``: the waiting message, or None)."""
+        """Draft the next step assuming full acceptance (for the sequences answered without a
+        tree: assuming the draft's guess of the token this step decodes), until done or a
+        message is waiting that does not ask for these trees (``pending()``: the waiting
+        message, or None)."""
         if not self.overlap or pending() is not None:
             return
         budgets = dict(batch)
         started = time.perf_counter()
-        extended = self.drafter.assume_accepted([s for s, n in batch if n > 0 and s in self.offered])
+        extended = self.drafter.assume_accepted([s for s, n in batch if n > 0 and (s in self.offered or s in self.unserved)])
         if not extended or pending() is not None and not self.needed_by(pending(), extended):
             return
         requests = [(seq_id, budgets[seq_id]) for seq_id in extended]
@@ -213,6 +227,8 @@ class DraftService:
         self.capacity.observe_levels(time.perf_counter() - started, levels + 1, len(requests))
         for (seq_id, max_nodes), tree in zip(requests, trees):
             self.predrafted[seq_id] = _Predrafted(list(self.drafter.context(seq_id)), max_nodes, tree)
+            self.stale.discard(seq_id)
+            self.unserved.discard(seq_id)
 
 
 class _Loop:
@@ -235,7 +251,7 @@ class _Loop:
         if self._pending is not None:
             message, self._pending = self._pending, None
             return message, self._arrived
-        message = self.channel.recv()
+        message = self.channel.recv(spin_s=NEXT_MESSAGE_SPIN_S)
         return message, time.perf_counter()
 
     def run(self) -> None:

@@ -212,8 +212,11 @@ class Channel:
         self._require_open()
         return self._writer.has_space()
 
-    def recv(self, timeout: float | None = None) -> Message:
+    def recv(self, timeout: float | None = None, spin_s: float | None = None) -> Message:
         """Release the previous message and return the next one, waiting up to ``timeout`` s (None: forever).
+
+        ``spin_s`` overrides the channel's spin before sleeping, for a wait whose answer is due
+        soon (a reply, the next step's request): waking from a sleep costs more than the spin.
 
         The returned arrays are read-only views into shared memory, valid until the next
         ``recv``/``try_recv``/``release``/``close``; ``Message.copy()`` keeps them longer.
@@ -221,7 +224,7 @@ class Channel:
         CorruptMessageError if the message fails its checksum (it is dropped).
         """
         self.release()
-        if not self._data_waiter.wait(self._reader.has_message, timeout):
+        if not self._data_waiter.wait(self._reader.has_message, timeout, spin_s):
             raise RecvTimeoutError(f"channel {self.name}: no message from the peer (pid {self.peer_pid}) within {timeout} s")
         return self._reader.get()
 

@@ -102,13 +102,14 @@ class Waiter:
     spin_s: float
     check_interval_s: float
 
-    def wait(self, condition: Callable[[], bool], timeout_s: float | None) -> bool:
-        """True once ``condition()`` holds; False when ``timeout_s`` (None: forever) elapses first."""
+    def wait(self, condition: Callable[[], bool], timeout_s: float | None, spin_s: float | None = None) -> bool:
+        """True once ``condition()`` holds; False when ``timeout_s`` (None: forever) elapses first.
+        ``spin_s`` (None: the waiter's own) is how long to spin before sleeping."""
         if condition():
             return True
         now = time.monotonic()
         deadline = math.inf if timeout_s is None else now + timeout_s
-        spin_until = min(now + self.spin_s, deadline)
+        spin_until = min(now + (self.spin_s if spin_s is None else spin_s), deadline)
         while time.monotonic() < spin_until:
             if condition():
                 return True

@@ -189,3 +189,47 @@ def test_warm_up_leaves_no_sequence_behind_and_changes_no_draft(tiny_llama_dir):
         drafter.set_context(1, PROMPT)
     ours, theirs = warmed.draft([(1, 4)])[0], fresh.draft([(1, 4)])[0]
     assert ours.token_list == theirs.token_list and ours.parent_list == theirs.parent_list
+
+
+def _two_sequences_one_rejected(service: DraftService) -> tuple[list[int], list[int]]:
+    """Sequences 1 and 2 drafted and drafted ahead; then sequence 1's chain is accepted with the
+    guessed bonus (a hit) and sequence 2's first node rejected (a miss). Their new contexts."""
+    service.apply_updates(update_arrays([ContextUpdate(1, 0, PROMPT), ContextUpdate(2, 0, PROMPT[5:])]))
+    service.catch_up(lambda: None)
+    assert all(len(tree) == 4 for tree in service.propose([(1, 4), (2, 4)]))
+    chains = {s: list(service.drafter.last_chain(s)) for s in (1, 2)}
+    service.draft_ahead([(1, 4), (2, 4)], lambda: None)
+    guessed = service.predrafted[1].context[len(PROMPT):]
+    rejected = [(chains[2][0] + 1) % 320]
+    service.apply_updates(update_arrays([ContextUpdate(1, len(PROMPT), guessed), ContextUpdate(2, len(PROMPT) - 5, rejected)]))
+    return PROMPT + guessed, PROMPT[5:] + rejected
+
+
+def test_a_miss_beside_hits_gets_no_tree_now_and_is_drafted_ahead_from_the_guess_of_its_next_token(tiny_llama_dir):
+    service = _service(tiny_llama_dir)
+    first, second = _two_sequences_one_rejected(service)
+    trees = service.propose([(1, 4), (2, 4)])
+    assert len(trees[0]) == 4 and not trees[1].ready  # the hit goes out; the miss does not hold the step up
+    assert service.stats.predraft_hits == 3 and service.stats.predraft_misses == 1  # the first proposal: two hits
+    service.draft_ahead([(1, 4), (2, 4)], lambda: None)
+    ahead = service.predrafted[2]
+    assert ahead.context[:-1] == second and not service.unserved and not service.stale  # drafted from its context + one guessed token
+
+    fresh = Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32))
+    fresh.set_context(2, second)
+    assert fresh.prefill([2])
+    guess = fresh.assume_accepted([2])
+    assert guess == [2] and fresh.context(2) == ahead.context
+    expected = fresh.draft([(2, 4)])[0]
+    assert ahead.tree.token_list == expected.token_list  # the tree a fresh drafter makes from that context
+
+    service.apply_updates(update_arrays([ContextUpdate(2, len(second), ahead.context[len(second):])]))  # the guess held
+    assert len(service.propose([(2, 4)])[0]) == 4 and service.stats.predraft_hits == 4
+
+
+def test_misses_that_are_most_of_the_trees_are_drafted_before_the_reply(tiny_llama_dir):
+    service = _service(tiny_llama_dir)
+    _, second = _two_sequences_one_rejected(service)
+    trees = service.propose([(2, 4)])  # batch 1: waiting for its draft beats a step without a tree
+    assert len(trees[0]) == 4 and service.stats.predraft_misses == 1
+    assert service.drafter.context(2) == second and not service.unserved
