@@ -50,7 +50,7 @@ from hetero.core.protocols import DraftsAhead, Proposer, TokenTree
 SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
 DRAFT = dict(LLAMA3_8B, hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
              num_attention_heads=9, num_key_value_heads=3, torch_dtype="bfloat16")
-WARM_UP_TOKENS = 32  # tokens per request of the warm-up batch before each timed run
+WARM_UP_TOKENS = 128  # tokens per request of the warm-up batch before each timed run
 
 
 def save_tokenizer(directory: str, vocab_size: int) -> None:
@@ -230,8 +230,10 @@ def main(argv=None) -> None:
         engine = build_engine(target_dir, draft, args, **speculation[name])
         for batch in args.batches:
             prompts = random_prompts(batch, args.prompt_len, target["vocab_size"], seed=batch)
-            # A warm-up batch of the same size: kernels built and tuned for its shapes, and the draft's
-            # buffers grown, before the timed run (otherwise the first configuration pays for them).
+            # A warm-up batch of the same size: kernels built and tuned for its shapes, the draft's
+            # buffers grown and the speculation controller's first verdict taken (three steps of
+            # each option, then probes at widening spacing) before the timed run, as they are once
+            # per batch size in a server's life; the timed run is the steady state after them.
             timed_decode(engine, random_prompts(batch, args.prompt_len, target["vocab_size"], seed=1000 + batch), WARM_UP_TOKENS)
             before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens, engine.spec_stats.num_draft_tokens,
                       engine.draft_wait_seconds, _worker_stats(engine))
