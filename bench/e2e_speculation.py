@@ -201,6 +201,8 @@ def main(argv=None) -> None:
     parser.add_argument("--log-level", default=None, choices=["debug", "info"],
                         help="debug: a line per engine step and per draft-worker message on stderr (HETERO_LOGGING_LEVEL)")
     args = parser.parse_args(argv)
+    if args.shape == "70b":  # ~68 GiB of FP8 weights on an 80 GB GPU: the cache allocator must not strand free memory
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.makedirs(args.out, exist_ok=True)
     if args.log_level:
         os.environ["HETERO_LOGGING_LEVEL"] = args.log_level.upper()  # the draft worker's
