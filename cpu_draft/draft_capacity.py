@@ -53,6 +53,24 @@ class DraftCapacity:
         fits = int(self.cycle_s / ((depth + 1) * per_row) - self.row_overhead)
         return max(1, min(num_seqs, fits))
 
+    def draft_now_pays(self, misses: list[int], batch_size: int, depth: int) -> bool:
+        """Whether the step should wait for the trees of ``misses`` (sequences without a tree
+        drafted ahead) rather than decode them without one.
+
+        Waiting ``w`` seconds delays all ``batch_size`` sequences, whose step of ``cycle_s``
+        yields about E tokens each; the misses' trees add about E - 1 tokens each, E being
+        1 + their accepted share x ``depth``. It pays while ``w < cycle_s * m (E - 1) / (B E)``:
+        at batch 1 a few milliseconds of drafting, in a large batch almost never. True until
+        measured."""
+        if not misses:
+            return False
+        if self.cycle_s is None or self.level_s is None:
+            return True
+        per_row = self.level_s / (self.row_overhead + self.level_rows)
+        wait = depth * per_row * (self.row_overhead + len(misses))
+        gain = sum(self.accepted.get(s, 1.0) for s in misses) / len(misses) * depth  # E - 1
+        return wait < self.cycle_s * len(misses) * gain / (batch_size * (1.0 + gain))
+
     def select(self, seq_ids: Iterable[int], depth: int) -> set[int]:
         """The sequences to draft for: those accepted most (new ones first), as many as fit."""
         seq_ids = list(seq_ids)

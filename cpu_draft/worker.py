@@ -45,7 +45,6 @@ from ipc import Channel, Message, PeerDeadError
 
 logger = logging.getLogger("hetero.cpu_draft.worker")
 NEXT_MESSAGE_SPIN_S = 0.02  # between messages the worker spins this long before it sleeps: the next step's request is due soon
-DRAFT_MISSES_NOW_SHARE = 0.75  # misses are drafted before the reply only when more than this share of the trees asked for missed
 
 
 @dataclass(frozen=True)
@@ -148,8 +147,9 @@ class DraftService:
         stale = sorted(self.stale)
         for seq_id in stale:
             self.drafter.set_context(seq_id, self.contexts[seq_id])
-        prompts = [seq_id for seq_id in stale if self.drafter.uncached(seq_id) > SHORT_FEED_TOKENS]  # the rest: fed with the first level
-        if not stale or not self.drafter.prefill(prompts, interrupt=lambda: pending() is not None):
+        # The new tokens in short forwards that a waiting message interrupts (a large batch's
+        # tokens of a plain window would otherwise be one long forward the next proposal waits for).
+        if not stale or not self.drafter.prefill(stale, interrupt=lambda: pending() is not None):
             return
         # A sequence answered without a tree is decoding its next token on the GPU now: draft from the guess of it.
         guessed = set(self.drafter.assume_accepted([s for s in stale if s in self.unserved]))
@@ -167,11 +167,11 @@ class DraftService:
         """Trees for (seq_id, max_nodes): drafted ahead where the guess held; none for sequences
         beyond what the cores can draft within a step (`DraftCapacity`).
 
-        The rest (misses) are drafted now, before the reply, only when they are most of the
-        trees asked for (`DRAFT_MISSES_NOW_SHARE`; always at batch 1): the whole step waits for
-        them, so among hits a few misses would cost every sequence their drafting time. Otherwise
-        they get no tree this step and are drafted right after the reply, with the hits' next
-        trees, from the guess of the token this step decodes for them (`draft_ahead`)."""
+        The rest (misses) are drafted now, before the reply, only where the trees are worth the
+        whole step's wait for them (`DraftCapacity.draft_now_pays`: at batch 1 usually, among
+        hits or in a large batch not). Otherwise they get no tree this step and are drafted
+        right after the reply, with the hits' next trees, from the guess of the token this step
+        decodes for them (`draft_ahead`)."""
         trees: dict[int, TokenTree] = {}
         misses = []
         self.stale.difference_update(seq_id for seq_id, _ in batch)
@@ -196,7 +196,7 @@ class DraftService:
                 self.unserved.add(seq_id)
                 continue
             misses.append((seq_id, max_nodes))
-        if self.overlap and misses and len(misses) <= DRAFT_MISSES_NOW_SHARE * (len(trees) + len(misses)):
+        if self.overlap and misses and not self.capacity.draft_now_pays([s for s, _ in misses], len(batch), depth):
             self.stale.update(seq_id for seq_id, _ in misses)
             self.unserved.update(seq_id for seq_id, _ in misses)
             misses = []

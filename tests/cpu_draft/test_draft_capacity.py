@@ -54,4 +54,20 @@ def test_a_worker_short_of_cores_drafts_for_the_best_sequences_only(tiny_llama_d
     service.apply_updates(update_arrays([ContextUpdate(s, len(p), accepted[s] + [7]) for s, p in prompts.items()]))
     assert service.capacity.accepted[1] == 0.5 and service.capacity.accepted[0] == 0.0
     trees = service.propose([(s, 4) for s in prompts])
-    assert [len(t) for t in trees] == [0, 4, 0, 0]
+    # Only sequence 1 is drafted for; its tree, too slow to wait for, follows the reply.
+    assert [len(t) for t in trees] == [0, 0, 0, 0] and [t.ready for t in trees] == [True, False, True, True]
+    service.draft_ahead([(s, 4) for s in prompts], lambda: None)
+    assert set(service.predrafted) == {1} and len(service.predrafted[1].tree) == 4
+
+
+def test_a_batch_waits_for_missed_trees_only_where_they_are_worth_the_wait():
+    capacity = DraftCapacity()
+    assert capacity.draft_now_pays([1], 1, depth=4)  # unmeasured: draft them, as before any measurement
+    capacity.observe_cycle(0.007)  # a 7 ms verification step
+    capacity.observe_levels(0.004, levels=4, rows=1)  # 1 ms per depth level at one row
+    assert capacity.draft_now_pays([1], 1, depth=4)  # batch 1: 4 ms of drafting buys ~4 tokens in a 7 ms step
+    assert not capacity.draft_now_pays([1], 8, depth=4)  # one miss among 8: the other 7 would wait for it
+    assert not capacity.draft_now_pays(list(range(32)), 32, depth=4)  # 32 rows take far longer than the step
+    capacity.observe_accepted(1, 0.0)
+    assert not capacity.draft_now_pays([1], 1, depth=4)  # drafts that are never accepted are not worth waiting for
+    assert not capacity.draft_now_pays([], 1, depth=4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from cpu_draft.draft_capacity import DraftCapacity
 from cpu_draft.drafter import DraftModelOptions, Drafter
 from types import SimpleNamespace
 
@@ -208,6 +209,9 @@ def _two_sequences_one_rejected(service: DraftService) -> tuple[list[int], list[
 def test_a_miss_beside_hits_gets_no_tree_now_and_is_drafted_ahead_from_the_guess_of_its_next_token(tiny_llama_dir):
     service = _service(tiny_llama_dir)
     first, second = _two_sequences_one_rejected(service)
+    service.capacity = DraftCapacity()  # measured (not on this machine's clock): a step of 7 ms, 1 ms per depth level
+    service.capacity.observe_cycle(0.007)
+    service.capacity.observe_levels(0.004, 4, 1)
     trees = service.propose([(1, 4), (2, 4)])
     assert len(trees[0]) == 4 and not trees[1].ready  # the hit goes out; the miss does not hold the step up
     assert service.stats.predraft_hits == 3 and service.stats.predraft_misses == 1  # the first proposal: two hits
@@ -227,7 +231,7 @@ def test_a_miss_beside_hits_gets_no_tree_now_and_is_drafted_ahead_from_the_guess
     assert len(service.propose([(2, 4)])[0]) == 4 and service.stats.predraft_hits == 4
 
 
-def test_misses_that_are_most_of_the_trees_are_drafted_before_the_reply(tiny_llama_dir):
+def test_a_miss_at_batch_1_is_drafted_before_the_reply(tiny_llama_dir):
     service = _service(tiny_llama_dir)
     _, second = _two_sequences_one_rejected(service)
     trees = service.propose([(2, 4)])  # batch 1: waiting for its draft beats a step without a tree
