@@ -4,7 +4,8 @@ Coordinator -> worker
     SYNC / PROPOSE: context updates ``ids``, ``keep``, ``new_lens``, ``tokens`` (sequence
     ``ids[i]`` keeps its first ``keep[i]`` tokens and appends the next ``new_lens[i]`` of
     ``tokens``), ``released`` ids to forget, and for PROPOSE the batch to draft: ``batch``
-    ids and ``max_nodes``. A SYNC carries updates too big for one PROPOSE slot and gets no reply.
+    ids, ``max_nodes`` and ``sent_at`` (the coordinator's `time.monotonic()` as it sends, a
+    clock both processes share). A SYNC carries updates too big for one PROPOSE slot and gets no reply.
     SHUTDOWN: exit cleanly.
 Worker -> coordinator
     READY: the model is loaded (``pid``).

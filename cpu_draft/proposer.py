@@ -338,6 +338,7 @@ class WorkerDraftProposer(Proposer):
         try:
             for arrays in messages[:-1]:
                 worker.channel.send(SYNC, arrays, timeout=self.reply_timeout_s)
+            messages[-1]["sent_at"] = np.asarray([time.monotonic()], np.float64)
             worker.channel.send(PROPOSE, messages[-1], timeout=self.reply_timeout_s)
             self._released = []
             reply = worker.channel.recv(timeout=self.reply_timeout_s, spin_s=REPLY_SPIN_S)

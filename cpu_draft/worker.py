@@ -243,19 +243,19 @@ class _Loop:
         if self._pending is None:
             message = self.channel.try_recv()
             if message is not None:
-                self._pending, self._arrived = message.copy(), time.perf_counter()
+                self._pending, self._arrived = message.copy(), time.monotonic()
         return self._pending
 
     def next_message(self) -> tuple[Message, float]:
-        """The next message and when it was first seen."""
+        """The next message and when it was first seen (`time.monotonic`)."""
         if self._pending is not None:
             message, self._pending = self._pending, None
             return message, self._arrived
         message = self.channel.recv(spin_s=NEXT_MESSAGE_SPIN_S)
-        return message, time.perf_counter()
+        return message, time.monotonic()
 
     def run(self) -> None:
-        answered: Optional[float] = None  # when the last proposal was answered, while no SYNC came since
+        answered: Optional[float] = None  # when the last proposal was answered (time.monotonic), while no SYNC came since
         timeline = logger.isEnabledFor(logging.DEBUG)
         while True:
             message, arrived = self.next_message()
@@ -263,7 +263,7 @@ class _Loop:
                 return
             if message.kind not in (SYNC, PROPOSE):
                 raise RuntimeError(f"draft worker got an unknown message kind {message.kind}")
-            started = time.perf_counter()
+            started, picked_up = time.perf_counter(), time.monotonic()
             stats = self.service.stats
             hits, misses = stats.predraft_hits, stats.predraft_misses
             self.service.apply_updates(message.arrays)
@@ -272,25 +272,31 @@ class _Loop:
                 self.service.catch_up(self.pending)
                 stats.hidden_s += time.perf_counter() - started
                 if timeline:
-                    logger.debug("SYNC queued %.2f ms, caught up in %.2f ms", 1e3 * (started - arrived), 1e3 * (time.perf_counter() - started))
+                    logger.debug("SYNC queued %.2f ms, caught up in %.2f ms", 1e3 * (picked_up - arrived), 1e3 * (time.perf_counter() - started))
                 continue
-            if answered is not None:
-                self.service.capacity.observe_cycle(arrived - answered)
+            # The verification step is from the reply to the proposal's sending: a proposal that
+            # waited for the worker's own drafting must not make the step look longer.
+            sent_at = float(message.arrays["sent_at"][0])  # read now: the message's views end at the next poll
+            cycle = sent_at - answered if answered is not None else None
+            if cycle is not None:
+                self.service.capacity.observe_cycle(cycle)
             batch = list(zip(message.arrays["batch"].tolist(), message.arrays["max_nodes"].tolist()))
             trees = self.service.propose(batch)
             stats.exposed_s += time.perf_counter() - started
             self.channel.send(TREES, tree_arrays(trees, stats.as_list()))
             replied = ahead_started = time.perf_counter()
+            replied_at = time.monotonic()
             self.service.draft_ahead(batch, self.pending)
             self.service.catch_up(self.pending)
             stats.hidden_s += time.perf_counter() - ahead_started
             if timeline:
-                logger.debug("PROPOSE of %d, %.2f ms after the last reply: queued %.2f ms, replied in %.2f ms (%d drafted ahead, "
+                logger.debug("PROPOSE of %d, sent %.2f ms after the last reply: queued %.2f ms, replied in %.2f ms (%d drafted ahead, "
                              "%d drafted again, %d pending, %d empty); then drafted ahead for %.2f ms",
-                             len(batch), 1e3 * (arrived - answered) if answered else float("nan"), 1e3 * (started - arrived),
+                             len(batch), 1e3 * cycle if cycle is not None else float("nan"),
+                             1e3 * (picked_up - sent_at),
                              1e3 * (replied - started), stats.predraft_hits - hits, stats.predraft_misses - misses,
                              sum(not t.ready for t in trees), sum(t.ready and not len(t) for t in trees), 1e3 * (time.perf_counter() - replied))
-            answered = replied
+            answered = replied_at
 
 
 def worker_main(spec: dict, options: WorkerOptions) -> None:
