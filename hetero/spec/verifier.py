@@ -50,15 +50,20 @@ def accept_greedy(argmax: np.ndarray, tokens: np.ndarray, parents: np.ndarray, n
     tree_of = np.repeat(np.arange(len(sizes)), sizes)
     first = node_offsets[:-1][tree_of]
     match = tokens == argmax[row_starts[tree_of] + parents + 1]
-    is_top = parents < 0
-    global_parent = np.where(is_top, 0, first + parents)
-    # depth of each node's matching path (0: its path misses somewhere); one pass per tree level
-    depth = match.astype(np.int64)
-    while True:
-        deeper = np.where(match & (is_top | (depth[global_parent] > 0)), np.where(is_top, 1, depth[global_parent] + 1), 0)
-        if np.array_equal(deeper, depth):
-            break
-        depth = deeper
+    # Pointer jumping, one round per doubling of the depth rather than one per level: `up` is
+    # a node's 2^r-th ancestor, or past the root the sentinel n (matching, of depth 0, its own
+    # ancestor); `whole` says whether every node from just below `up` down to the node
+    # matches, `depth` counts them.
+    n = len(tokens)
+    up = np.append(np.where(parents < 0, n, first + parents), n)
+    whole = np.append(match, True)
+    depth = np.ones(n + 1, dtype=np.int64)
+    depth[n] = 0
+    for _ in range((int(sizes.max()) - 1).bit_length()):
+        whole = whole & whole[up]
+        depth = depth + depth[up]
+        up = up[up]
+    depth = np.where(whole[:n], depth[:n], 0)  # depth of each node's matching path (0: its path misses somewhere)
     span = int(sizes.max()) + 1
     local = np.arange(len(tokens)) - first
     best = np.maximum.reduceat(depth * span + (span - 1 - local), node_offsets[:-1])
