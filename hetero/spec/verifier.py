@@ -11,6 +11,7 @@ compacted behind the root, one copy for the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Optional, Sequence as Seq
 
 import numpy as np
@@ -92,7 +93,8 @@ class BatchVerifier:
         contexts = [] if all_greedy else [c for rows in layout for c in self.row_contexts(rows, logits.device)]
         probs = target_probs(sample_logits, contexts) if contexts else None
         if argmax is not None:
-            plain_tokens = {b: int(argmax[sample_starts[b]]) for b in plain}
+            greedy_tokens = argmax.tolist()  # read a few times per sequence: Python ints, not numpy scalars
+            plain_tokens = {b: greedy_tokens[sample_starts[b]] for b in plain}
         elif plain:
             picks = [sample_starts[b] for b in plain]
             plain_tokens = dict(zip(plain, sample(probs[picks], [contexts[i] for i in picks]).tolist()))
@@ -109,7 +111,7 @@ class BatchVerifier:
                 continue
             if argmax is not None:
                 best = greedy_best[b]
-                accepted, bonus = item.tree.path_to(best), int(argmax[first + best + 1])
+                accepted, bonus = item.tree.path_to(best), greedy_tokens[first + best + 1]
             else:
                 end = first + layout[b].num_sample_rows
                 accepted, bonus = verify_tree(probs[first:end], item.tree, seq.params.is_greedy, seq.generator)
@@ -127,13 +129,15 @@ class BatchVerifier:
     @staticmethod
     def _accept_greedy(scheduled: list[ScheduledSeq], trees: list[int], sample_starts: list[int],
                        argmax: np.ndarray) -> dict[int, int]:
-        """Each tree's deepest matching node, by `accept_greedy` over the step's flat tree arrays."""
+        """Each tree's deepest matching node, by `accept_greedy` over the step's flat tree arrays
+        (gathered from the trees' lists: one conversion each, not one per tree)."""
+        sizes = [len(scheduled[b].tree.token_list) for b in trees]
         node_offsets = np.zeros(len(trees) + 1, dtype=np.int64)
-        node_offsets[1:] = np.cumsum([len(scheduled[b].tree) for b in trees])
+        node_offsets[1:] = np.cumsum(sizes)
         best = accept_greedy(
             argmax,
-            np.concatenate([scheduled[b].tree.tokens for b in trees]).astype(np.int64),
-            np.concatenate([scheduled[b].tree.parents for b in trees]).astype(np.int64),
+            np.asarray(list(chain.from_iterable(scheduled[b].tree.token_list for b in trees)), dtype=np.int64),
+            np.asarray(list(chain.from_iterable(scheduled[b].tree.parent_list for b in trees)), dtype=np.int64),
             node_offsets,
             np.asarray([sample_starts[b] for b in trees], dtype=np.int64),
         )
