@@ -276,20 +276,19 @@ def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChu
     Every slot not covered by a chunk is padding aimed at the null block. Returns the flat
     rows of the tokens whose logits were asked for, in chunk order.
     """
-    num_seqs = len(arrays["seq_lens"])
+    own_bits, query_starts, causal = _uniform_pattern(len(arrays["seq_lens"]), query_len)
     arrays["input_ids"][:] = 0
     arrays["positions"][:] = 0
     arrays["slot_mapping"][:] = NULL_BLOCK * block_size
-    arrays["tree_mask"][:] = np.tile(np.left_shift(np.int64(1), np.arange(query_len, dtype=np.int64)), num_seqs)
+    arrays["tree_mask"][:] = own_bits
     arrays["seq_lens"][:] = query_len
     arrays["block_tables"][:] = NULL_BLOCK
-    arrays["query_start_loc"][:] = np.arange(0, (num_seqs + 1) * query_len, query_len, dtype=np.int32)
+    arrays["query_start_loc"][:] = query_starts
     if not chunks:
         return []
     # Tokens, positions and masks are gathered in plain lists and written with one numpy
     # assignment per buffer, and the cache slots computed for the whole batch at once
     # (`_cache_slots`): per-chunk numpy calls cost microseconds each, for every sequence of every step.
-    causal = (np.left_shift(np.int64(2), np.arange(query_len, dtype=np.int64)) - 1).tolist()
     lens = [len(chunk.token_ids) for chunk in chunks]
     num_cached = [chunk.num_cached for chunk in chunks]
     token_ids: list[int] = []
@@ -312,6 +311,18 @@ def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChu
     if all(chunk.logits_indices == every[:n] for chunk, n in zip(chunks, lens)):
         return index.tolist()
     return [b * query_len + i for b, chunk in enumerate(chunks) for i in chunk.logits_indices]
+
+
+@functools.lru_cache(maxsize=None)
+def _uniform_pattern(num_seqs: int, query_len: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """A uniform bucket's constant parts, made once per bucket (shared: read-only): each slot's
+    own tree bit (what a padding token sees), the sequences' query starts, and the causal
+    masks of a chunk's first tokens."""
+    own_bits = np.tile(np.left_shift(np.int64(1), np.arange(query_len, dtype=np.int64)), num_seqs)
+    query_starts = np.arange(0, (num_seqs + 1) * query_len, query_len, dtype=np.int32)
+    own_bits.setflags(write=False)
+    query_starts.setflags(write=False)
+    return own_bits, query_starts, (np.left_shift(np.int64(2), np.arange(query_len, dtype=np.int64)) - 1).tolist()
 
 
 @functools.lru_cache(maxsize=None)
@@ -363,9 +374,18 @@ def fill_ragged_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[Sequ
 
 
 def _token_coordinates(lens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """For chunks of `lens` tokens laid back to back: each token's chunk, and its index in that chunk."""
+    """For chunks of `lens` tokens laid back to back: each token's chunk, and its index in that
+    chunk (shared: read-only). Steps repeat their lengths (every tree of a step is often the
+    same size), so each is computed once."""
+    return _coordinates(tuple(lens))
+
+
+@functools.lru_cache(maxsize=256)
+def _coordinates(lens: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     seq_of_token = np.repeat(np.arange(len(lens)), lens)
     within = np.arange(len(seq_of_token)) - np.repeat(np.cumsum(lens) - lens, lens)
+    seq_of_token.setflags(write=False)
+    within.setflags(write=False)
     return seq_of_token, within
 
 
