@@ -11,7 +11,6 @@ compacted behind the root, one copy for the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Optional, Sequence as Seq
 
 import numpy as np
@@ -129,15 +128,13 @@ class BatchVerifier:
     @staticmethod
     def _accept_greedy(scheduled: list[ScheduledSeq], trees: list[int], sample_starts: list[int],
                        argmax: np.ndarray) -> dict[int, int]:
-        """Each tree's deepest matching node, by `accept_greedy` over the step's flat tree arrays
-        (gathered from the trees' lists: one conversion each, not one per tree)."""
-        sizes = [len(scheduled[b].tree.token_list) for b in trees]
+        """Each tree's deepest matching node, by `accept_greedy` over the step's flat tree arrays."""
         node_offsets = np.zeros(len(trees) + 1, dtype=np.int64)
-        node_offsets[1:] = np.cumsum(sizes)
+        node_offsets[1:] = np.cumsum([len(scheduled[b].tree.token_list) for b in trees])
         best = accept_greedy(
             argmax,
-            np.asarray(list(chain.from_iterable(scheduled[b].tree.token_list for b in trees)), dtype=np.int64),
-            np.asarray(list(chain.from_iterable(scheduled[b].tree.parent_list for b in trees)), dtype=np.int64),
+            np.concatenate([scheduled[b].tree.tokens for b in trees]).astype(np.int64, copy=False),
+            np.concatenate([scheduled[b].tree.parents for b in trees]).astype(np.int64),
             node_offsets,
             np.asarray([sample_starts[b] for b in trees], dtype=np.int64),
         )
