@@ -50,6 +50,11 @@ def accept_greedy(argmax: np.ndarray, tokens: np.ndarray, parents: np.ndarray, n
     tree_of = np.repeat(np.arange(len(sizes)), sizes)
     first = node_offsets[:-1][tree_of]
     match = tokens == argmax[row_starts[tree_of] + parents + 1]
+    span = int(sizes.max()) + 1
+    local = np.arange(len(tokens)) - first
+    if np.array_equal(parents, local - 1):  # every tree a chain: its path is its leading matches
+        first_miss = np.minimum.reduceat(np.where(match, span, local), node_offsets[:-1])
+        return np.minimum(first_miss, sizes) - 1
     # Pointer jumping, one round per doubling of the depth rather than one per level: `up` is
     # a node's 2^r-th ancestor, or past the root the sentinel n (matching, of depth 0, its own
     # ancestor); `whole` says whether every node from just below `up` down to the node
@@ -64,8 +69,6 @@ def accept_greedy(argmax: np.ndarray, tokens: np.ndarray, parents: np.ndarray, n
         depth = depth + depth[up]
         up = up[up]
     depth = np.where(whole[:n], depth[:n], 0)  # depth of each node's matching path (0: its path misses somewhere)
-    span = int(sizes.max()) + 1
-    local = np.arange(len(tokens)) - first
     best = np.maximum.reduceat(depth * span + (span - 1 - local), node_offsets[:-1])
     return np.where(best // span > 0, span - 1 - best % span, -1)
 
