@@ -53,7 +53,7 @@ def test_accept_greedy_follows_long_chains_to_their_first_miss(seed):
     # the target agrees with each chain up to a random depth, then differs
     argmax = np.concatenate([np.append(c.tokens, 0) for c in chains])
     for chain, start in zip(chains, row_starts):
-        depth = rng.randint(0, len(chain))
+        depth = rng.choice([0, len(chain), rng.randint(0, len(chain))])  # none, all, or some accepted
         if depth < len(chain):
             argmax[start + depth] = 1 - chain.tokens[depth]
     offsets = np.concatenate([[0], np.cumsum([len(c) for c in chains])]).astype(np.int64)
