@@ -23,6 +23,7 @@ the empty sequences have no tokens at all.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
@@ -275,21 +276,21 @@ def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChu
     Every slot not covered by a chunk is padding aimed at the null block. Returns the flat
     rows of the tokens whose logits were asked for, in chunk order.
     """
-    num_seqs = len(arrays["seq_lens"])
+    own_bits, query_starts, causal = _uniform_pattern(len(arrays["seq_lens"]), query_len)
     arrays["input_ids"][:] = 0
     arrays["positions"][:] = 0
     arrays["slot_mapping"][:] = NULL_BLOCK * block_size
-    arrays["tree_mask"][:] = np.tile(np.left_shift(np.int64(1), np.arange(query_len, dtype=np.int64)), num_seqs)
+    arrays["tree_mask"][:] = own_bits
     arrays["seq_lens"][:] = query_len
     arrays["block_tables"][:] = NULL_BLOCK
-    arrays["query_start_loc"][:] = np.arange(0, (num_seqs + 1) * query_len, query_len, dtype=np.int32)
+    arrays["query_start_loc"][:] = query_starts
     if not chunks:
         return []
     # Tokens, positions and masks are gathered in plain lists and written with one numpy
     # assignment per buffer, and the cache slots computed for the whole batch at once
     # (`_cache_slots`): per-chunk numpy calls cost microseconds each, for every sequence of every step.
-    causal = (np.left_shift(np.int64(2), np.arange(query_len, dtype=np.int64)) - 1).tolist()
     lens = [len(chunk.token_ids) for chunk in chunks]
+    num_cached = [chunk.num_cached for chunk in chunks]
     token_ids: list[int] = []
     positions: list[int] = []
     masks: list[int] = []
@@ -302,10 +303,32 @@ def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChu
     _write_block_tables(arrays["block_tables"], chunks)
     arrays["input_ids"][index] = token_ids
     arrays["positions"][index] = positions
-    arrays["slot_mapping"][index] = _cache_slots(arrays["block_tables"], chunks, seq_of_token, within, block_size)
+    arrays["slot_mapping"][index] = _cache_slots(arrays["block_tables"], num_cached, seq_of_token, within, block_size)
     arrays["tree_mask"][index] = masks
-    arrays["seq_lens"][: len(chunks)] = [chunk.num_cached + query_len for chunk in chunks]
+    arrays["seq_lens"][: len(chunks)] = np.asarray(num_cached) + query_len
+    # Decode and tree chunks want every token's logits: their rows are the tokens' own slots.
+    every = _every_index(query_len)
+    if all(chunk.logits_indices == every[:n] for chunk, n in zip(chunks, lens)):
+        return index.tolist()
     return [b * query_len + i for b, chunk in enumerate(chunks) for i in chunk.logits_indices]
+
+
+@functools.lru_cache(maxsize=None)
+def _uniform_pattern(num_seqs: int, query_len: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """A uniform bucket's constant parts, made once per bucket (shared: read-only): each slot's
+    own tree bit (what a padding token sees), the sequences' query starts, and the causal
+    masks of a chunk's first tokens."""
+    own_bits = np.tile(np.left_shift(np.int64(1), np.arange(query_len, dtype=np.int64)), num_seqs)
+    query_starts = np.arange(0, (num_seqs + 1) * query_len, query_len, dtype=np.int32)
+    own_bits.setflags(write=False)
+    query_starts.setflags(write=False)
+    return own_bits, query_starts, (np.left_shift(np.int64(2), np.arange(query_len, dtype=np.int64)) - 1).tolist()
+
+
+@functools.lru_cache(maxsize=None)
+def _every_index(n: int) -> list[int]:
+    """[0, 1, ..., n - 1], to compare chunks' logits indices against (shared: not to be modified)."""
+    return list(range(n))
 
 
 def fill_ragged_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChunk], block_size: int) -> list[int]:
@@ -343,24 +366,34 @@ def fill_ragged_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[Sequ
     seq_of_token, within = _token_coordinates(query_lens)
     arrays["input_ids"][:num_real] = token_ids
     arrays["positions"][:num_real] = positions
-    arrays["slot_mapping"][:num_real] = _cache_slots(arrays["block_tables"], chunks, seq_of_token, within, block_size)
+    arrays["slot_mapping"][:num_real] = _cache_slots(arrays["block_tables"], [chunk.num_cached for chunk in chunks], seq_of_token,
+                                                     within, block_size)
     arrays["tree_mask"][:num_real] = masks
     arrays["seq_lens"][: len(chunks)] = [chunk.num_cached + n for chunk, n in zip(chunks, query_lens)]
     return rows
 
 
 def _token_coordinates(lens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """For chunks of `lens` tokens laid back to back: each token's chunk, and its index in that chunk."""
+    """For chunks of `lens` tokens laid back to back: each token's chunk, and its index in that
+    chunk (shared: read-only). Steps repeat their lengths (every tree of a step is often the
+    same size), so each is computed once."""
+    return _coordinates(tuple(lens))
+
+
+@functools.lru_cache(maxsize=256)
+def _coordinates(lens: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     seq_of_token = np.repeat(np.arange(len(lens)), lens)
     within = np.arange(len(seq_of_token)) - np.repeat(np.cumsum(lens) - lens, lens)
+    seq_of_token.setflags(write=False)
+    within.setflags(write=False)
     return seq_of_token, within
 
 
-def _cache_slots(block_tables: np.ndarray, chunks: Sequence[SequenceChunk], seq_of_token: np.ndarray, within: np.ndarray,
+def _cache_slots(block_tables: np.ndarray, num_cached: Sequence[int], seq_of_token: np.ndarray, within: np.ndarray,
                  block_size: int) -> np.ndarray:
-    """Cache slots of the chunks' new tokens (storage indices num_cached onwards), for the whole
-    batch at once, from the block tables already written into `block_tables`."""
-    storage = np.array([chunk.num_cached for chunk in chunks])[seq_of_token] + within
+    """Cache slots of the chunks' new tokens (storage indices `num_cached` onwards, per chunk), for
+    the whole batch at once, from the block tables already written into `block_tables`."""
+    storage = np.asarray(num_cached, dtype=np.int64)[seq_of_token] + within
     return block_tables[seq_of_token, storage // block_size].astype(np.int64) * block_size + storage % block_size
 
 

@@ -388,7 +388,8 @@ class LLMEngine:
         granted = withheld = 0
         for item in decoding:
             seq = item.seq
-            room = min(self.max_model_len - len(seq.token_ids), seq.group.max_tokens - seq.num_output_tokens - 1)
+            length = len(seq.token_ids)
+            room = min(self.max_model_len - length, seq.group.max_tokens - (length - seq.num_prompt_tokens) - 1)
             budget = max(0, min(per_seq, room))
             if budget and gated and not seq.draft_backoff.grants_tree():
                 budget = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Optional
 
 from gpu_target.runner import SequenceChunk
@@ -114,6 +115,10 @@ def row_offsets(layout: list[ChunkRows]) -> tuple[list[tuple[int, int]], list[in
     """Where each sequence's rows sit among the logits: its prompt rows' (start, stop), the
     first of its sampling rows counted among sampling rows only, and every sampling row's
     index among all rows."""
+    if not any(rows.num_prompt_rows for rows in layout):  # decode and verification steps: sampling rows only
+        sample_starts = list(accumulate((rows.num_sample_rows for rows in layout), initial=0))
+        num_rows = sample_starts.pop()
+        return [(start, start) for start in sample_starts], sample_starts, list(range(num_rows))
     prompt_slices, sample_starts, sample_index = [], [], []
     offset = 0
     for rows in layout:

@@ -50,6 +50,10 @@ class OutputProcessor:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now
+        if want is None and not ranks_samples and seq.grammar is None and not (params.detokenize and params.stop):
+            stopped = self._append_unwatched(seq, new_tokens)
+            self.scheduler.register_blocks(seq)
+            return stopped
         for i, token in enumerate(new_tokens):
             seq.token_ids.append(token)
             if seq.grammar is not None:
@@ -63,6 +67,29 @@ class OutputProcessor:
                 self.scheduler.register_blocks(seq)
                 return True
         self.scheduler.register_blocks(seq)
+        return False
+
+    def _append_unwatched(self, seq: Sequence, new_tokens: list[int]) -> bool:
+        """Append tokens that need no work of their own (no logprobs, grammar or stop strings) up
+        to the first stop; whether the sequence stopped.
+
+        Only a stop token, EOS or a length limit can stop such a sequence, so `_check_stop` is
+        asked at those tokens alone and the rest are appended a run at a time.
+        """
+        params = seq.params
+        stop_ids = params.stop_token_ids or ()
+        eos = () if params.ignore_eos else self.eos_token_ids
+        length_left = min(seq.group.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids))
+        appended = 0
+        for i, token in enumerate(new_tokens):
+            if i + 1 >= length_left or token in stop_ids or token in eos:
+                seq.token_ids.extend(new_tokens[appended : i + 1])
+                self.num_generation_tokens += i + 1 - appended
+                appended = i + 1
+                if self._check_stop(seq, token):
+                    return True
+        seq.token_ids.extend(new_tokens[appended:])
+        self.num_generation_tokens += len(new_tokens) - appended
         return False
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:

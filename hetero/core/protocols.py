@@ -31,10 +31,10 @@ class TokenTree:
     ready: bool = True  # False: the proposer has no draft for this sequence yet (`pending`)
 
     def __post_init__(self) -> None:
-        self.tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
-        self.parents = np.asarray(self.parents, dtype=np.int32).reshape(-1)
+        self.tokens = _flat(self.tokens, np.int64)
+        self.parents = _flat(self.parents, np.int32)
         if self.scores is not None:
-            self.scores = np.asarray(self.scores, dtype=np.float32).reshape(-1)
+            self.scores = _flat(self.scores, np.float32)
         n = len(self.tokens)
         if len(self.parents) != n or (self.scores is not None and len(self.scores) != n):
             raise ValueError("TokenTree arrays must have one entry per node")
@@ -46,7 +46,8 @@ class TokenTree:
         # two numpy reductions.
         self.token_list: list[int] = self.tokens.tolist()
         self.parent_list: list[int] = self.parents.tolist()
-        if n and not all(-1 <= parent < i for i, parent in enumerate(self.parent_list)):
+        # A chain (every proposer's most common shape) is checked by one list comparison.
+        if n and self.parent_list != _chain_parents(n) and not all(-1 <= parent < i for i, parent in enumerate(self.parent_list)):
             raise ValueError("TokenTree parents must precede their children (-1 <= parents[i] < i)")
 
     def __len__(self) -> int:
@@ -86,6 +87,18 @@ class TokenTree:
             path.append(node)
             node = parents[node]
         return path[::-1]
+
+
+def _flat(values, dtype) -> np.ndarray:
+    """`values` as a 1-D array of `dtype` (no copy when it is one already)."""
+    array = np.asarray(values, dtype=dtype)
+    return array if array.ndim == 1 else array.reshape(-1)
+
+
+@functools.lru_cache(maxsize=MAX_TREE_NODES + 1)
+def _chain_parents(n: int) -> list[int]:
+    """The parents of an n-node chain: -1, 0, 1, ... (shared: callers must not modify it)."""
+    return list(range(-1, n - 1))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -50,17 +50,25 @@ def accept_greedy(argmax: np.ndarray, tokens: np.ndarray, parents: np.ndarray, n
     tree_of = np.repeat(np.arange(len(sizes)), sizes)
     first = node_offsets[:-1][tree_of]
     match = tokens == argmax[row_starts[tree_of] + parents + 1]
-    is_top = parents < 0
-    global_parent = np.where(is_top, 0, first + parents)
-    # depth of each node's matching path (0: its path misses somewhere); one pass per tree level
-    depth = match.astype(np.int64)
-    while True:
-        deeper = np.where(match & (is_top | (depth[global_parent] > 0)), np.where(is_top, 1, depth[global_parent] + 1), 0)
-        if np.array_equal(deeper, depth):
-            break
-        depth = deeper
     span = int(sizes.max()) + 1
     local = np.arange(len(tokens)) - first
+    if np.array_equal(parents, local - 1):  # every tree a chain: its path is its leading matches
+        first_miss = np.minimum.reduceat(np.where(match, span, local), node_offsets[:-1])
+        return np.minimum(first_miss, sizes) - 1
+    # Pointer jumping, one round per doubling of the depth rather than one per level: `up` is
+    # a node's 2^r-th ancestor, or past the root the sentinel n (matching, of depth 0, its own
+    # ancestor); `whole` says whether every node from just below `up` down to the node
+    # matches, `depth` counts them.
+    n = len(tokens)
+    up = np.append(np.where(parents < 0, n, first + parents), n)
+    whole = np.append(match, True)
+    depth = np.ones(n + 1, dtype=np.int64)
+    depth[n] = 0
+    for _ in range((int(sizes.max()) - 1).bit_length()):
+        whole = whole & whole[up]
+        depth = depth + depth[up]
+        up = up[up]
+    depth = np.where(whole[:n], depth[:n], 0)  # depth of each node's matching path (0: its path misses somewhere)
     best = np.maximum.reduceat(depth * span + (span - 1 - local), node_offsets[:-1])
     return np.where(best // span > 0, span - 1 - best % span, -1)
 
@@ -87,7 +95,8 @@ class BatchVerifier:
         contexts = [] if all_greedy else [c for rows in layout for c in self.row_contexts(rows, logits.device)]
         probs = target_probs(sample_logits, contexts) if contexts else None
         if argmax is not None:
-            plain_tokens = {b: int(argmax[sample_starts[b]]) for b in plain}
+            greedy_tokens = argmax.tolist()  # read a few times per sequence: Python ints, not numpy scalars
+            plain_tokens = {b: greedy_tokens[sample_starts[b]] for b in plain}
         elif plain:
             picks = [sample_starts[b] for b in plain]
             plain_tokens = dict(zip(plain, sample(probs[picks], [contexts[i] for i in picks]).tolist()))
@@ -104,7 +113,7 @@ class BatchVerifier:
                 continue
             if argmax is not None:
                 best = greedy_best[b]
-                accepted, bonus = item.tree.path_to(best), int(argmax[first + best + 1])
+                accepted, bonus = item.tree.path_to(best), greedy_tokens[first + best + 1]
             else:
                 end = first + layout[b].num_sample_rows
                 accepted, bonus = verify_tree(probs[first:end], item.tree, seq.params.is_greedy, seq.generator)
@@ -124,10 +133,10 @@ class BatchVerifier:
                        argmax: np.ndarray) -> dict[int, int]:
         """Each tree's deepest matching node, by `accept_greedy` over the step's flat tree arrays."""
         node_offsets = np.zeros(len(trees) + 1, dtype=np.int64)
-        node_offsets[1:] = np.cumsum([len(scheduled[b].tree) for b in trees])
+        node_offsets[1:] = np.cumsum([len(scheduled[b].tree.token_list) for b in trees])
         best = accept_greedy(
             argmax,
-            np.concatenate([scheduled[b].tree.tokens for b in trees]).astype(np.int64),
+            np.concatenate([scheduled[b].tree.tokens for b in trees]).astype(np.int64, copy=False),
             np.concatenate([scheduled[b].tree.parents for b in trees]).astype(np.int64),
             node_offsets,
             np.asarray([sample_starts[b] for b in trees], dtype=np.int64),

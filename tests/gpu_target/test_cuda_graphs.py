@@ -131,3 +131,11 @@ def test_gpu_verifies_trees_losslessly(tiny_llama_dir, eager, max_num_seqs):
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
     if max_num_seqs == 2:
         assert any(isinstance(bucket, Ragged) and trees for bucket, trees in replayed)
+
+
+def test_decode_and_tree_rows_are_their_tokens_slots_and_other_rows_are_gathered():
+    chunks = [SequenceChunk([11, 5, 6], [20, 21, 22], [3, 4], 20, [0, 1, 2]), SequenceChunk([12], [9], [7], 9, [0])]
+    host = {name: t.numpy() for name, t in bucket_view(allocate_buffers(32, 8, 3, "cpu"), 4, 16).items()}
+    assert fill_host_inputs(host, chunks, query_len=4, block_size=16) == [0, 1, 2, 4]
+    chunks[0] = SequenceChunk([11, 5, 6], [20, 21, 22], [3, 4], 20, [2, 0])
+    assert fill_host_inputs(host, chunks, query_len=4, block_size=16) == [2, 0, 4]

@@ -43,3 +43,22 @@ def test_accept_greedy_takes_the_deepest_path_and_the_lowest_index_on_ties():
     assert best.tolist() == [2]
     miss = accept_greedy(np.array([9, 7, 7, 1, 1]), tree.tokens, tree.parents.astype(np.int64), np.array([0, 4]), np.array([0]))
     assert miss.tolist() == [-1]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_accept_greedy_follows_long_chains_to_their_first_miss(seed):
+    rng = random.Random(seed)
+    chains = [TokenTree.chain([rng.randrange(2) for _ in range(rng.randint(1, 63))]) for _ in range(rng.randint(1, 8))]
+    row_starts = np.cumsum([0] + [len(c) + 1 for c in chains[:-1]]).astype(np.int64)
+    # the target agrees with each chain up to a random depth, then differs
+    argmax = np.concatenate([np.append(c.tokens, 0) for c in chains])
+    for chain, start in zip(chains, row_starts):
+        depth = rng.choice([0, len(chain), rng.randint(0, len(chain))])  # none, all, or some accepted
+        if depth < len(chain):
+            argmax[start + depth] = 1 - chain.tokens[depth]
+    offsets = np.concatenate([[0], np.cumsum([len(c) for c in chains])]).astype(np.int64)
+    best = accept_greedy(argmax, np.concatenate([c.tokens for c in chains]), np.concatenate([c.parents for c in chains]).astype(np.int64),
+                         offsets, row_starts)
+    for chain, start, node in zip(chains, row_starts, best.tolist()):
+        expected_path, _ = greedy_accept(argmax[start : start + len(chain) + 1].tolist(), chain)
+        assert chain.path_to(node) == expected_path
