@@ -193,10 +193,18 @@ class StepKinds:
     'spec': trees verified, decodes only; 'spec+prefill': trees beside a prefill (a request
     admitted mid-run); 'plain': one decode step or a multi-step window; 'prefill': a step
     that prefills, no trees. Installed on the engine's runner; `timed_decode` records.
+
+    A step is labelled by the work it verified. Under async scheduling (`LLMEngine.async_scheduling`)
+    that is the work launched before the step's own launch: the one launched by the step
+    before (or first in this step, when it launched twice), or the last one if it launched none.
     """
 
     def __init__(self, engine: LLMEngine):
+        self.engine = engine
         self.kind = "plain"
+        self.labels: list[str] = ["plain"]  # each launch's label, the last two kept
+        self.launches = 0
+        self._launches_at_start = 0
         self.seconds: dict[str, float] = {}
         self.tokens: dict[str, int] = {}
         self.steps: dict[str, int] = {}
@@ -207,19 +215,29 @@ class StepKinds:
         def labelled_forward(chunks):
             trees = any(c.tree_mask is not None for c in chunks)
             prefill = any(len(c.token_ids) > 1 and c.tree_mask is None for c in chunks)
-            self.kind = "spec+prefill" if trees and prefill else "spec" if trees else "prefill" if prefill else "plain"
+            self._launched("spec+prefill" if trees and prefill else "spec" if trees else "prefill" if prefill else "plain")
             return forward(chunks)
 
         def labelled_decode_steps(*args, **kwargs):
-            self.kind = "plain"
+            self._launched("plain")
             return decode_steps(*args, **kwargs)
 
         runner.forward, runner.decode_steps = labelled_forward, labelled_decode_steps
+
+    def _launched(self, label: str) -> None:
+        self.labels = [self.labels[-1], label]
+        self.launches += 1
+
+    def start(self) -> None:
+        """Called before each timed step."""
+        self._launches_at_start = self.launches
 
     def reset(self) -> None:
         self.seconds, self.tokens, self.steps, self.compiles = {}, {}, {}, {}
 
     def record(self, seconds: float, tokens: int, compiled: tuple[str, ...] = ()) -> None:
+        launched = self.launches - self._launches_at_start
+        self.kind = self.labels[-2] if self.engine.async_scheduling and launched else self.labels[-1]
         if compiled:
             self.compiles.setdefault(self.kind, []).extend(compiled)
         self.seconds[self.kind] = self.seconds.get(self.kind, 0.0) + seconds
@@ -258,6 +276,8 @@ def timed_decode(engine: LLMEngine, prompts: list[dict], max_tokens: int | list[
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         step_start, tokens_before, compiles_before = time.perf_counter(), engine.num_generation_tokens_total, len(TRITON_COMPILES)
+        if kinds is not None:
+            kinds.start()
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.gpu_decode import ChainOracle, StepKinds, greedy_successors, request_lengths, stabilise_greedy, timed_decode
+from bench.gpu_decode import ChainOracle, StepKinds, greedy, greedy_successors, request_lengths, stabilise_greedy, timed_decode
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 
@@ -65,3 +65,19 @@ def test_trace_oracle_drafts_right_prefixes_as_the_trace_accepts():
     assert sum(r >= 1 for r in rights) / len(rights) == pytest.approx(0.8, abs=0.02)
     assert sum(r >= 2 for r in rights) / sum(r >= 1 for r in rights) == pytest.approx(0.5, abs=0.03)
     assert sum(r >= 3 for r in rights) / sum(r >= 2 for r in rights) == pytest.approx(0.5, abs=0.05)  # the last rate beyond
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_step_is_labelled_by_the_work_it_verified(tiny_llama_dir, async_scheduling):
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=128, dtype="float32", max_num_seqs=1, num_scheduler_steps=4)
+    engine = LLMEngine(config)
+    engine.async_scheduling = async_scheduling
+    kinds = StepKinds(engine)
+    engine.add_request("r", {"prompt_token_ids": list(range(5, 11))}, greedy(9))
+    while engine.has_unfinished_requests():
+        kinds.start()
+        before = engine.num_generation_tokens_total
+        engine.step()
+        kinds.record(0.001, engine.num_generation_tokens_total - before)
+    # the prefill's step emits its first token; the two 4-step windows emit 4 each, whichever step launched them
+    assert kinds.tokens == {"prefill": 1, "plain": 8} and kinds.steps == {"prefill": 1, "plain": 2}
