@@ -2,8 +2,10 @@
 
 The controller measures, per batch-size bucket (powers of two), the tokens per second per
 sequence that whole engine steps deliver with and without speculation (`record_step`).
-Each option is judged by its mean tokens per step over its median seconds per step: the
-mean of acceptance is what pays, and the median ignores a slow step.
+Each option is judged by its mean tokens per step over its typical seconds per step (the
+mean without the slowest eighth, `trimmed_mean_seconds`): the mean of acceptance is what
+pays, an isolated slow step (a pause) is left out, and steps that often wait (for drafts)
+count.
 
 It first alternates, starting with speculation, until each option has `min_samples` steps.
 Then it runs the faster option and probes the other, to notice when acceptance changes.
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from statistics import median
 from typing import Optional, Sequence
 
 
@@ -39,7 +40,7 @@ NOTHING_ACCEPTED_SEQUENCE_STEPS = 32
 
 # A losing option's window that spans this many sequence-steps is solid evidence, full or not:
 # the mean accepted length over 128 sequence-steps has a standard error of about a tenth of a
-# token per step, and its seconds are the median of at least `min_samples` steps.
+# token per step, and its seconds come from at least `min_samples` steps.
 SOLID_SEQUENCE_STEPS = 128
 
 
@@ -54,12 +55,25 @@ def cut_short(rooms: list[int], tokens_per_seq: int, tolerance: float = 0.1) -> 
     return lost > tolerance * tokens_per_seq * len(rooms)
 
 
+def trimmed_mean_seconds(seconds: list[float]) -> float:
+    """The mean of the step times without the slowest eighth (at least one, from three steps on).
+
+    A step that a pause or a cold start made slow is rare, and left out; steps that wait
+    for something in a quarter or a third of cases (a draft worker's misses, its overruns
+    in a large batch) are what the option costs, and stay in, where a median would hide them.
+    """
+    ordered = sorted(seconds)
+    drop = max(len(ordered) // 8, 1) if len(ordered) >= 3 else 0
+    kept = ordered[: len(ordered) - drop]
+    return sum(kept) / len(kept)
+
+
 @dataclass
 class _Samples:
     """Recent steps of one option in one bucket: (tokens emitted, seconds, sequences) each.
 
     The statistics are refreshed when a step is added, not when they are read: the engine
-    reads them several times per step, plain windows included, and a median per read cost
+    reads them several times per step, plain windows included, and a sort per read cost
     a measurable share of a plain window's host time.
     """
 
@@ -67,7 +81,7 @@ class _Samples:
     recent: deque = field(default_factory=deque)
     _sequence_steps: int = 0
     _mean_tokens: float = 0.0
-    _median_seconds: float = 0.0
+    _typical_seconds: float = 0.0
     _relative_error: float = 0.0
     _one_token_each: bool = True  # every step emitted at most one token per sequence
 
@@ -78,7 +92,7 @@ class _Samples:
         count = len(self.recent)
         self._sequence_steps = sum(n for _, _, n in self.recent)
         self._mean_tokens = sum(t for t, _, _ in self.recent) / count
-        self._median_seconds = median(s for _, s, _ in self.recent)
+        self._typical_seconds = trimmed_mean_seconds([s for _, s, _ in self.recent])
         self._one_token_each = all(t <= n for t, _, n in self.recent)
         variance = sum((t - self._mean_tokens) ** 2 for t, _, _ in self.recent) / max(count - 1, 1)
         self._relative_error = (variance / count) ** 0.5 / self._mean_tokens if self._mean_tokens else 0.0
@@ -99,18 +113,18 @@ class _Samples:
         return self._sequence_steps >= NOTHING_ACCEPTED_SEQUENCE_STEPS and self._one_token_each
 
     def pace(self) -> float:
-        """Tokens per sequence-step over median seconds per step: tokens per second per sequence.
+        """Tokens per sequence-step over typical seconds per step: tokens per second per sequence.
 
         Tokens vary from step to step for real (acceptance), and their mean is what a step
-        delivers; a slow step (a pause, a cold start) is noise, which the median ignores.
+        delivers; seconds are `trimmed_mean_seconds`.
         Per sequence, because a bucket spans batch sizes up to twice apart: a draining batch
         that speculated at 32 sequences and decoded plainly at 20 would otherwise credit
         speculation with the 12 sequences that had left.
         """
-        return self.tokens_per_sequence_step() / self._median_seconds
+        return self.tokens_per_sequence_step() / self._typical_seconds
 
     def seconds_per_step(self) -> float:
-        return self._median_seconds
+        return self._typical_seconds
 
     def relative_error(self) -> float:
         """Standard error of the mean tokens per step, relative to it (0 while they never varied)."""
