@@ -169,11 +169,11 @@ class DraftService:
 
         The rest (misses) are drafted now, before the reply, only where the trees are worth the
         whole step's wait for them (`DraftCapacity.draft_now_pays`: at batch 1 usually, among
-        hits or in a large batch not). Otherwise they get no tree this step and are drafted
+        hits or in a large batch not). Otherwise they get an empty tree this step and are drafted
         right after the reply, with the hits' next trees, from the guess of the token this step
         decodes for them (`draft_ahead`)."""
         trees: dict[int, TokenTree] = {}
-        misses = []
+        misses, prefilling = [], set()
         self.stale.difference_update(seq_id for seq_id, _ in batch)
         self.budget = max((max_nodes for _, max_nodes in batch), default=self.budget) or self.budget
         depth = len(tree_levels(self.budget, self.drafter.options.tree_width))
@@ -194,6 +194,7 @@ class DraftService:
             if self.overlap and self.drafter.uncached(seq_id) > SHORT_FEED_TOKENS:
                 self.stale.add(seq_id)  # a prompt to prefill: no tree now, `catch_up` drafts one after the reply
                 self.unserved.add(seq_id)
+                prefilling.add(seq_id)
                 continue
             misses.append((seq_id, max_nodes))
         if self.overlap and misses and not self.capacity.draft_now_pays([s for s, _ in misses], len(batch), depth):
@@ -205,7 +206,9 @@ class DraftService:
             chain = self.drafter.last_chain(seq_id)
             if len(tree) and chain:
                 self.offered[seq_id] = (len(self.contexts[seq_id]), list(chain))
-        return [trees.get(seq_id, TokenTree.pending() if seq_id in self.unserved else TokenTree.empty()) for seq_id, _ in batch]
+        # A prompt still prefilling is pending (the engine does not judge speculation by it); a miss
+        # left for later is an empty tree: its step is what speculation costs here.
+        return [trees.get(seq_id, TokenTree.pending() if seq_id in prefilling else TokenTree.empty()) for seq_id, _ in batch]
 
     def draft_ahead(self, batch: list[tuple[int, int]], pending) -> None:
         """Draft the next step assuming full acceptance (for the sequences answered without a

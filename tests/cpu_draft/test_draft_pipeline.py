@@ -213,7 +213,7 @@ def test_a_miss_beside_hits_gets_no_tree_now_and_is_drafted_ahead_from_the_guess
     service.capacity.observe_cycle(0.007)
     service.capacity.observe_levels(0.004, 4, 1)
     trees = service.propose([(1, 4), (2, 4)])
-    assert len(trees[0]) == 4 and not trees[1].ready  # the hit goes out; the miss does not hold the step up
+    assert len(trees[0]) == 4 and len(trees[1]) == 0 and trees[1].ready  # the hit goes out; the miss does not hold the step up
     assert service.stats.predraft_hits == 3 and service.stats.predraft_misses == 1  # the first proposal: two hits
     service.draft_ahead([(1, 4), (2, 4)], lambda: None)
     ahead = service.predrafted[2]
