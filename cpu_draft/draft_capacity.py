@@ -45,12 +45,15 @@ class DraftCapacity:
     def forget(self, seq_id: int) -> None:
         self.accepted.pop(seq_id, None)
 
+    def _seconds_per_row(self) -> float:
+        """The measured level time per row of the cost model (`row_overhead` + rows per level)."""
+        return self.level_s / (self.row_overhead + self.level_rows)
+
     def capacity(self, num_seqs: int, depth: int) -> int:
         """Sequences whose next trees (``depth`` levels, plus the bonus guess) fit one step; all until measured."""
         if self.cycle_s is None or self.level_s is None or num_seqs <= 1:
             return num_seqs
-        per_row = self.level_s / (self.row_overhead + self.level_rows)
-        fits = int(self.cycle_s / ((depth + 1) * per_row) - self.row_overhead)
+        fits = int(self.cycle_s / ((depth + 1) * self._seconds_per_row()) - self.row_overhead)
         return max(1, min(num_seqs, fits))
 
     def draft_now_pays(self, misses: list[int], batch_size: int, depth: int) -> bool:
@@ -66,8 +69,7 @@ class DraftCapacity:
             return False
         if self.cycle_s is None or self.level_s is None:
             return True
-        per_row = self.level_s / (self.row_overhead + self.level_rows)
-        wait = depth * per_row * (self.row_overhead + len(misses))
+        wait = depth * self._seconds_per_row() * (self.row_overhead + len(misses))
         gain = sum(self.accepted.get(s, 1.0) for s in misses) / len(misses) * depth  # E - 1
         return wait < self.cycle_s * len(misses) * gain / (batch_size * (1.0 + gain))
 

@@ -266,16 +266,16 @@ class _Loop:
                 return
             if message.kind not in (SYNC, PROPOSE):
                 raise RuntimeError(f"draft worker got an unknown message kind {message.kind}")
-            started, picked_up = time.perf_counter(), time.monotonic()
+            started = time.monotonic()
             stats = self.service.stats
             hits, misses = stats.predraft_hits, stats.predraft_misses
             self.service.apply_updates(message.arrays)
             if message.kind == SYNC:
                 answered = None
                 self.service.catch_up(self.pending)
-                stats.hidden_s += time.perf_counter() - started
+                stats.hidden_s += time.monotonic() - started
                 if timeline:
-                    logger.debug("SYNC queued %.2f ms, caught up in %.2f ms", 1e3 * (picked_up - arrived), 1e3 * (time.perf_counter() - started))
+                    logger.debug("SYNC queued %.2f ms, caught up in %.2f ms", 1e3 * (started - arrived), 1e3 * (time.monotonic() - started))
                 continue
             # The verification step is from the reply to the proposal's sending: a proposal that
             # waited for the worker's own drafting must not make the step look longer.
@@ -285,21 +285,20 @@ class _Loop:
                 self.service.capacity.observe_cycle(cycle)
             batch = list(zip(message.arrays["batch"].tolist(), message.arrays["max_nodes"].tolist()))
             trees = self.service.propose(batch)
-            stats.exposed_s += time.perf_counter() - started
+            stats.exposed_s += time.monotonic() - started
             self.channel.send(TREES, tree_arrays(trees, stats.as_list()))
-            replied = ahead_started = time.perf_counter()
-            replied_at = time.monotonic()
+            replied = time.monotonic()
             self.service.draft_ahead(batch, self.pending)
             self.service.catch_up(self.pending)
-            stats.hidden_s += time.perf_counter() - ahead_started
+            stats.hidden_s += time.monotonic() - replied
             if timeline:
                 logger.debug("PROPOSE of %d, sent %.2f ms after the last reply: queued %.2f ms, replied in %.2f ms (%d drafted ahead, "
                              "%d drafted again, %d pending, %d empty); then drafted ahead for %.2f ms",
                              len(batch), 1e3 * cycle if cycle is not None else float("nan"),
-                             1e3 * (picked_up - sent_at),
+                             1e3 * (started - sent_at),
                              1e3 * (replied - started), stats.predraft_hits - hits, stats.predraft_misses - misses,
-                             sum(not t.ready for t in trees), sum(t.ready and not len(t) for t in trees), 1e3 * (time.perf_counter() - replied))
-            answered = replied_at
+                             sum(not t.ready for t in trees), sum(t.ready and not len(t) for t in trees), 1e3 * (time.monotonic() - replied))
+            answered = replied
 
 
 def worker_main(spec: dict, options: WorkerOptions) -> None:
