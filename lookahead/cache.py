@@ -35,13 +35,19 @@ logger = logging.getLogger("hetero.lookahead")
 TOKEN_BYTES = 36  # a list slot plus an int object, per token of a request's history
 REQUEST_BYTES = 1024  # fixed cost of one request's state
 EVICTION_SLACK = 0.1  # evict this share of the global trie beyond what is needed, to amortise
+# Output tokens a request learns at once when its next proposal comes after steps without
+# speculation (plain decoding, whose tokens no verdict brought): the last ones only. Learning
+# costs ``depth`` trie updates a token on the engine's thread; a plain stretch of a large batch
+# would otherwise make the step that ends it wait for thousands of them.
+MAX_CATCH_UP_TOKENS = 64
 
 
 class _Request:
-    __slots__ = ("history", "num_prompt_tokens", "trie", "appender", "last_draft", "stats", "frozen")
+    __slots__ = ("history", "gaps", "num_prompt_tokens", "trie", "appender", "last_draft", "stats", "frozen")
 
     def __init__(self, num_prompt_tokens: int, depth: int) -> None:
-        self.history: list[int] = []
+        self.history: list[int] = []  # every token seen, learned or skipped (positions stamp the trie)
+        self.gaps: list[tuple[int, int]] = []  # [start, end) ranges of ``history`` skipped, not learned
         self.num_prompt_tokens = num_prompt_tokens
         self.trie = Trie(depth)
         self.appender = HistoryAppender(self.trie)
@@ -84,7 +90,8 @@ class LookaheadCache(Proposer):
         self._history_tokens -= len(state.history)
         if self.config.global_cache_switch:
             start = state.num_prompt_tokens if self.config.ignore_prompt else 0
-            self._insert_global(state.history[start:])
+            for begin, end in _learned_spans(state.gaps, start, len(state.history)):
+                self._insert_global(state.history[begin:end])
 
     # ------------------------------------------------------------ public extras
 
@@ -132,7 +139,7 @@ class LookaheadCache(Proposer):
                 return TokenTree.empty()
             state = self._requests[request.request_id] = _Request(request.num_prompt_tokens, self.config.trie_depth)
         if not state.frozen and len(request.token_ids) > len(state.history):
-            self._learn(state, request.token_ids[len(state.history):])
+            self._catch_up(state, request.token_ids)
         budget = min(request.max_nodes, MAX_TREE_NODES)
         state.last_draft = None
         if budget <= 0:
@@ -200,6 +207,26 @@ class LookaheadCache(Proposer):
             new_tokens.append(verdict.bonus_token)
         if not state.frozen:
             self._learn(state, new_tokens)
+
+    def _catch_up(self, state: _Request, token_ids: Sequence[int]) -> None:
+        """Learn the tokens of ``token_ids`` beyond the history: the prompt's all, of the
+        output only the last `MAX_CATCH_UP_TOKENS` (the others are skipped: kept as
+        positions, left out of the tries)."""
+        start = len(state.history)
+        prompt_end = max(start, min(state.num_prompt_tokens, len(token_ids)))
+        self._learn(state, token_ids[start:prompt_end])
+        skip_end = max(prompt_end, len(token_ids) - MAX_CATCH_UP_TOKENS)
+        if skip_end > prompt_end and not state.frozen:
+            if not self._has_room((skip_end - prompt_end) * TOKEN_BYTES):
+                state.frozen = True
+                logger.warning("lookahead cache: memory budget reached, a request stops learning")
+                return
+            state.gaps.append((prompt_end, skip_end))
+            state.history.extend(int(t) for t in token_ids[prompt_end:skip_end])
+            self._history_tokens += skip_end - prompt_end
+            state.appender.restart()
+        if not state.frozen:
+            self._learn(state, token_ids[skip_end:])
 
     def _learn(self, state: _Request, tokens: Sequence[int]) -> None:
         """Append to a request's history, stopping for good when memory runs out."""
@@ -274,3 +301,15 @@ def _read_warmup(path: str, voc_size: int) -> list[dict[str, list[int]]]:
             fields[key] = ids
         checked.append(fields)
     return checked
+
+
+def _learned_spans(gaps: Sequence[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The [begin, end) ranges of ``[start, end)`` outside ``gaps`` (sorted, disjoint)."""
+    spans, at = [], start
+    for gap_start, gap_end in gaps:
+        if gap_start > at:
+            spans.append((at, min(gap_start, end)))
+        at = max(at, gap_end)
+    if at < end:
+        spans.append((at, end))
+    return [(b, e) for b, e in spans if e > b]

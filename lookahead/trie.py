@@ -162,6 +162,10 @@ class HistoryAppender:
         self.trie = trie
         self._open: list[tuple[int, int]] = []
 
+    def restart(self) -> None:
+        """Close the open paths: the next token follows a gap in the history, not its last token."""
+        self._open = []
+
     def append(self, token: int, tick: int) -> None:
         trie = self.trie
         children, freq, last_used, depth_limit = trie.children, trie.freq, trie.last_used, trie.depth - 1

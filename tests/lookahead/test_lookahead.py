@@ -418,3 +418,48 @@ def test_spec_stats_of_a_batch_equal_its_trees_recorded_one_by_one():
     assert batch == one_by_one
     assert batch.accepted_per_position == [3, 3, 2, 1, 1]
     assert (batch.num_steps, batch.num_draft_tokens, batch.num_accepted_tokens) == (5, 16, 10)
+
+
+# ------------------------------------------------------------------ catching up after plain steps
+
+
+def test_a_long_plain_stretch_is_learned_only_in_its_last_tokens():
+    from lookahead.cache import MAX_CATCH_UP_TOKENS
+
+    cache = make(cache_mode=0, copy_length=3, global_cache_switch=False)
+    rng = random.Random(0)
+    output = [rng.randrange(1000, 10**6) for _ in range(MAX_CATCH_UP_TOKENS * 20)]
+    old, recent = output[:100], output[-20:]
+    tree = propose(cache, "a", PROMPT + output + recent[:5], num_prompt=len(PROMPT))
+    assert chain(tree) == recent[5:8]  # a copy within the tail is found
+    assert len(propose(cache, "a", PROMPT + output + recent[:5] + old[:5], num_prompt=len(PROMPT))) == 0  # the skipped part was not learned
+    assert chain(propose(cache, "a", PROMPT + output + recent[:5] + old[:5] + PROMPT[:4], num_prompt=len(PROMPT))) == PROMPT[4:7]
+    state = cache._requests["a"]
+    assert len(state.history) == len(PROMPT) + len(output) + 5 + 5 + 4
+    depth = state.trie.depth
+    assert state.trie.size <= depth * (len(PROMPT) + MAX_CATCH_UP_TOKENS + 5 + 5 + 4)
+
+
+def test_no_trie_path_spans_a_skipped_stretch():
+    from lookahead.cache import MAX_CATCH_UP_TOKENS
+
+    cache = make(cache_mode=0, copy_length=2, global_cache_switch=False)
+    output = list(range(5000, 5000 + MAX_CATCH_UP_TOKENS + 50))
+    propose(cache, "a", PROMPT + output, num_prompt=len(PROMPT))
+    trie = cache._requests["a"].trie
+    # the prompt's last token is followed by a skipped one: no continuation of it was learned
+    assert trie.match([PROMPT[-1]], 1, 1, 1) == []
+
+
+def test_release_puts_only_the_learned_spans_into_the_global_cache():
+    from lookahead.cache import MAX_CATCH_UP_TOKENS, _learned_spans
+
+    assert _learned_spans([(5, 10), (12, 20)], 0, 25) == [(0, 5), (10, 12), (20, 25)]
+    assert _learned_spans([(5, 10)], 7, 9) == []
+    assert _learned_spans([(5, 10)], 0, 8) == [(0, 5)]
+    cache = make(cache_mode=0, copy_length=3, threshold=1.0)
+    output = list(range(7000, 7000 + MAX_CATCH_UP_TOKENS * 3))
+    finish(cache, "a", PROMPT + output, num_prompt=len(PROMPT))
+    assert chain(propose(cache, "b", [1, 2] + output[-10:-8])) == output[-8:-5]
+    assert len(propose(cache, "c", [1, 2] + output[10:12])) == 0
+    assert chain(propose(cache, "d", [1, 2] + PROMPT[3:5])) == PROMPT[5:8]
