@@ -36,10 +36,14 @@ TOKEN_BYTES = 36  # a list slot plus an int object, per token of a request's his
 REQUEST_BYTES = 1024  # fixed cost of one request's state
 EVICTION_SLACK = 0.1  # evict this share of the global trie beyond what is needed, to amortise
 # Output tokens a request learns at once when its next proposal comes after steps without
-# speculation (plain decoding, whose tokens no verdict brought): the last ones only. Learning
-# costs ``depth`` trie updates a token on the engine's thread; a plain stretch of a large batch
-# would otherwise make the step that ends it wait for thousands of them.
+# speculation (plain decoding, whose tokens no verdict brought): the last ones only, at most
+# MAX_CATCH_UP_TOKENS, and CATCH_UP_TOKENS shared by the proposal's batch (never fewer than
+# MIN_CATCH_UP_TOKENS, what matching the latest context needs). Learning costs ``depth`` trie
+# updates a token on the engine's thread; a plain stretch of a large batch would otherwise make
+# the step that ends it wait for thousands of them.
 MAX_CATCH_UP_TOKENS = 64
+MIN_CATCH_UP_TOKENS = 8
+CATCH_UP_TOKENS = 512
 
 
 class _Request:
@@ -75,7 +79,8 @@ class LookaheadCache(Proposer):
     # ----------------------------------------------------------------- Proposer
 
     def propose(self, batch: Sequence[ProposalRequest]) -> list[TokenTree]:
-        return [self._propose_one(request) for request in batch]
+        catch_up = max(MIN_CATCH_UP_TOKENS, min(MAX_CATCH_UP_TOKENS, CATCH_UP_TOKENS // max(len(batch), 1)))
+        return [self._propose_one(request, catch_up) for request in batch]
 
     def commit(self, verdicts: Sequence[Verdict]) -> None:
         for verdict in verdicts:
@@ -132,14 +137,14 @@ class LookaheadCache(Proposer):
 
     # ---------------------------------------------------------------- proposing
 
-    def _propose_one(self, request: ProposalRequest) -> TokenTree:
+    def _propose_one(self, request: ProposalRequest, catch_up: int) -> TokenTree:
         state = self._requests.get(request.request_id)
         if state is None:
             if not self._has_room(REQUEST_BYTES):
                 return TokenTree.empty()
             state = self._requests[request.request_id] = _Request(request.num_prompt_tokens, self.config.trie_depth)
         if not state.frozen and len(request.token_ids) > len(state.history):
-            self._catch_up(state, request.token_ids)
+            self._catch_up(state, request.token_ids, catch_up)
         budget = min(request.max_nodes, MAX_TREE_NODES)
         state.last_draft = None
         if budget <= 0:
@@ -208,14 +213,14 @@ class LookaheadCache(Proposer):
         if not state.frozen:
             self._learn(state, new_tokens)
 
-    def _catch_up(self, state: _Request, token_ids: Sequence[int]) -> None:
+    def _catch_up(self, state: _Request, token_ids: Sequence[int], limit: int) -> None:
         """Learn the tokens of ``token_ids`` beyond the history: the prompt's all, of the
-        output only the last `MAX_CATCH_UP_TOKENS` (the others are skipped: kept as
-        positions, left out of the tries)."""
+        output only the last ``limit`` (the others are skipped: kept as positions, left out
+        of the tries)."""
         start = len(state.history)
         prompt_end = max(start, min(state.num_prompt_tokens, len(token_ids)))
         self._learn(state, token_ids[start:prompt_end])
-        skip_end = max(prompt_end, len(token_ids) - MAX_CATCH_UP_TOKENS)
+        skip_end = max(prompt_end, len(token_ids) - limit)
         if skip_end > prompt_end and not state.frozen:
             if not self._has_room((skip_end - prompt_end) * TOKEN_BYTES):
                 state.frozen = True

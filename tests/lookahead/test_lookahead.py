@@ -463,3 +463,18 @@ def test_release_puts_only_the_learned_spans_into_the_global_cache():
     assert chain(propose(cache, "b", [1, 2] + output[-10:-8])) == output[-8:-5]
     assert len(propose(cache, "c", [1, 2] + output[10:12])) == 0
     assert chain(propose(cache, "d", [1, 2] + PROMPT[3:5])) == PROMPT[5:8]
+
+
+def test_a_large_batch_shares_the_catch_up_budget():
+    from lookahead.cache import CATCH_UP_TOKENS, MAX_CATCH_UP_TOKENS, MIN_CATCH_UP_TOKENS
+
+    cache = make(cache_mode=0, copy_length=3, global_cache_switch=False)
+    prompts = {f"r{i}": [10_000 * (i + 1) + j for j in range(10)] for i in range(64)}
+    outputs = {rid: [p[0] + 1000 + j for j in range(MAX_CATCH_UP_TOKENS * 2)] for rid, p in prompts.items()}
+    cache.propose([ProposalRequest(rid, prompts[rid] + outputs[rid], len(prompts[rid]), 4) for rid in prompts])
+    per_request = max(MIN_CATCH_UP_TOKENS, CATCH_UP_TOKENS // 64)
+    assert per_request < MAX_CATCH_UP_TOKENS
+    depth = cache.config.trie_depth
+    for rid, state in cache._requests.items():
+        assert state.gaps == [(10, 10 + 2 * MAX_CATCH_UP_TOKENS - per_request)]
+        assert state.trie.size <= depth * (10 + per_request)
