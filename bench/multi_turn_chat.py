@@ -39,7 +39,6 @@ from bench.gpu_decode import LLAMA3_8B
 from gpu_target.kv_cache import KVCachePool
 from gpu_target.loader import load_config
 from hetero.core.config import EngineConfig
-from gpu_target.runner import GPU_ACTIVATION_RESERVE_GIB
 from hetero.engine import LLMEngine
 from hetero.core.sampling_params import RequestOutputKind, SamplingParams
 
@@ -108,18 +107,6 @@ def write_model_dir(config: dict) -> str:
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
     return directory
-
-
-def kv_size_args(device: str, model_dir: str, dtype: str, kv_blocks: int, block_size: int) -> dict:
-    """Engine arguments that give the device KV cache about `kv_blocks` blocks."""
-    config = load_config(model_dir, require_weights=False)
-    block_bytes = KVCachePool.bytes_per_block(config, block_size, getattr(torch, dtype))
-    if device == "cpu":
-        return dict(kv_cache_space=kv_blocks * block_bytes / 2**30)
-    total = torch.cuda.mem_get_info()[1]
-    weights = config.num_parameters() * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    wanted = weights + GPU_ACTIVATION_RESERVE_GIB * 2**30 + kv_blocks * block_bytes
-    return dict(gpu_memory_utilization=min(0.95, wanted / total))
 
 
 def serve_workload(engine: LLMEngine, workload: Workload, concurrency: int) -> list[dict]:
@@ -191,8 +178,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of: {', '.join(CONFIGS)}")
-    parser.add_argument("--kv-blocks", type=int, help="device KV cache size in blocks (sized through "
-                        "gpu_memory_utilization on CUDA, kv_cache_space on the CPU)")
+    parser.add_argument("--kv-blocks", type=int, help="device KV cache size in blocks, the same for every "
+                        "configuration (num_gpu_blocks_override)")
     parser.add_argument("--working-set-ratio", type=float, default=3.0,
                         help="distinct tokens of the last turns' prompts over the device KV cache's tokens")
     parser.add_argument("--conversations", type=int, help="default: as many as --working-set-ratio needs")
@@ -210,10 +197,9 @@ def main(argv=None) -> None:
         parser.error(f"unknown --configs {unknown}; known: {list(CONFIGS)}")
     shape = {**DEFAULTS[args.device], **{k: v for k, v in vars(args).items() if k in DEFAULTS[args.device] and v is not None}}
     model_dir = write_model_dir(shape["model"])
-    size = kv_size_args(args.device, model_dir, shape["dtype"], shape["kv_blocks"], args.block_size)
     base = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=shape["dtype"], device=args.device,
                 seed=args.seed, max_model_len=shape["max_model_len"], max_num_seqs=shape["concurrency"],
-                block_size=args.block_size, **size)
+                block_size=args.block_size, num_gpu_blocks_override=shape["kv_blocks"])
     capacity_tokens = shape["kv_blocks"] * args.block_size
     num_conversations = args.conversations or conversations_for(
         capacity_tokens, args.working_set_ratio, shape["turns"], shape["system_tokens"], shape["user_tokens"], shape["reply_tokens"],

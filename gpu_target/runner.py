@@ -188,10 +188,15 @@ class ModelRunner:
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, max_model_len: int, dtype: torch.dtype,
                   device: torch.device) -> int:
-    """KV blocks that fit gpu_memory_utilization (CUDA) or kv_cache_space (CPU); at least one sequence's worth."""
+    """KV blocks that fit gpu_memory_utilization (CUDA) or kv_cache_space (CPU), or exactly
+    num_gpu_blocks_override (vLLM's knob, for runs that must compare equal cache sizes); at
+    least one sequence's worth."""
     per_block = KVCachePool.bytes_per_block(model_config, config.block_size, dtype)
     blocks_per_seq = -(-max_model_len // config.block_size)
-    if device.type == "cuda":
+    if config.num_gpu_blocks_override is not None:
+        num_blocks = config.num_gpu_blocks_override
+        knob = "num_gpu_blocks_override"
+    elif device.type == "cuda":
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         ours = torch.cuda.memory_allocated(device)

@@ -91,6 +91,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max_num_batched_tokens", "Most tokens in one step; longer prefills are chunked (default: max(2048, max_num_seqs)).", int),
     Flag("gpu_memory_utilization", "Fraction of GPU memory hetero may use (weights + KV cache).", float),
     Flag("kv_cache_space", "GiB of KV cache when the target runs on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).", float),
+    Flag("num_gpu_blocks_override", "KV cache blocks, overriding what the memory settings give (vLLM's flag).", int),
     Flag("block_size", "Tokens per KV cache block: 8, 16, 32, 64 or 128.", int),
     Flag("enable_prefix_caching", "Reuse the KV of prompts' shared prefixes.", None),
     Flag("enable_prefix_cache_offload", "TACO-LLM: copy prefix-cache blocks evicted from device memory to a CPU pool "

@@ -117,6 +117,7 @@ class EngineConfig:
     max_num_batched_tokens: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     kv_cache_space: Optional[float] = None  # GiB of KV cache on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    num_gpu_blocks_override: Optional[int] = None  # KV blocks, whatever memory says (vLLM's name; any device)
     block_size: int = 16
     enable_prefix_caching: bool = True  # on by default, as in vLLM V1
     # TACO-LLM's prefix cache offload: cached blocks evicted from the device's KV memory are
@@ -177,6 +178,8 @@ class EngineConfig:
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         if self.kv_cache_space is not None:
             _check(self.kv_cache_space > 0, "kv_cache_space", self.kv_cache_space, "must be positive (GiB)")
+        if self.num_gpu_blocks_override is not None:
+            _check(self.num_gpu_blocks_override > 0, "num_gpu_blocks_override", self.num_gpu_blocks_override, "must be positive")
         if self.num_scheduler_steps is not None:
             _check(
                 isinstance(self.num_scheduler_steps, int) and 1 <= self.num_scheduler_steps <= 64,

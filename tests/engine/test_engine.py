@@ -64,6 +64,13 @@ def test_kv_pressure_preempts_and_loses_nothing(tiny_llama_dir, llama_reference)
     assert llm.llm_engine.scheduler.allocator.num_free == 7
 
 
+def test_num_gpu_blocks_override_sizes_the_kv_cache_exactly(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=96, dtype="float32", kv_cache_space=1.0, num_gpu_blocks_override=9)
+    assert llm.llm_engine.kv_pool.num_blocks == 9
+    with pytest.raises(ValueError, match="num_gpu_blocks_override"):
+        LLM(model=str(tiny_llama_dir), max_model_len=96, dtype="float32", num_gpu_blocks_override=2)
+
+
 def test_chunked_prefill_matches(tiny_llama_dir, llama_reference):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", max_num_batched_tokens=8, max_num_seqs=8)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
