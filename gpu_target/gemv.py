@@ -600,35 +600,57 @@ def _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, cols, row_mask, col_mask, K, stride
     (any rows: the fused kernels gather pairs far apart), streamed over K. Each element's
     sum depends only on the tile's shape and warps, not on which W rows share it. A
     quantised W's tiles come from `_weight_tile` (always masked); FP8 row scales apply last."""
-    rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
-    x_tile = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+    x_tile = x_ptr + tl.arange(0, BLOCK_M)[:, None] * stride_xm + ks[None, :]
     w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
     # W_FIRST computes out^T = W x^T, so W's rows fill the MMA's large M dimension.
     acc = tl.zeros([BLOCK_N, BLOCK_M] if W_FIRST else [BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
+        w = _skinny_w_tile(x_ptr, w_ptr, s_ptr, z_ptr, w_tile, cols, col_mask, start, K, stride_wn, stride_sn, W_FORMAT,
+                           HAS_ZEROS, GROUP, EVEN_K, BLOCK_K)
+        acc = _skinny_accumulate(acc, x_tile, w, row_mask, start, K, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_K)
+    return _skinny_result(acc, s_ptr, cols, col_mask, W_FORMAT, W_FIRST)
+
+
+@device_function
+def _skinny_w_tile(x_ptr, w_ptr, s_ptr, z_ptr, w_tile, cols, col_mask, start, K, stride_wn, stride_sn, W_FORMAT: tl.constexpr,
+                   HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W's [BLOCK_N, BLOCK_K] tile at K offset ``start`` (``w_tile``: its pointers at 0), in x's dtype."""
+    if W_FORMAT == 0:
         if EVEN_K:
-            x = tl.load(x_tile + start, mask=row_mask[:, None], other=0.0)
-            if W_FORMAT == 0:
-                w = tl.load(w_tile + start, mask=col_mask[:, None], other=0.0)
+            w = tl.load(w_tile + start, mask=col_mask[:, None], other=0.0)
         else:
-            k_mask = (start + ks) < K
-            x = tl.load(x_tile + start, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            if W_FORMAT == 0:
-                w = tl.load(w_tile + start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        if W_FORMAT != 0:
-            w = _weight_tile(x_ptr, w_ptr, s_ptr, z_ptr, cols, col_mask, start, K, stride_wn, stride_sn, W_FORMAT,
-                             HAS_ZEROS, GROUP, BLOCK_K)
-        if DOT_IN_FP32:  # Triton's interpreter (see `_interpreting`): exact products, summed per element
-            x, w = x.to(tl.float32), w.to(tl.float32)
-            if W_FIRST:
-                acc += tl.sum(w[:, None, :] * x[None, :, :], axis=2)
-            else:
-                acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-        elif W_FIRST:
-            acc = tl.dot(w, tl.trans(x), acc)
+            w = tl.load(w_tile + start, mask=col_mask[:, None] & ((start + tl.arange(0, BLOCK_K)) < K)[None, :], other=0.0)
+    else:
+        w = _weight_tile(x_ptr, w_ptr, s_ptr, z_ptr, cols, col_mask, start, K, stride_wn, stride_sn, W_FORMAT,
+                         HAS_ZEROS, GROUP, BLOCK_K)
+    return w
+
+
+@device_function
+def _skinny_accumulate(acc, x_tile, w, row_mask, start, K, DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+                       W_FIRST: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc`` plus x's [BLOCK_M, BLOCK_K] tile at K offset ``start`` times W's tile ``w``."""
+    if EVEN_K:
+        x = tl.load(x_tile + start, mask=row_mask[:, None], other=0.0)
+    else:
+        x = tl.load(x_tile + start, mask=row_mask[:, None] & ((start + tl.arange(0, BLOCK_K)) < K)[None, :], other=0.0)
+    if DOT_IN_FP32:  # Triton's interpreter (see `_interpreting`): exact products, summed per element
+        x, w = x.to(tl.float32), w.to(tl.float32)
+        if W_FIRST:
+            acc += tl.sum(w[:, None, :] * x[None, :, :], axis=2)
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    elif W_FIRST:
+        acc = tl.dot(w, tl.trans(x), acc)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@device_function
+def _skinny_result(acc, s_ptr, cols, col_mask, W_FORMAT: tl.constexpr, W_FIRST: tl.constexpr):
+    """The accumulated tile as [rows, cols], with an FP8 W's row scales applied."""
     if W_FIRST:
         acc = tl.trans(acc)
     if W_FORMAT == 1:  # FP8: each output column's (W row's) scale, once

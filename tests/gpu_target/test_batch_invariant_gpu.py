@@ -43,14 +43,15 @@ def test_linear_matches_the_reference(dtype, m, k, n):
 # last bits, so there another summation order could go unseen.
 @pytest.mark.parametrize("n, dtype", [(96, torch.bfloat16), (96, torch.float32), (16400, torch.float32)])  # 16400: skinny_tile's wide tile
 def test_a_row_of_the_linear_is_the_same_bits_at_any_batch(n, dtype):
-    """A row alone, and among 16 and 63 other rows (different ones each time, the row at
-    the start, middle and end), at a K that is not a multiple of the K tile."""
+    """A row alone, and among 16, 63 and 99 other rows (different ones each time, the row at
+    the start, middle and end), at a K that is not a multiple of the K tile: one, two, four
+    row blocks per program, and several programs of four."""
     torch.manual_seed(1)
     k = 300
     w = torch.randn(n, k, device=DEVICE).to(dtype)
     row = torch.randn(1, k, device=DEVICE).to(dtype)
     alone = invariant_linear(row, w)
-    for m in (17, 64):
+    for m in (17, 64, 100):
         others = torch.randn(m, k, device=DEVICE).to(dtype) * m
         for at in (0, m // 2, m - 1):
             batch = others.clone()
