@@ -9,6 +9,8 @@ at that level (`cpu_draft.runner_up`).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from hetero.core.protocols import TokenTree
@@ -64,3 +66,24 @@ class TreeBuilder:
 
     def tree(self) -> TokenTree:
         return TokenTree(np.asarray(self.tokens, np.int64), np.asarray(self.parents, np.int32), np.asarray(self.scores, np.float32))
+
+
+class RunnerUp(NamedTuple):
+    """An outcome of a step besides full acceptance with the draft's bonus: the real context's
+    first ``prefix`` tokens (the old context and the part of the chain accepted), then ``token``."""
+
+    kind: str  # "rejected": the target's token at a level is the draft's best outside the tree; "bonus": the bonus its second choice
+    prob: float  # the draft's probability of the outcome
+    prefix: int
+    token: int
+
+
+def runner_ups(context_len: int, levels: list[int], ranked: list[list[tuple[int, float]]], path_probs: list[float],
+               bonus_ranked: list[tuple[int, float]]) -> list[RunnerUp]:
+    """The runner-up outcomes of a chain drafted from a context of ``context_len`` tokens: per
+    level, rejected with the draft's best token outside the level (``ranked``:
+    `TreeBuilder.runner_ups`); and the chain accepted with each bonus of ``bonus_ranked``."""
+    outcomes = [RunnerUp("rejected", level[width - 1][1], context_len + depth, level[width - 1][0])
+                for depth, (width, level) in enumerate(zip(levels, ranked)) if len(level) >= width]
+    chain_prob = path_probs[-1] if path_probs else 1.0
+    return outcomes + [RunnerUp("bonus", chain_prob * prob, context_len + len(levels), token) for token, prob in bonus_ranked]

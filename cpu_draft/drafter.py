@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from cpu_draft.draft_kv import PagedDraftKV, SlotDraftKV, default_layout
-from cpu_draft.draft_tree import TreeBuilder, tree_levels
+from cpu_draft.draft_tree import RunnerUp, TreeBuilder, runner_ups, tree_levels
 from cpu_draft.draft_vocab import draft_head_ids
 from gpu_target.loader import load_config, load_state_dict, resolve_model_path
 from gpu_target.model import CausalLM, build_model
@@ -77,7 +77,7 @@ class _SeqState:
     levels: list[int] = field(default_factory=list)  # the last tree's nodes per level
     runner_ups: list[list[tuple[int, float]]] = field(default_factory=list)  # per level of `chain`: `TreeBuilder.runner_ups`
     path_probs: list[float] = field(default_factory=list)  # per level of `chain`: the draft's probability of the chain down to it
-    guesses: list[tuple[str, list[int], float]] = field(default_factory=list)  # set by `assume_accepted`: see `runner_up_guesses`
+    guesses: list[RunnerUp] = field(default_factory=list)  # set by `assume_accepted`: see `runner_up_guesses`
     fork: bool = False  # a fork (`Drafter.fork`): evicted first, evicts nothing
 
 
@@ -265,16 +265,14 @@ class Drafter:
         top_logits, top_columns = torch.topk(logits, min(2, logits.shape[-1]), dim=-1)
         top_probs = torch.exp(top_logits - torch.logsumexp(logits, dim=-1, keepdim=True)).tolist()
         for (_, state, known), tokens, probs in zip(states, self._token_ids(top_columns).tolist(), top_probs):
-            state.guesses = _runner_up_guesses(state, tokens[1:], probs[1:])
+            state.guesses = runner_ups(len(state.context), state.levels, state.runner_ups, state.path_probs, list(zip(tokens[1:], probs[1:])))
             state.context = known + [tokens[0]]
             _clear_chain(state)
         return [seq_id for seq_id, _, _ in states]
 
-    def runner_up_guesses(self, seq_id: SeqId) -> list[tuple[str, list[int], float]]:
-        """The contexts of the likeliest other outcomes of the step `assume_accepted` guessed the
-        outcome of, as (kind, context, the draft's probability of it), from the draft's own ranks:
-        "rejected": the chain accepted down to a level and the target's token there the draft's
-        best outside the tree; "bonus": the chain accepted and the bonus the draft's second choice."""
+    def runner_up_guesses(self, seq_id: SeqId) -> list[RunnerUp]:
+        """The likeliest other outcomes of the step whose outcome `assume_accepted` guessed, by the
+        draft's own ranks (their contexts: this sequence's first ``prefix`` tokens, then ``token``)."""
         return self._seqs[seq_id].guesses
 
     def fork(self, seq_id: SeqId, fork_id: SeqId, context: Sequence[int]) -> bool:
@@ -388,19 +386,6 @@ class Drafter:
 
 def _clear_chain(state: _SeqState) -> None:
     state.chain, state.levels, state.runner_ups, state.path_probs = [], [], [], []
-
-
-def _runner_up_guesses(state: _SeqState, bonus_tokens: list[int], bonus_probs: list[float]) -> list[tuple[str, list[int], float]]:
-    """`Drafter.runner_up_guesses` of a sequence about to assume its chain accepted, given the
-    bonus guess's runner-ups."""
-    guesses = []
-    for depth, (width, ranked) in enumerate(zip(state.levels, state.runner_ups)):
-        if len(ranked) >= width:  # ranked[width - 1]: the best token outside the tree's level
-            token, prob = ranked[width - 1]
-            guesses.append(("rejected", state.context + state.chain[:depth] + [token], prob))
-    chain_prob = state.path_probs[-1] if state.path_probs else 1.0
-    guesses += [("bonus", state.context + state.chain + [token], chain_prob * prob) for token, prob in zip(bonus_tokens, bonus_probs)]
-    return guesses
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -46,19 +46,18 @@ def fork_runner_ups(drafter: Drafter, seq_ids: Sequence[int], per_seq: int, rows
     most probable first across them, at most ``per_seq`` each and ``rows`` in all: (seq_id, fork, kind)."""
     if per_seq <= 0 or rows <= 0:
         return []
-    ranked = sorted(((prob, seq_id, kind, context) for seq_id in seq_ids for kind, context, prob in drafter.runner_up_guesses(seq_id)),
-                    key=lambda guess: -guess[0])
+    ranked = sorted(((guess, seq_id) for seq_id in seq_ids for guess in drafter.runner_up_guesses(seq_id)), key=lambda item: -item[0].prob)
     taken: dict[int, int] = defaultdict(int)
     forks = []
-    for _, seq_id, kind, context in ranked:
+    for guess, seq_id in ranked:
         if len(forks) == rows:
             break
         if taken[seq_id] == per_seq:
             continue
         fork = fork_id(seq_id, taken[seq_id])
-        if drafter.fork(seq_id, fork, context):
+        if drafter.fork(seq_id, fork, drafter.context(seq_id)[: guess.prefix] + [guess.token]):
             taken[seq_id] += 1
-            forks.append((seq_id, fork, kind))
+            forks.append((seq_id, fork, guess.kind))
     return forks
 
 

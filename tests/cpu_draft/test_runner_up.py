@@ -3,12 +3,14 @@ likeliest other outcomes of a step are drafted ahead beside full acceptance, in 
 sequence whose KV takes the shared prefix's K/V by copy; a reply that matches one is served from it."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from cpu_draft.draft_capacity import DraftCapacity
 from cpu_draft.drafter import DraftModelOptions, Drafter
-from cpu_draft.messages import ContextUpdate, update_arrays
+from cpu_draft.messages import PROPOSE, ContextUpdate, update_arrays
 from cpu_draft.worker import DraftService
 
 PROMPT = list(range(40, 90))
@@ -98,9 +100,44 @@ def test_runner_up_guesses_need_spare_cores(tiny_llama_dir):
     service.capacity.cycle_s = 0.007  # 7 / (5 x 1/6) - 5 = 3 rows fit: the main guess and 2 runner-ups
     service.propose([(1, BUDGET)])
     service.draft_ahead([(1, BUDGET)], lambda: None)
-    guesses = service.drafter.runner_up_guesses(1)
-    likeliest = sorted(guesses, key=lambda g: -g[2])[:2]
-    assert [g.context for g in service.runner_up[1]] == [g[1] for g in likeliest]
+    guessed = service.drafter.context(1)
+    likeliest = sorted(service.drafter.runner_up_guesses(1), key=lambda g: -g.prob)[:2]
+    assert len(service.drafter.runner_up_guesses(1)) == 5  # one per level of the chain, and the bonus
+    assert [g.context for g in service.runner_up[1]] == [guessed[: g.prefix] + [g.token] for g in likeliest]
+
+
+def _propose_message(updates, batch):
+    arrays = update_arrays(updates)
+    arrays["batch"] = [seq_id for seq_id, _ in batch]
+    return SimpleNamespace(kind=PROPOSE, arrays=arrays)
+
+
+@pytest.mark.parametrize("reply", ["a runner-up", "another"])
+def test_drafting_ahead_goes_on_only_for_a_proposal_that_asks_for_a_guess(tiny_llama_dir, reply):
+    service = DraftService(_drafter(tiny_llama_dir), overlap=True, budget=BUDGET, runner_ups=5)
+    service.capacity = _MeasuredCapacity()
+    service.apply_updates(update_arrays([ContextUpdate(1, 0, PROMPT)]))
+    service.catch_up(lambda: None)
+    chain = service.propose([(1, BUDGET)])[0].token_list
+    polls = []
+
+    def pending():  # nothing waits at first; from the first depth level on, the proposal of the step's real outcome
+        polls.append(1)
+        if len(polls) <= 2:
+            return None
+        rejected = min(service.drafter.runner_up_guesses(1), key=lambda g: g.prefix)  # the first node rejected
+        token = rejected.token if reply == "a runner-up" else next(t for t in range(320) if t not in (rejected.token, chain[0]))
+        return _propose_message([ContextUpdate(1, len(PROMPT), [token])], [(1, BUDGET)])
+
+    service.draft_ahead([(1, BUDGET)], pending)
+    assert len(polls) > 3  # the message was seen while drafting ahead
+    if reply == "another":  # stopped: nothing drafted ahead is kept
+        assert 1 not in service.predrafted and not service.runner_up.get(1) and service.stats.runner_up_guesses == 0
+        return
+    service.apply_updates(pending().arrays)  # finished, and served
+    tree = service.propose([(1, BUDGET)])[0]
+    assert service.stats.rejected_guess_hits == 1 and service.stats.predraft_hits == 2
+    assert tree.token_list == _fresh_tree(_drafter(tiny_llama_dir), service.contexts[1], BUDGET)
 
 
 def test_spare_rows_are_what_the_step_holds_beside_the_main_guesses():
@@ -143,3 +180,71 @@ def test_adopting_a_fork_swaps_the_sequences(tiny_llama_dir):
     drafter.adopt(1, "fork")
     assert drafter.context(1) == PROMPT + [3] and drafter.last_chain(1) == fork_chain
     assert drafter.context("fork") == PROMPT
+
+
+# ------------------------------------------------------------- through the engine
+GREEDY_TOKENS = 48
+ENGINE_PROMPTS = ["The capital of France is", "Hello, my name is", "def add(a, b):", "Speculative decoding drafts tokens on the CPU and"]
+
+
+@pytest.fixture(scope="module")
+def near_draft_dir(tiny_llama_dir, tmp_path_factory):
+    """The target with noise on its weights: agrees with it often, and where not, often on its second choice."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * NEAR_DRAFT_NOISE * parameter.std())
+    path = tmp_path_factory.mktemp("near-draft")
+    model.save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(path)
+    return path
+
+
+NEAR_DRAFT_NOISE = 0.3
+
+
+def _generate(model_dir, draft_dir, runner_ups: int, monkeypatch) -> tuple[list[list[int]], dict]:
+    from hetero import LLM, SamplingParams
+
+    monkeypatch.setenv("HETERO_DRAFT_RUNNER_UPS", str(runner_ups))
+    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    kwargs = dict(device="cpu", model=str(model_dir), dtype="float32")
+    if draft_dir is not None:
+        kwargs.update(speculative_model=str(draft_dir), num_speculative_tokens=BUDGET, cpu_draft_worker=True,
+                      speculative_config={"dtype": "float32"})
+    llm = LLM(**kwargs)
+    if draft_dir is not None:
+        llm.llm_engine.spec_control.always_speculate = True  # the tiny draft may measure slower than plain decoding
+    try:
+        outputs = [list(o.outputs[0].token_ids) for p in ENGINE_PROMPTS for o in llm.generate(p, greedy, use_tqdm=False)]
+        stats = llm.llm_engine.proposer.stats() if draft_dir is not None else {}
+    finally:
+        if draft_dir is not None:
+            llm.llm_engine.proposer.close()
+    return outputs, stats
+
+
+def test_outputs_are_the_same_with_and_without_runner_up_guesses(tiny_llama_dir, near_draft_dir, monkeypatch):
+    plain, _ = _generate(tiny_llama_dir, None, 0, monkeypatch)
+    without, alone = _generate(tiny_llama_dir, near_draft_dir, 0, monkeypatch)
+    with_guesses, both = _generate(tiny_llama_dir, near_draft_dir, 4, monkeypatch)
+    assert without == plain and with_guesses == plain
+    assert alone["runner_up_guesses"] == 0 and both["runner_up_guesses"] > 0
+    assert both["rejected_guess_hits"] + both["bonus_guess_hits"] > 0
+
+
+def test_forks_give_way_to_sequences_and_take_no_room_from_them(tiny_llama_dir):
+    per_slot = _drafter(tiny_llama_dir).kv.cache.bytes_per_token * 256  # a slot's smallest capacity
+    drafter = _drafter(tiny_llama_dir, kv_cache_bytes=2 * per_slot)  # room for two sequences
+    drafter.set_context(1, PROMPT)
+    drafter.draft([(1, BUDGET)])
+    assert drafter.fork(1, "fork", PROMPT + [3])
+    assert len(drafter.draft([("fork", BUDGET)])[0]) == BUDGET
+    drafter.set_context(2, PROMPT[:20])
+    assert len(drafter.draft([(2, BUDGET)])[0]) == BUDGET  # room made by evicting the fork, not sequence 1
+    assert drafter.kv_length("fork") == 0 and drafter.kv_length(1) > 0
+    assert not drafter.fork(1, "another", PROMPT + [5])  # no room, and none taken
+    assert drafter.kv_length(1) > 0 and drafter.kv_length(2) > 0
