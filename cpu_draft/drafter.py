@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Optional, Sequence
+from typing import Callable, Collection, Hashable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -183,12 +183,14 @@ class Drafter:
     def draft(
         self,
         requests: Sequence[tuple[SeqId, int]],
-        interrupt: Optional[Callable[[], bool]] = None,
+        interrupt: Optional[Callable[[], Union[bool, Collection[SeqId]]]] = None,
     ) -> Optional[list[TokenTree]]:
         """One tree per (seq_id, max_nodes), from each sequence's current context.
 
         ``interrupt`` is polled between depth levels; when it returns True drafting stops and
-        None is returned (the KV stays consistent, no chain is recorded).
+        None is returned (the KV stays consistent, no chain is recorded); when it returns a
+        non-empty collection of seq ids drafting goes on for those only (the others' trees
+        come back empty).
         """
         trees = [TokenTree.empty() for _ in requests]
         batch_ids = {seq_id for seq_id, _ in requests}
@@ -211,10 +213,17 @@ class Drafter:
             active = [w for w in active if not w.builder.done]
             if not active:
                 break
-            if interrupt is not None and interrupt():
+            verdict = interrupt() if interrupt is not None else False
+            if verdict is True:
                 return None
+            if verdict:
+                active = [w for w in active if requests[w.index][0] in verdict]
+                if not active:
+                    break
             logits = self._forward([w.state for w in active], [[w.builder.chain[-1]] for w in active])
         for w in work:
+            if not w.builder.done:
+                continue
             w.state.chain, w.state.levels = w.builder.chain, w.builder.levels
             w.state.runner_ups, w.state.path_probs = w.builder.runner_ups, w.builder.path_probs
             trees[w.index] = w.builder.tree()

@@ -13,7 +13,8 @@ chain is usually still there) and is drafted again. Drafting ahead stops at the 
 depth level once a message is waiting, so it delays a request by at most one forward,
 unless that message asks for the very trees being drafted (the guess held): then they are
 finished, since drafting them again would cost more. Where cores are spare, the likeliest
-other outcomes of the step are drafted ahead too, in the same forwards (`cpu_draft.runner_up`).
+other outcomes of the step are drafted ahead too, in the same forwards (`cpu_draft.runner_up`);
+a waiting message that asks for one of the guesses lets drafting go on for that one only.
 Sequences the coordinator decodes without trees (prefill, plain steps) arrive as SYNC
 updates; the worker feeds their new tokens and drafts their next trees between messages
 (`DraftService.catch_up`), so a prompt's draft prefill and a return to speculation after
@@ -34,7 +35,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -129,24 +130,39 @@ class DraftService:
                 start, chain = offered
                 self.capacity.observe_accepted(update.seq_id, common_prefix_length(context[start:], chain) / len(chain))
 
-    def needed_by(self, message: Optional[Message], seq_ids: Sequence[int], forks: Sequence[tuple[int, object]] = ()) -> bool:
-        """Whether ``message`` asks for trees of contexts the drafter is drafting for ``seq_ids``
-        (from the sequence itself or one of its ``forks``, (seq_id, fork) pairs: a guess held):
-        then drafting goes on instead of stopping for it."""
+    def asked_for(self, message: Optional[Message], seq_ids: Sequence[int], forks: Sequence[tuple[int, Hashable]] = ()) -> Optional[set]:
+        """The drafter's sequences drafting the contexts ``message`` asks trees of, where it asks
+        for one being drafted for each of ``seq_ids`` (by the sequence itself or one of its
+        ``forks``, (seq_id, fork) pairs: a guess held): drafting then goes on for those instead
+        of stopping. None where it does not."""
         if message is None or message.kind != PROPOSE or set(message.arrays["released"].tolist()) & set(seq_ids):
-            return False
+            return None
         contexts = {seq_id: self.contexts[seq_id] for seq_id in seq_ids}
         for update in read_updates(message.arrays):
             if update.seq_id in contexts:
                 contexts[update.seq_id] = contexts[update.seq_id][: update.keep] + update.new_tokens
-        drafted = {seq_id: [self.drafter.context(seq_id)] for seq_id in seq_ids}
+        drafting = {seq_id: [seq_id] for seq_id in seq_ids}
         for seq_id, fork in forks:
-            drafted[seq_id].append(self.drafter.context(fork))
-        return all(contexts[seq_id] in drafted[seq_id] for seq_id in seq_ids)
+            drafting[seq_id].append(fork)
+        asked = set()
+        for seq_id in seq_ids:
+            holder = next((d for d in drafting[seq_id] if self.drafter.context(d) == contexts[seq_id]), None)
+            if holder is None:
+                return None
+            asked.add(holder)
+        return asked
 
-    def _interrupt(self, pending, seq_ids: Sequence[int], forks: Sequence[tuple[int, object]] = ()):
-        """Stop drafting ahead for a waiting message, unless it asks for what is being drafted."""
-        return lambda: pending() is not None and not self.needed_by(pending(), seq_ids, forks)
+    def _interrupt(self, pending, seq_ids: Sequence[int], forks: Sequence[tuple[int, Hashable]] = ()):
+        """Stop drafting ahead for a waiting message, unless it asks for what is being drafted:
+        then go on with what it asks for only (`Drafter.draft`'s ``interrupt``)."""
+        def verdict():
+            message = pending()
+            if message is None:
+                return False
+            asked = self.asked_for(message, seq_ids, forks)
+            return True if asked is None else asked
+
+        return verdict
 
     def catch_up(self, pending) -> None:
         """Between messages: feed the stale sequences' new tokens and draft their next trees
@@ -234,7 +250,7 @@ class DraftService:
         budgets = dict(batch)
         started = time.perf_counter()
         extended = self.drafter.assume_accepted([s for s, n in batch if n > 0 and (s in self.offered or s in self.unserved)])
-        if not extended or pending() is not None and not self.needed_by(pending(), extended):
+        if not extended or pending() is not None and self.asked_for(pending(), extended) is None:
             return
         depth = max(len(tree_levels(budgets[s], self.drafter.options.tree_width)) for s in extended)
         forks = fork_runner_ups(self.drafter, extended, self.runner_ups, self.capacity.spare_rows(len(extended), depth))
@@ -244,8 +260,9 @@ class DraftService:
             return
         self.capacity.observe_levels(time.perf_counter() - started, depth + 1, len(requests))
         for seq_id, tree in zip(extended, trees):
-            self.predrafted[seq_id] = Predrafted(list(self.drafter.context(seq_id)), budgets[seq_id], tree)
             self.runner_up[seq_id] = []
+            if len(tree):  # (none where a waiting proposal asked for a runner-up guess instead)
+                self.predrafted[seq_id] = Predrafted(list(self.drafter.context(seq_id)), budgets[seq_id], tree)
             self.stale.discard(seq_id)
             self.unserved.discard(seq_id)
         for (seq_id, fork, kind), tree in zip(forks, trees[len(extended) :]):

@@ -129,12 +129,18 @@ def test_drafting_ahead_goes_on_only_for_a_proposal_that_asks_for_a_guess(tiny_l
         token = rejected.token if reply == "a runner-up" else next(t for t in range(320) if t not in (rejected.token, chain[0]))
         return _propose_message([ContextUpdate(1, len(PROMPT), [token])], [(1, BUDGET)])
 
+    rows = []  # per forward: (rows, whether the message was waiting)
+    forward = service.drafter.kv.forward
+    service.drafter.kv.forward = lambda handles, *args: (rows.append((len(handles), len(polls) >= 3)), forward(handles, *args))[1]
     service.draft_ahead([(1, BUDGET)], pending)
-    assert len(polls) > 3  # the message was seen while drafting ahead
+    assert len(polls) >= 3  # the message was seen while drafting ahead
     if reply == "another":  # stopped: nothing drafted ahead is kept
         assert 1 not in service.predrafted and not service.runner_up.get(1) and service.stats.runner_up_guesses == 0
         return
-    service.apply_updates(pending().arrays)  # finished, and served
+    # Finished for the guess asked for only, the others dropped: they would delay the reply.
+    assert rows[1][0] == 6 and {n for n, waiting in rows if waiting} == {1}
+    assert 1 not in service.predrafted and [g.kind for g in service.runner_up[1]] == ["rejected"]
+    service.apply_updates(pending().arrays)  # and served
     tree = service.propose([(1, BUDGET)])[0]
     assert service.stats.rejected_guess_hits == 1 and service.stats.predraft_hits == 2
     assert tree.token_list == _fresh_tree(_drafter(tiny_llama_dir), service.contexts[1], BUDGET)
