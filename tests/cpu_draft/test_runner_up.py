@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cpu_draft.draft_capacity import DraftCapacity
+from cpu_draft.draft_tree import RunnerUp, TreeBuilder, runner_ups
 from cpu_draft.drafter import DraftModelOptions, Drafter
 from cpu_draft.messages import PROPOSE, ContextUpdate, update_arrays
 from cpu_draft.worker import DraftService
@@ -44,49 +45,49 @@ def _fresh_tree(drafter: Drafter, context: list[int], max_nodes: int) -> list[in
     return drafter.draft([("fresh", max_nodes)])[0].token_list
 
 
-def _scripted_run(model_dir, runner_ups: int, pattern: list, steps: int = 16):
-    """Decode one sequence through the worker's service, the target's verdict scripted per step:
-    "full": the chain accepted and the draft's own bonus; "bonus": the chain accepted and the
-    draft's second choice as the bonus; j: the chain rejected at depth j, the target taking the
-    draft's second choice there. Every tree served is checked against a fresh draft of its context.
-    Returns the service's stats."""
-    service = DraftService(_drafter(model_dir), overlap=True, budget=BUDGET, runner_ups=runner_ups)
+def _scripted_run(model_dir, runner_ups: int, pattern: list, width: int = 1, steps: int = 16):
+    """Decode one sequence through the worker's service (trees of ``width`` nodes a level), the
+    target's verdict scripted per step: "full": the chain accepted and the draft's own bonus;
+    "bonus": the chain accepted and the draft's second choice as the bonus; j: the tree rejected
+    at depth j, the target taking there the draft's best token outside the tree. Every tree
+    served is checked against a fresh draft of its context. Returns the service's stats."""
+    service = DraftService(_drafter(model_dir, tree_width=width), overlap=True, budget=BUDGET, runner_ups=runner_ups)
     service.capacity = _MeasuredCapacity()
-    ranks = _drafter(model_dir, tree_width=2)  # a level of 2 nodes: the draft's first and second choices there
-    fresh = _drafter(model_dir)
+    ranks = _drafter(model_dir, tree_width=width + 1)  # a level of width + 1 nodes: the draft's choices there, best first
+    fresh = _drafter(model_dir, tree_width=width)
     service.apply_updates(update_arrays([ContextUpdate(1, 0, PROMPT)]))
     service.catch_up(lambda: None)
     context = list(PROMPT)
     for step in range(steps):
         tree = service.propose([(1, BUDGET)])[0]
         assert tree.token_list == _fresh_tree(fresh, context, BUDGET)  # no KV left corrupt by forks, copies or swaps
-        chain = tree.token_list
+        chain = list(service.drafter.last_chain(1))
         service.draft_ahead([(1, BUDGET)], lambda: None)
         outcome = pattern[step % len(pattern)]
         if outcome in ("full", "bonus"):
-            first, second = _fresh_tree(ranks, context + chain, 2)
-            new = chain + [first if outcome == "full" else second]
+            ranked = _fresh_tree(ranks, context + chain, width + 1)
+            new = chain + [ranked[0] if outcome == "full" else ranked[1]]
         else:
-            first, second = _fresh_tree(ranks, context + chain[:outcome], 2)
-            assert first == chain[outcome]
-            new = chain[:outcome] + [second]
+            ranked = _fresh_tree(ranks, context + chain[:outcome], width + 1)
+            assert ranked[0] == chain[outcome]
+            new = chain[:outcome] + [ranked[width]]
         service.apply_updates(update_arrays([ContextUpdate(1, len(context), new)]))
         context += new
     service.propose([(1, BUDGET)])
     return service.stats
 
 
-PATTERN = ["full", 0, "full", 1, "bonus", 2, "full", 3]
-
-
-def test_runner_up_guesses_serve_the_steps_the_main_guess_misses(tiny_llama_dir):
-    alone = _scripted_run(tiny_llama_dir, runner_ups=0, pattern=PATTERN)
+@pytest.mark.parametrize("width, pattern", [(1, ["full", 0, "full", 1, "bonus", 2, "full", 3]),
+                                            (2, ["full", 0, "full", 1, "bonus", 0, "full", 1])])
+def test_runner_up_guesses_serve_the_steps_the_main_guess_misses(tiny_llama_dir, width, pattern):
+    alone = _scripted_run(tiny_llama_dir, runner_ups=0, pattern=pattern, width=width)
     assert alone.runner_up_guesses == 0
     assert (alone.predraft_hits, alone.predraft_misses) == (1 + 6, 10)  # the prompt's tree, then the steps after "full"
-    both = _scripted_run(tiny_llama_dir, runner_ups=5, pattern=PATTERN)
+    both = _scripted_run(tiny_llama_dir, runner_ups=5, pattern=pattern, width=width)
     assert (both.predraft_hits, both.predraft_misses) == (1 + 16, 0)  # every step drafted ahead
     assert both.rejected_guess_hits == 8 and both.bonus_guess_hits == 2
-    assert both.runner_up_guesses == 16 * 5
+    depth = BUDGET // width
+    assert both.runner_up_guesses == 16 * (depth + 1)  # a guess per level, and the bonus
 
 
 def test_runner_up_guesses_need_spare_cores(tiny_llama_dir):
@@ -144,6 +145,17 @@ def test_drafting_ahead_goes_on_only_for_a_proposal_that_asks_for_a_guess(tiny_l
     tree = service.propose([(1, BUDGET)])[0]
     assert service.stats.rejected_guess_hits == 1 and service.stats.predraft_hits == 2
     assert tree.token_list == _fresh_tree(_drafter(tiny_llama_dir), service.contexts[1], BUDGET)
+
+
+def test_a_level_with_siblings_is_rejected_with_the_best_token_outside_it():
+    builder = TreeBuilder([2, 1])  # chain node and a sibling, then a chain node
+    builder.add_level([10, 11, 12], [0.5, 0.3, 0.1])
+    builder.add_level([20, 21], [0.8, 0.1])
+    assert builder.tree().token_list == [10, 11, 20]
+    outcomes = runner_ups(7, builder.levels, builder.runner_ups, builder.path_probs, [(30, 0.25)])
+    expected = [RunnerUp("rejected", 0.1, 7, 12), RunnerUp("rejected", 0.5 * 0.1, 8, 21), RunnerUp("bonus", 0.5 * 0.8 * 0.25, 9, 30)]
+    assert [(o.kind, o.prefix, o.token) for o in outcomes] == [(e.kind, e.prefix, e.token) for e in expected]
+    assert [o.prob for o in outcomes] == pytest.approx([e.prob for e in expected])
 
 
 def test_spare_rows_are_what_the_step_holds_beside_the_main_guesses():
