@@ -258,7 +258,8 @@ class DraftService:
         trees = self.drafter.draft(requests, interrupt=self._interrupt(pending, extended, [(s, f) for s, f, _ in forks]))
         if trees is None:
             return
-        self.capacity.observe_levels(time.perf_counter() - started, depth + 1, len(requests))
+        if all(len(tree) for tree in trees):  # every row drafted to the end (none dropped for a waiting proposal)
+            self.capacity.observe_levels(time.perf_counter() - started, depth + 1, len(requests))
         for seq_id, tree in zip(extended, trees):
             self.runner_up[seq_id] = []
             if len(tree):  # (none where a waiting proposal asked for a runner-up guess instead)
