@@ -8,11 +8,11 @@ Nondeterminism in LLM Inference", 2025) and the vLLM/SGLang modes adapted from t
 (``VLLM_BATCH_INVARIANT``): each element is summed over the whole K range, with no split-K,
 by one MMA of 16 rows per K tile. It is gemv.py's skinny GEMM (`_skinny_w_tile`,
 `_skinny_accumulate`) with the rows in blocks of 16: a program owns up to ROW_BLOCKS of them
-(4: 64 rows) and BLOCK_N columns, loads each W tile once and multiplies every row block
+(`max_row_blocks`, 2 or 4 by N) and BLOCK_N columns, loads each W tile once and multiplies every row block
 with it, each into its own accumulator. An element's sum is then the same sequence of MMA
 instructions for every M; M only changes how many row blocks a program and the grid hold.
 A one-row decode computes 16 rows, not the 128 of those projects' persistent kernel, and a
-batch-64 step reads each W tile once, not once per row block.
+batch-64 step reads each W tile once or twice, not four times.
 
 Under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) `_skinny_accumulate` sums exact
 fp32 products per element instead of calling ``tl.dot`` (gemv.py's ``_interpreting``); the
@@ -34,18 +34,25 @@ except ImportError:  # CPU-only installs
     triton = tl = None
 
 BLOCK_M = 16  # rows per MMA: tl.dot's minimum
-MAX_ROW_BLOCKS = 4  # row blocks per program: 64 rows share each W tile
+WIDE_N = 16384  # from this many columns a program takes four row blocks; below, two
+
+
+def max_row_blocks(n: int) -> int:
+    """Row blocks a program may own: four (64 rows) where N's column tiles alone fill the
+    GPU's SMs, two where fewer programs would leave SMs idle."""
+    return 4 if n >= WIDE_N else 2
 
 
 def tile_for(n: int, m: int) -> dict:
     """The kernel's tile and launch options for [m, K] x W^T with N columns. The tile (and so
-    every element's sum) is a function of N only: skinny_tile's for 64 rows, whose K tile
-    leaves shared memory for four row blocks; the row blocks per program and the pipeline
-    depth follow M, which changes no sum."""
-    tile = gemv.skinny_tile(n, BLOCK_M * MAX_ROW_BLOCKS)
-    row_blocks = min(MAX_ROW_BLOCKS, triton.cdiv(m, BLOCK_M))
+    every element's sum) is a function of N only: skinny_tile's for as many rows as a program
+    may own, whose K tile leaves shared memory for them; the row blocks per program and the
+    pipeline depth follow M, which changes no sum."""
+    most = max_row_blocks(n)
+    tile = gemv.skinny_tile(n, BLOCK_M * most)
+    row_blocks = min(most, triton.cdiv(m, BLOCK_M))
     return dict(BLOCK_M=BLOCK_M, ROW_BLOCKS=row_blocks, BLOCK_N=tile["block_n"], BLOCK_K=tile["block_k"],
-                W_FIRST=tile["w_first"], num_warps=tile["num_warps"], num_stages=4 if row_blocks <= 2 else 3)
+                W_FIRST=tile["w_first"], num_warps=tile["num_warps"], num_stages=tile["num_stages"] if row_blocks <= 2 else 3)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
