@@ -90,13 +90,24 @@ class _Channel:
 
     def put(self, item: Union[RequestOutput, BaseException]) -> None:
         """Thread-safe; a stream whose loop has closed is silently dropped."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:
-            pass
+        _hand_over(self._loop, [(self, item)])
 
     async def get(self) -> Union[RequestOutput, BaseException]:
         return await self._queue.get()
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[_Channel, Union[RequestOutput, BaseException]]]) -> None:
+    """Put items into their channels' queues on ``loop`` with one thread-safe call (each
+    costs the loop a wake-up through its self-pipe); dropped if the loop has closed."""
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:
+        pass
+
+
+def _put_all(items: list[tuple[_Channel, Union[RequestOutput, BaseException]]]) -> None:
+    for channel, item in items:
+        channel._queue.put_nowait(item)
 
 
 class RequestStream:
@@ -274,8 +285,7 @@ class AsyncLLMEngine:
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            for output in engine.step():
-                self._deliver(output)
+            self._deliver(engine.step())
             self._publish_snapshot()
 
     def _apply_commands(self) -> Optional[_Stop]:
@@ -306,15 +316,20 @@ class AsyncLLMEngine:
             return
         command.done.set_result(None)
 
-    def _deliver(self, output: RequestOutput) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams, in one hand-over per event loop."""
         with self._streams_lock:
-            stream = self._streams.get(output.request_id)
-        if output.finished and self._observer is not None:
-            self._observer.on_request_finished(output)
-        if stream is not None:
-            stream.put(output)
-        elif not output.finished:
-            self.engine.abort_request(output.request_id)
+            streams = [self._streams.get(output.request_id) for output in outputs]
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for output, stream in zip(outputs, streams):
+            if output.finished and self._observer is not None:
+                self._observer.on_request_finished(output)
+            if stream is not None:
+                by_loop.setdefault(stream._loop, []).append((stream, output))
+            elif not output.finished:
+                self.engine.abort_request(output.request_id)
+        for loop, items in by_loop.items():
+            _hand_over(loop, items)
 
     def _fail_all(self, error: BaseException, abort: bool) -> None:
         """Close the engine to new requests and fail every registered one, added or not."""

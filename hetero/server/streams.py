@@ -58,6 +58,13 @@ def _close_all(streams: list[RequestStream]) -> None:
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from all streams as they come; leaving early aborts them all."""
+    if len(streams) == 1:  # one prompt, n = 1: no task and queue between the stream and its reader
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            _close_all(streams)
+        return
     queue: asyncio.Queue[tuple[int, Union[RequestOutput, BaseException, None]]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:

@@ -188,3 +188,37 @@ def test_shutdown_past_its_drain_timeout_fails_what_is_left(engine):
 
     run(scenario())
     assert not engine.has_unfinished_requests() and kv_all_free(engine)
+
+
+def test_a_steps_outputs_reach_the_event_loop_in_one_hand_over(engine):
+    """Each thread-safe call wakes the loop through its self-pipe: one per step, not one per request."""
+    steps, outputs_per_step = [], []
+    real_step = engine.step
+
+    def recording_step():
+        outputs = real_step()
+        outputs_per_step.append(len(outputs))
+        return outputs
+
+    engine.step = recording_step
+    async_engine = AsyncLLMEngine(engine)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        real_call = loop.call_soon_threadsafe
+
+        def counting_call(callback, *args, **kwargs):
+            if threading.current_thread() is async_engine._thread and callback.__name__ == "_put_all":
+                steps.append(callback)
+            return real_call(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting_call
+        async_engine.start()
+        outs = await asyncio.gather(*(final_output(async_engine, f"p{i}", SHORT, str(i)) for i in range(4)))
+        await async_engine.shutdown()
+        return outs
+
+    outs = run(scenario())
+    assert all(o.finished for o in outs)
+    busy = [n for n in outputs_per_step if n]
+    assert max(busy) == 4 and len(steps) == len(busy)
