@@ -26,7 +26,7 @@ import torch
 from bench._machine import describe_machine
 from bench._report import section_tables, write_markdown_and_json
 from bench.gpu_decode import LLAMA3_8B, count_triton_compiles, random_prompts, timed_decode
-from gpu_target.tp_worker import free_port, make_group
+from gpu_target.tp_worker import free_port, make_group, make_store
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 
@@ -54,7 +54,7 @@ def bench_engine(model_dir: str, tp: int, batches: list[int], prompt_len: int, n
 def _all_reduce_rank(rank: int, world: int, port: int, batches: list[int], hidden: int, per_step: int, queue) -> None:
     """Time a step's all-reduces on this rank (rank 0 reports): eager, then replayed as one graph."""
     torch.cuda.set_device(rank)
-    group = make_group("nccl", rank, world, port)
+    group = make_group("nccl", make_store(rank, world, port), rank, world)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for batch in batches:
         x = torch.ones(batch, hidden, dtype=torch.bfloat16, device="cuda")
