@@ -37,6 +37,7 @@ class TargetSpec:
     batch_invariant: bool
     block_size: int
     enforce_eager: bool
+    custom_all_reduce: bool = False  # the one-shot all-reduce where it fits (gpu_target/custom_all_reduce.py)
 
 
 @dataclass(frozen=True)

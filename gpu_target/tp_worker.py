@@ -10,16 +10,18 @@ in the engine process).
 
 Control goes over multiprocessing pipes, tensors over a torch.distributed process group made
 from a TCPStore without touching torch's global default group: ProcessGroupNCCL on CUDA
-(graph-capturable), ProcessGroupGloo on the CPU. A worker that dies is seen through its
-process sentinel: before each call, and by a watchdog thread that aborts the group so that
-rank 0 is not left waiting in a collective; the engine then raises `RankDiedError`. During
-start-up every rank reports the phase it enters (loading weights, compiling kernels, capturing
-each CUDA graph) in the group's store, and the watchdog also aborts a start-up in which no rank
-has made progress for `STALL_TIMEOUT_S` (a deadlock, or a rank waiting for a message that never
-comes): the engine raises `RankStalledError`, naming each rank's last phase. A worker whose pipe
-closes (the coordinator is gone) exits; workers are daemonic and stopped by a finalizer, so none
-outlives the engine. Gloo and NCCL here use TCP and CUDA IPC, no named shared-memory segments of
-hetero's.
+(graph-capturable), ProcessGroupGloo on the CPU; with `disable_custom_all_reduce=False`, the
+all-reduces that fit go through the one-shot kernel instead (gpu_target/custom_all_reduce.py).
+A worker that dies is seen through its process sentinel: before each call, and by a watchdog
+thread that aborts the group so that rank 0 is not left waiting in a collective; the engine
+then raises `RankDiedError`. During start-up every rank reports the phase it enters (loading
+weights, compiling kernels, capturing each CUDA graph) in the group's store, and the watchdog
+also ends a start-up in which no rank has made progress for `STALL_TIMEOUT_S` (a deadlock, or a
+rank waiting for a message that never comes): the engine raises `RankStalledError`, naming each
+rank's last phase. A worker whose pipe closes (the coordinator is gone) exits; workers are
+daemonic and stopped by a finalizer, so none outlives the engine. Gloo and NCCL here use TCP and
+CUDA IPC, the one-shot all-reduce cuMem handles passed over Unix sockets: no named shared-memory
+segments of hetero's.
 """
 from __future__ import annotations
 
@@ -34,12 +36,14 @@ import socket
 import threading
 import time
 import traceback
+import uuid
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from gpu_target.custom_all_reduce import set_up_one_shot
 from gpu_target.runner import ModelRunner, PickTokens, SequenceChunk
 from gpu_target.target import CacheShape, TargetSpec, build_runner, load_model, make_kv_pool, rank_device
 from gpu_target.tensor_parallel import TensorParallel, check_divisible
@@ -92,7 +96,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, cpus: Optional[list[int]],
+def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, group_name: str, cpus: Optional[list[int]],
               num_threads: Optional[int], conn) -> None:
     """A worker's life: build the rank, then replay the coordinator's calls until told to stop.
     Its start-up takes the same steps, with the same collectives, as rank 0's in `RankGroup` and the engine."""
@@ -108,7 +112,9 @@ def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, cpus: Opt
         report = functools.partial(report_phase, store, rank)
         report("joining the process group")
         group = make_group(_backend(spec), store, rank, world_size)
-        tp = TensorParallel(rank, world_size, group)
+        report("setting up the all-reduce")
+        one_shot = set_up_one_shot(spec.custom_all_reduce, group, store, group_name, rank, world_size, device, spec.dtype)
+        tp = TensorParallel(rank, world_size, group, one_shot)
         report("loading weights")
         model = load_model(spec, tp, device)
         report("waiting for the KV cache shape from the coordinator")
@@ -166,6 +172,7 @@ class RankGroup:
         each worker's torch intra-op threads (default: as many as its cores)."""
         context = multiprocessing.get_context("spawn")
         port = free_port()
+        group_name = f"hetero-tp-{uuid.uuid4().hex[:12]}"  # the one-shot all-reduce's symmetric-memory group
         self.world_size = world_size
         self.conns = []
         self.processes = []
@@ -173,7 +180,7 @@ class RankGroup:
             ours, theirs = context.Pipe()
             cpus = worker_cpus[rank - 1] if rank - 1 < len(worker_cpus) else None
             process = context.Process(target=_run_rank,
-                                      args=(spec, rank, world_size, port, cpus, num_threads, theirs),
+                                      args=(spec, rank, world_size, port, group_name, cpus, num_threads, theirs),
                                       name=f"hetero-tp-rank{rank}", daemon=True)
             process.start()
             theirs.close()
@@ -186,7 +193,11 @@ class RankGroup:
             with self.running("joining the process group"):
                 group = make_group(_backend(spec), self.store, 0, world_size)
             self.watchdog.group = group
-            self.tp = TensorParallel(0, world_size, group)
+            device = rank_device(spec, TensorParallel(0, world_size))
+            with self.running("setting up the all-reduce"):
+                one_shot = set_up_one_shot(spec.custom_all_reduce, group, self.store, group_name, 0, world_size,
+                                           device, spec.dtype)
+            self.tp = TensorParallel(0, world_size, group, one_shot)
         except BaseException:
             self.close()
             raise

@@ -117,7 +117,8 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, self.device)
         self.eos_token_ids = self.inputs.eos_token_ids
         spec = TargetSpec(str(model_path), self.model_config, self.dtype, self.device.type, real_weights, config.seed,
-                          config.quantization, config.batch_invariant, config.block_size, config.enforce_eager)
+                          config.quantization, config.batch_invariant, config.block_size, config.enforce_eager,
+                          custom_all_reduce=not config.disable_custom_all_reduce)
         # Tensor parallelism: ranks 1..N-1 in worker processes, rank 0 here (gpu_target/tp_worker.py);
         # rank 0's start-up phases run watched, so that a stalled or dead worker is an error, not a hang.
         world_size = config.tensor_parallel_size

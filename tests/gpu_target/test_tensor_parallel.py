@@ -40,11 +40,13 @@ def _generate(model_dir, prompts, params, **kwargs):
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
-def test_tp2_greedy_equals_tp1(tiny_llama_dir, num_scheduler_steps):
-    """Single steps and multi-step decoding (rank 0 broadcasts its picks between steps)."""
+@pytest.mark.parametrize("num_scheduler_steps, disable_custom_all_reduce", [(1, True), (4, False)])
+def test_tp2_greedy_equals_tp1(tiny_llama_dir, num_scheduler_steps, disable_custom_all_reduce):
+    """Single steps and multi-step decoding (rank 0 broadcasts its picks between steps); asking
+    for the one-shot all-reduce on the CPU falls back to gloo's."""
     expected = _generate(tiny_llama_dir, PROMPTS, GREEDY, num_scheduler_steps=num_scheduler_steps)
-    got = _generate(tiny_llama_dir, PROMPTS, GREEDY, num_scheduler_steps=num_scheduler_steps, tensor_parallel_size=2)
+    got = _generate(tiny_llama_dir, PROMPTS, GREEDY, num_scheduler_steps=num_scheduler_steps, tensor_parallel_size=2,
+                    disable_custom_all_reduce=disable_custom_all_reduce)
     assert got == expected
 
 
@@ -69,8 +71,10 @@ def one_gpu_outputs(tiny_llama_dir):
 
 
 @TWO_GPUS
-def test_tp2_on_two_gpus_equals_tp1_with_graphs_and_lookahead(tiny_llama_dir, tmp_path, monkeypatch, one_gpu_outputs):
-    """NCCL inside CUDA graphs, multi-step decoding (steps without
+@pytest.mark.parametrize("disable_custom_all_reduce", [True, False], ids=["nccl", "one-shot"])
+def test_tp2_on_two_gpus_equals_tp1_with_graphs_and_lookahead(tiny_llama_dir, tmp_path, monkeypatch, one_gpu_outputs,
+                                                              disable_custom_all_reduce):
+    """NCCL or the one-shot all-reduce inside CUDA graphs, multi-step decoding (steps without
     trees) and tree verification (the copy prompt), in float32. A start-up stall fails within
     two minutes naming each rank's phase, instead of hanging."""
     monkeypatch.setattr(tp_worker, "STALL_TIMEOUT_S", 120.0)
@@ -78,8 +82,10 @@ def test_tp2_on_two_gpus_equals_tp1_with_graphs_and_lookahead(tiny_llama_dir, tm
     (tmp_path / "lookahead_cache_config.json").write_text(
         '{"cache_mode": 2, "copy_length": 8, "is_debug": false, "target_parallelism": 64}')
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", tensor_parallel_size=2,
-              lookahead_cache_config_dir=str(tmp_path), num_speculative_tokens=4, **_CUDA)
+              lookahead_cache_config_dir=str(tmp_path), num_speculative_tokens=4,
+              disable_custom_all_reduce=disable_custom_all_reduce, **_CUDA)
     engine = llm.llm_engine
+    assert (engine.model.tp.one_shot is None) == disable_custom_all_reduce  # the path under test is the one in use
     assert [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == plain
     engine.spec_control.always_speculate = True
     assert llm.generate(copy_prompt, _COPY_PARAMS, use_tqdm=False)[0].outputs[0].token_ids == copied
