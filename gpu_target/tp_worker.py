@@ -171,7 +171,10 @@ class RankGroup:
         """`worker_cpus[r - 1]`: the cores rank r is pinned to (none: not pinned); `num_threads`:
         each worker's torch intra-op threads (default: as many as its cores)."""
         context = multiprocessing.get_context("spawn")
-        port = free_port()
+        # The store's host binds a free port itself before any worker looks for it: a port picked
+        # and released first could be taken meanwhile, and a worker then join a stranger's store.
+        self.store = make_store(0, world_size, 0)
+        port = self.store.port
         group_name = f"hetero-tp-{uuid.uuid4().hex[:12]}"  # the one-shot all-reduce's symmetric-memory group
         self.world_size = world_size
         self.conns = []
@@ -186,8 +189,7 @@ class RankGroup:
             theirs.close()
             self.conns.append(ours)
             self.processes.append(process)
-        self.store = make_store(0, world_size, port)
-        self.watchdog = Watchdog(list(self.processes), self.store, world_size)
+        self.watchdog = Watchdog(list(self.processes), port, world_size)
         self._finalizer = weakref.finalize(self, _stop, list(self.processes), list(self.conns), self.watchdog)
         try:
             with self.running("joining the process group"):
@@ -309,9 +311,12 @@ class Watchdog:
     the workers are killed, since a live but stalled peer keeps gloo waiting despite the abort.
     Steps are not timed: a worker's death is what ends one (vLLM's rule too)."""
 
-    def __init__(self, processes: list, store: dist.Store, world_size: int):
+    def __init__(self, processes: list, port: int, world_size: int):
         self.processes = processes
-        self.store = store
+        # A client of its own: a store client serves one request at a time, and rank 0's may be
+        # blocked in a wait for a peer's key (NCCL's or symmetric memory's rendezvous).
+        self.store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=60),
+                                   wait_for_workers=False)
         self.world_size = world_size
         self.group: Any = None  # set once made; aborted on a death or a stall
         self.stalled: Optional[str] = None
