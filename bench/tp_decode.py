@@ -1,10 +1,16 @@
-"""Tensor-parallel decode on the 8B Llama-3 shape (random bf16 weights, load_format="dummy").
+"""Tensor-parallel decode on the 8B Llama-3 shape (random bf16 weights, load_format="dummy"), NCCL against the one-shot all-reduce.
 
-For each tensor_parallel_size and decode batch: the engine's decode step time (multi-step
-decoding, CUDA graphs with the all-reduces captured inside them), and the all-reduce time
-per step measured apart: on a process group of the same size, the step's all-reduces alone
-(two per layer plus the embedding's, each [batch, hidden] bf16), eagerly one by one and as
-one captured CUDA graph. Needs as many GPUs as the largest size.
+Two sections, the cheap one first:
+
+- all_reduce: on a process group of --all-reduce-world ranks, microseconds per all-reduce of one
+  bf16 message ([rows, 4096]: 8 KiB is a batch-1 decode step's, 512 KiB a batch-64 one's), NCCL
+  and the one-shot all-reduce over NVLink (gpu_target/custom_all_reduce.py), each issued eagerly
+  one by one and replayed as one captured CUDA graph of a step's worth (65, two per layer and the
+  embedding's). The one-shot's sum is checked against the exact one.
+- decode: the engine's decode step time (multi-step decoding, CUDA graphs with the all-reduces
+  captured inside them) for each of --configs (tensor_parallel_size:all-reduce) and batch.
+
+Results are written after each section, so a run cut short keeps what it measured.
 
     python -m bench.tp_decode --out bench/results
 """
@@ -26,23 +32,33 @@ import torch
 from bench._machine import describe_machine
 from bench._report import section_tables, write_markdown_and_json
 from bench.gpu_decode import LLAMA3_8B, count_triton_compiles, random_prompts, timed_decode
-from gpu_target.tp_worker import free_port, make_group
+from gpu_target.custom_all_reduce import set_up_one_shot
+from gpu_target.tp_worker import free_port, make_group, make_store
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 
+ALL_REDUCES_PER_STEP = 2 * LLAMA3_8B["num_hidden_layers"] + 1
+ALL_REDUCE_BACKENDS = ("nccl", "one-shot")
 
-def bench_engine(model_dir: str, tp: int, batches: list[int], prompt_len: int, new_tokens: int, steps: int) -> list[dict]:
+
+def bench_engine(model_dir: str, tp: int, all_reduce: str, batches: list[int], prompt_len: int, new_tokens: int,
+                 steps: int) -> list[dict]:
     config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                           max_model_len=2048, max_num_seqs=max(batches), gpu_memory_utilization=0.55,
-                          tensor_parallel_size=tp, num_scheduler_steps=steps)
+                          tensor_parallel_size=tp, num_scheduler_steps=steps,
+                          disable_custom_all_reduce=all_reduce == "nccl")
     engine = LLMEngine(config)
-    rows = [dict(section="startup", tensor_parallel_size=tp, cuda_graph_capture_s=round(engine.cuda_graph_capture_seconds, 1))]
+    label = dict(tensor_parallel_size=tp, all_reduce=all_reduce if tp > 1 else "-")
+    one_shot_in_use = engine.model.tp.one_shot is not None
+    rows = [dict(section="startup", **label, one_shot_in_use=one_shot_in_use,
+                 cuda_graph_capture_s=round(engine.cuda_graph_capture_seconds, 1))]
+    print(rows[-1], flush=True)
     for batch in batches:
         engine.scheduler.max_num_seqs = batch
         prompts = random_prompts(batch, prompt_len, engine.model_config.vocab_size, seed=batch)
         timed_decode(engine, prompts[:1], 8)  # warm-up
         elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
-        rows.append(dict(section="decode", tensor_parallel_size=tp, batch=batch, num_scheduler_steps=steps,
+        rows.append(dict(section="decode", **label, batch=batch, num_scheduler_steps=steps,
                          tokens_per_s=round(tokens / elapsed, 1), step_ms=round(1e3 * elapsed * batch / tokens, 3)))
         print(rows[-1], flush=True)
     del engine
@@ -51,92 +67,140 @@ def bench_engine(model_dir: str, tp: int, batches: list[int], prompt_len: int, n
     return rows
 
 
-def _all_reduce_rank(rank: int, world: int, port: int, batches: list[int], hidden: int, per_step: int, queue) -> None:
-    """Time a step's all-reduces on this rank (rank 0 reports): eager, then replayed as one graph."""
-    torch.cuda.set_device(rank)
-    group = make_group("nccl", rank, world, port)
+def _time_ms(run, repeats: int) -> float:
+    """Median milliseconds of `run()` over `repeats` timings with CUDA events."""
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for batch in batches:
-        x = torch.ones(batch, hidden, dtype=torch.bfloat16, device="cuda")
-        for _ in range(20):
-            group.allreduce([x]).wait()
-        torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
         start.record()
-        for _ in range(per_step):
-            group.allreduce([x]).wait()
+        run()
         stop.record()
         torch.cuda.synchronize()
-        eager_ms = start.elapsed_time(stop)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(per_step):
-                group.allreduce([x]).wait()
-        replays = []
-        for _ in range(20):
-            start.record()
-            graph.replay()
-            stop.record()
-            torch.cuda.synchronize()
-            replays.append(start.elapsed_time(stop))
+        times.append(start.elapsed_time(stop))
+    return float(np.median(times))
+
+
+def _per_call_us(reduce, x: torch.Tensor, calls: int) -> tuple[float, float]:
+    """(eager, graph) microseconds per call of `reduce(x)`: `calls` issued one by one from
+    Python, and the same `calls` captured in one CUDA graph and replayed."""
+    def eager():
+        for _ in range(calls):
+            reduce(x)
+
+    for _ in range(3):  # warm-up (and NCCL's communicator before its capture)
+        eager()
+    eager_ms = _time_ms(eager, 5)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        eager()
+    graph_ms = _time_ms(graph.replay, 20)
+    return 1e3 * eager_ms / calls, 1e3 * graph_ms / calls
+
+
+def _all_reduce_rank(rank: int, world: int, port: int, sizes_kib: list[int], hidden: int, calls: int, queue) -> None:
+    """Time one message size after another on this rank (rank 0 reports); every rank runs the
+    same collectives in the same order."""
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    store = make_store(rank, world, port)
+    group = make_group("nccl", store, rank, world)
+    one_shot = set_up_one_shot(True, group, store, f"bench-tp-{port}", rank, world, device, torch.bfloat16)
+    backends = {"nccl": lambda x: group.allreduce([x]).wait()}
+    if one_shot is not None:
+        backends["one-shot"] = one_shot
+    for kib in sizes_kib:
+        rows = kib * 1024 // (2 * hidden)
+        row = dict(section="all_reduce", tensor_parallel_size=world, message_kib=kib, shape=f"[{rows}, {hidden}]")
+        for name in ALL_REDUCE_BACKENDS:
+            reduce = backends.get(name)
+            if reduce is None:
+                row.update({f"{name}_eager_us": None, f"{name}_graph_us": None})
+                continue
+            x = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device)
+            eager_us, graph_us = _per_call_us(reduce, x, calls)
+            row.update({f"{name}_eager_us": round(eager_us, 1), f"{name}_graph_us": round(graph_us, 1)})
+        if one_shot is not None:
+            x = torch.full((rows, hidden), rank + 1.0, dtype=torch.bfloat16, device=device)
+            row["one_shot_sum_exact"] = bool((one_shot(x) == world * (world + 1) / 2).all())
         if rank == 0:
-            queue.put(dict(section="all_reduce", tensor_parallel_size=world, batch=batch, all_reduces_per_step=per_step,
-                           message_kib=round(batch * hidden * 2 / 1024, 1), eager_ms_per_step=round(eager_ms, 3),
-                           eager_us_each=round(1e3 * eager_ms / per_step, 1),
-                           graph_ms_per_step=round(float(np.median(replays)), 3),
-                           graph_us_each=round(1e3 * float(np.median(replays)) / per_step, 1)))
+            queue.put(row)
+    torch.cuda.synchronize()
 
 
-def bench_all_reduce(world: int, batches: list[int], hidden: int, per_step: int) -> list[dict]:
+def bench_all_reduce(world: int, sizes_kib: list[int], hidden: int, calls: int) -> list[dict]:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_all_reduce_rank, args=(r, world, port, batches, hidden, per_step, queue))
+    processes = [context.Process(target=_all_reduce_rank, args=(r, world, port, sizes_kib, hidden, calls, queue))
                  for r in range(world)]
     for process in processes:
         process.start()
-    rows = [queue.get(timeout=300) for _ in batches]
-    for process in processes:
-        process.join(60)
-    for row in rows:
-        print(row, flush=True)
+    rows = []
+    try:
+        for _ in sizes_kib:
+            rows.append(queue.get(timeout=180))
+            print(rows[-1], flush=True)
+    finally:
+        for process in processes:
+            process.join(60)
+            if process.is_alive():
+                process.kill()
     return rows
+
+
+def parse_configs(text: str) -> list[tuple[int, str]]:
+    """"1:nccl,2:nccl,2:one-shot" -> [(1, "nccl"), (2, "nccl"), (2, "one-shot")]."""
+    configs = []
+    for item in text.split(","):
+        size, _, all_reduce = item.partition(":")
+        if all_reduce not in ALL_REDUCE_BACKENDS:
+            raise ValueError(f"--configs item {item!r}: the all-reduce must be one of {ALL_REDUCE_BACKENDS}")
+        configs.append((int(size), all_reduce))
+    return configs
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--tensor-parallel-sizes", default="1,2")
+    parser.add_argument("--configs", default="1:nccl,2:nccl,2:one-shot", help="tensor_parallel_size:all-reduce, ...")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--scheduler-steps", type=int, default=8)
+    parser.add_argument("--all-reduce-world", type=int, default=2, help="ranks of the all-reduce section; 1 skips it")
+    parser.add_argument("--message-kib", default="8,16,64,256,512,1024")
     args = parser.parse_args(argv)
-    sizes = [int(n) for n in args.tensor_parallel_sizes.split(",")]
+    try:
+        configs = parse_configs(args.configs)
+    except ValueError as error:
+        parser.error(str(error))
     batches = [int(b) for b in args.batches.split(",")]
-    if max(sizes) > torch.cuda.device_count():
-        parser.error(f"--tensor-parallel-sizes {args.tensor_parallel_sizes} needs {max(sizes)} GPUs; "
+    needed = max([tp for tp, _ in configs] + [args.all_reduce_world])
+    if needed > torch.cuda.device_count():
+        parser.error(f"--configs {args.configs} / --all-reduce-world {args.all_reduce_world} need {needed} GPUs; "
                      f"{torch.cuda.device_count()} are visible")
     model_dir = tempfile.mkdtemp(prefix="llama3-8b-shape-")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(LLAMA3_8B, f)
     count_triton_compiles()
+    stem = os.path.join(args.out, f"tp_decode-{time.strftime('%Y%m%d-%H%M%S')}")
     rows: list[dict] = []
-    for tp in sizes:
-        rows += bench_engine(model_dir, tp, batches, args.prompt_len, args.new_tokens, args.scheduler_steps)
-    per_step = 2 * LLAMA3_8B["num_hidden_layers"] + 1
-    for tp in sizes:
-        if tp > 1:
-            rows += bench_all_reduce(tp, batches, LLAMA3_8B["hidden_size"], per_step)
-    write_results(args, rows)
+    if args.all_reduce_world > 1:
+        rows += bench_all_reduce(args.all_reduce_world, [int(k) for k in args.message_kib.split(",")],
+                                 LLAMA3_8B["hidden_size"], ALL_REDUCES_PER_STEP)
+        write_results(stem, rows)
+    for tp, all_reduce in configs:
+        rows += bench_engine(model_dir, tp, all_reduce, batches, args.prompt_len, args.new_tokens, args.scheduler_steps)
+        write_results(stem, rows)
+    print(write_results(stem, rows))
 
 
-def write_results(args, rows: list[dict]) -> None:
+def write_results(stem: str, rows: list[dict]) -> str:
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name(),
                 gpus=torch.cuda.device_count(), python=platform.python_version())
     command = "python -m bench.tp_decode " + " ".join(sys.argv[1:])
-    body = section_tables(rows, ("startup", "decode", "all_reduce"))
-    stem = os.path.join(args.out, f"tp_decode-{time.strftime('%Y%m%d-%H%M%S')}")
-    print(write_markdown_and_json(stem, f"Tensor-parallel decode, 8B Llama-3 shape ({info['gpu']})", command, info, rows, body))
+    body = section_tables(rows, ("all_reduce", "startup", "decode"))
+    return write_markdown_and_json(stem, f"Tensor-parallel decode, 8B Llama-3 shape ({info['gpu']})", command, info, rows, body)
 
 
 if __name__ == "__main__":

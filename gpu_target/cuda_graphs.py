@@ -111,10 +111,13 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self.capture_seconds = 0.0
 
-    def capture_all(self) -> float:
-        """Capture every bucket, largest first so smaller graphs reuse its memory pool."""
+    def capture_all(self, report: Callable[[str], None] = lambda phase: None) -> float:
+        """Capture every bucket, largest first so smaller graphs reuse its memory pool;
+        `report` is told each bucket before its warm-up and capture."""
         started = time.perf_counter()
-        for bucket in [*map(Ragged, self.ragged), *self.ladder]:
+        buckets = [*map(Ragged, self.ragged), *self.ladder]
+        for i, bucket in enumerate(buckets):
+            report(f"capturing CUDA graph {i + 1}/{len(buckets)} (bucket {bucket})")
             self._capture(bucket)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - started

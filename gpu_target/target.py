@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -37,6 +37,7 @@ class TargetSpec:
     batch_invariant: bool
     block_size: int
     enforce_eager: bool
+    custom_all_reduce: bool = False  # the one-shot all-reduce where it fits (gpu_target/custom_all_reduce.py)
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,12 @@ def make_kv_pool(spec: TargetSpec, tp: TensorParallel, num_blocks: int, device: 
     return KVCachePool(local_config(spec.model_config, tp.world_size), num_blocks, spec.block_size, spec.dtype, device)
 
 
-def build_runner(spec: TargetSpec, model: CausalLM, kv_pool: KVCachePool, tp: TensorParallel, shape: CacheShape) -> ModelRunner:
-    """The rank's runner: attention function and (on CUDA, unless enforce_eager) captured graphs around `model`."""
+def build_runner(spec: TargetSpec, model: CausalLM, kv_pool: KVCachePool, tp: TensorParallel, shape: CacheShape,
+                 report: Callable[[str], None] = lambda phase: None) -> ModelRunner:
+    """The rank's runner: attention function and (on CUDA, unless enforce_eager) captured graphs around `model`;
+    `report` is told each phase as it starts (the tensor-parallel watchdog's progress)."""
     device = kv_pool.storage.device
+    report("compiling attention kernels")
     attention_fn = _attention_fn(spec, local_config(spec.model_config, tp.world_size), kv_pool)
     graph_runner = None
     if device.type == "cuda" and not spec.enforce_eager:
@@ -88,7 +92,7 @@ def build_runner(spec: TargetSpec, model: CausalLM, kv_pool: KVCachePool, tp: Te
 
         graph_runner = CudaGraphRunner(model, kv_pool, shape.max_num_seqs, shape.max_query_len, shape.max_model_len,
                                        max_step_tokens=shape.max_step_tokens, attention_fn=attention_fn)
-        seconds = graph_runner.capture_all()
+        seconds = graph_runner.capture_all(report)
         logger.info("CUDA graph capture took %.1f s for %d buckets (rank %d)", seconds, len(graph_runner.graphs), tp.rank)
     return ModelRunner(model, kv_pool, device, attention_fn, graph_runner)
 

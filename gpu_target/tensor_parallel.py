@@ -121,14 +121,18 @@ class Shard:
 @dataclass(frozen=True)
 class TensorParallel(Shard):
     """A `Shard` with the process group its collectives run over (torch.distributed's
-    ProcessGroupNCCL on CUDA, ProcessGroupGloo on the CPU). World size 1 makes every
-    collective the identity, so the one-GPU model pays nothing."""
+    ProcessGroupNCCL on CUDA, ProcessGroupGloo on the CPU) and, where set up, the one-shot
+    all-reduce that takes the messages it fits (gpu_target/custom_all_reduce.py). World size 1
+    makes every collective the identity, so the one-GPU model pays nothing."""
 
     group: Any = field(default=None, compare=False, repr=False)
+    one_shot: Any = field(default=None, compare=False, repr=False)  # a custom_all_reduce.OneShotAllReduce
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (the row-parallel projections' partial sums)."""
         if self.world_size > 1:
+            if self.one_shot is not None and self.one_shot.fits(x):
+                return self.one_shot(x)
             self.group.allreduce([x]).wait()
         return x
 

@@ -10,29 +10,40 @@ in the engine process).
 
 Control goes over multiprocessing pipes, tensors over a torch.distributed process group made
 from a TCPStore without touching torch's global default group: ProcessGroupNCCL on CUDA
-(graph-capturable), ProcessGroupGloo on the CPU. A worker that dies is seen through its
-process sentinel: before each call, and by a watchdog thread that aborts the group so that
-rank 0 is not left waiting in a collective; the engine then raises `RankDiedError`. A worker
-whose pipe closes (the coordinator is gone) exits; workers are daemonic and stopped by a
-finalizer, so none outlives the engine. Gloo and NCCL here use TCP and CUDA IPC, no named
-shared-memory segments of hetero's.
+(graph-capturable), ProcessGroupGloo on the CPU; with `disable_custom_all_reduce=False`, the
+all-reduces that fit go through the one-shot kernel instead (gpu_target/custom_all_reduce.py).
+A worker that dies is seen through its process sentinel: before each call, and by a watchdog
+thread that aborts the group so that rank 0 is not left waiting in a collective; the engine
+then raises `RankDiedError`. During start-up every rank reports the phase it enters (loading
+weights, compiling kernels, capturing each CUDA graph) in the group's store, and the watchdog
+also ends a start-up in which no rank has made progress for `STALL_TIMEOUT_S` (a deadlock, or a
+rank waiting for a message that never comes): the engine raises `RankStalledError`, naming each
+rank's last phase. A worker whose pipe closes (the coordinator is gone) exits; workers are
+daemonic and stopped by a finalizer, so none outlives the engine. Gloo and NCCL here use TCP and
+CUDA IPC, the one-shot all-reduce cuMem handles passed over Unix sockets: no named shared-memory
+segments of hetero's.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import socket
 import threading
+import time
 import traceback
+import uuid
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from gpu_target.custom_all_reduce import set_up_one_shot
 from gpu_target.runner import ModelRunner, PickTokens, SequenceChunk
 from gpu_target.target import CacheShape, TargetSpec, build_runner, load_model, make_kv_pool, rank_device
 from gpu_target.tensor_parallel import TensorParallel, check_divisible
@@ -40,7 +51,8 @@ from gpu_target.tensor_parallel import TensorParallel, check_divisible
 logger = logging.getLogger("hetero")
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-_START_TIMEOUT_S = 1800.0  # loading a large shard and capturing its graphs
+STALL_TIMEOUT_S = 600.0  # start-up: no rank reported a new phase for this long (one phase is one graph, one shard)
+_WATCH_PERIOD_S = 0.5
 _STOP_TIMEOUT_S = 10.0
 _DEATH_GRACE_S = 5.0
 
@@ -49,14 +61,33 @@ class RankDiedError(RuntimeError):
     """A tensor-parallel worker exited; the target cannot run another step."""
 
 
-def make_group(backend: str, rank: int, world_size: int, port: int, timeout: datetime.timedelta = COLLECTIVE_TIMEOUT):
-    """A process group over a TCPStore on this host (rank 0 hosts the store), outside torch's global state."""
-    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout)
+class RankStalledError(RankDiedError):
+    """The tensor-parallel ranks stopped making progress during start-up; the group was aborted."""
+
+
+def make_store(rank: int, world_size: int, port: int, timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> dist.TCPStore:
+    """The ranks' TCPStore on this host; rank 0 hosts it without waiting for the others to connect
+    (the watchdog, not the store's constructor, bounds that wait)."""
+    return dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+
+
+def make_group(backend: str, store: dist.Store, rank: int, world_size: int,
+               timeout: datetime.timedelta = COLLECTIVE_TIMEOUT):
+    """A process group over `store`, outside torch's global state."""
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, world_size, options)
+
+
+def report_phase(store: dist.Store, rank: int, phase: str) -> None:
+    """Publish the start-up phase `rank` enters, for the watchdog's progress check and its error."""
+    store.set(_phase_key(rank), phase)
+
+
+def _phase_key(rank: int) -> str:
+    return f"hetero/phase/{rank}"
 
 
 def free_port() -> int:
@@ -65,9 +96,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, cpus: Optional[list[int]],
+def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, group_name: str, cpus: Optional[list[int]],
               num_threads: Optional[int], conn) -> None:
-    """A worker's life: build the rank, then replay the coordinator's calls until told to stop."""
+    """A worker's life: build the rank, then replay the coordinator's calls until told to stop.
+    Its start-up takes the same steps, with the same collectives, as rank 0's in `RankGroup` and the engine."""
     try:
         if cpus:
             os.sched_setaffinity(0, cpus)
@@ -76,11 +108,23 @@ def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, cpus: Opt
         device = rank_device(spec, TensorParallel(rank, world_size))
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        tp = TensorParallel(rank, world_size, make_group(_backend(spec), rank, world_size, port))
+        store = make_store(rank, world_size, port)
+        report = functools.partial(report_phase, store, rank)
+        report("joining the process group")
+        group = make_group(_backend(spec), store, rank, world_size)
+        report("setting up the all-reduce")
+        one_shot = set_up_one_shot(spec.custom_all_reduce, group, store, group_name, rank, world_size, device, spec.dtype)
+        tp = TensorParallel(rank, world_size, group, one_shot)
+        report("loading weights")
         model = load_model(spec, tp, device)
+        report("waiting for the KV cache shape from the coordinator")
         conn.send(("loaded", None))
-        _, shape = conn.recv()
-        runner = build_runner(spec, model, make_kv_pool(spec, tp, shape.num_blocks, device), tp, shape)
+        call, shape = conn.recv()
+        if call == "stop":  # the coordinator's own start-up failed
+            return
+        report("allocating the KV cache")
+        runner = build_runner(spec, model, make_kv_pool(spec, tp, shape.num_blocks, device), tp, shape, report)
+        report("serving")
         conn.send(("built", None))
         while True:
             try:
@@ -127,45 +171,79 @@ class RankGroup:
         """`worker_cpus[r - 1]`: the cores rank r is pinned to (none: not pinned); `num_threads`:
         each worker's torch intra-op threads (default: as many as its cores)."""
         context = multiprocessing.get_context("spawn")
-        port = free_port()
+        # The store's host binds a free port itself before any worker looks for it: a port picked
+        # and released first could be taken meanwhile, and a worker then join a stranger's store.
+        self.store = make_store(0, world_size, 0)
+        port = self.store.port
+        group_name = f"hetero-tp-{uuid.uuid4().hex[:12]}"  # the one-shot all-reduce's symmetric-memory group
         self.world_size = world_size
         self.conns = []
         self.processes = []
         for rank in range(1, world_size):
             ours, theirs = context.Pipe()
             cpus = worker_cpus[rank - 1] if rank - 1 < len(worker_cpus) else None
-            process = context.Process(target=_run_rank, args=(spec, rank, world_size, port, cpus, num_threads, theirs),
+            process = context.Process(target=_run_rank,
+                                      args=(spec, rank, world_size, port, group_name, cpus, num_threads, theirs),
                                       name=f"hetero-tp-rank{rank}", daemon=True)
             process.start()
             theirs.close()
             self.conns.append(ours)
             self.processes.append(process)
-        self._finalizer = weakref.finalize(self, _stop, list(self.processes), list(self.conns))
+        self.watchdog = Watchdog(list(self.processes), port, world_size)
+        self._finalizer = weakref.finalize(self, _stop, list(self.processes), list(self.conns), self.watchdog)
         try:
-            self.tp = TensorParallel(0, world_size, make_group(_backend(spec), 0, world_size, port))
+            with self.running("joining the process group"):
+                group = make_group(_backend(spec), self.store, 0, world_size)
+            self.watchdog.group = group
+            device = rank_device(spec, TensorParallel(0, world_size))
+            with self.running("setting up the all-reduce"):
+                one_shot = set_up_one_shot(spec.custom_all_reduce, group, self.store, group_name, 0, world_size,
+                                           device, spec.dtype)
+            self.tp = TensorParallel(0, world_size, group, one_shot)
         except BaseException:
             self.close()
             raise
-        self._watchdog = threading.Thread(target=_watch, args=(list(self.processes), self.tp.group), daemon=True,
-                                          name="hetero-tp-watchdog")
-        self._watchdog.start()
 
-    def wait_for(self, state: str, timeout_s: float = _START_TIMEOUT_S) -> None:
-        """Block until every worker reports `state` ("loaded", "built"); RankDiedError if one fails first."""
+    def report(self, phase: str) -> None:
+        """Rank 0's start-up phase, for the watchdog."""
+        report_phase(self.store, 0, phase)
+
+    @contextlib.contextmanager
+    def running(self, phase: str):
+        """Rank 0 runs start-up `phase` (its collectives pair with the workers'), watched: a
+        worker's death or a stall ends it with RankDiedError / RankStalledError, not a hang."""
+        self.report(phase)
+        self.watchdog.busy(phase)
+        try:
+            yield
+        except RuntimeError as error:  # a collective's failure: say which rank caused it
+            if not isinstance(error, RankDiedError):
+                self.check_alive(grace_s=_DEATH_GRACE_S)
+            raise
+        finally:
+            self.watchdog.idle()
+        self.check_alive()  # an aborted collective may have returned without an error
+
+    def wait_for(self, state: str) -> None:
+        """Block until every worker reports `state` ("loaded", "built"); RankDiedError if one fails
+        first, RankStalledError if none makes progress for `STALL_TIMEOUT_S`."""
         pending = dict(zip(self.conns, range(1, self.world_size)))
         sentinels = [p.sentinel for p in self.processes]
-        while pending:
-            ready = multiprocessing.connection.wait([*pending, *sentinels], timeout_s)
-            if not ready:
-                raise RankDiedError(f"tensor-parallel ranks {sorted(pending.values())} did not report {state!r} in {timeout_s:.0f} s")
-            for item in ready:
-                if item in pending:
-                    reply, detail = item.recv()
-                    if reply == "error":
-                        raise RankDiedError(f"tensor-parallel rank {pending[item]} failed:\n{detail}")
-                    del pending[item]
-                else:  # a worker exited
-                    self.check_alive()
+        with self.running(f"waiting for the workers to report {state!r}"):
+            while pending:
+                for item in multiprocessing.connection.wait([*pending, *sentinels], _WATCH_PERIOD_S):
+                    if item in pending:
+                        try:
+                            reply, detail = item.recv()
+                        except (EOFError, OSError):  # the worker is gone, maybe not reaped yet
+                            self.check_alive(grace_s=_DEATH_GRACE_S)
+                            raise RankDiedError(f"tensor-parallel rank {pending[item]} closed its pipe") from None
+                        if reply == "error":
+                            raise RankDiedError(f"tensor-parallel rank {pending[item]} failed:\n{detail}")
+                        del pending[item]
+                    else:  # a worker exited
+                        self.check_alive()
+                self.check_alive()
 
     def build(self, shape: CacheShape) -> None:
         """Have every worker allocate its KV cache and capture its graphs (rank 0 does the same meanwhile)."""
@@ -183,7 +261,9 @@ class RankGroup:
     def check_alive(self, grace_s: float = 0.0) -> None:
         """RankDiedError naming the first worker that exited, with its own error when it sent one;
         `grace_s`: first wait that long for one to exit (a collective can fail on a closed
-        connection before the dying process is reaped)."""
+        connection before the dying process is reaped); RankStalledError once the watchdog found a stall."""
+        if self.watchdog.stalled is not None:
+            raise RankStalledError(self.watchdog.stalled)
         if grace_s:
             exited = multiprocessing.connection.wait([p.sentinel for p in self.processes], grace_s)
             for process in self.processes:
@@ -221,18 +301,86 @@ def start_ranks(spec: TargetSpec, world_size: int, worker_cpus: list[list[int]])
     return RankGroup(spec, world_size, num_threads=threads)
 
 
-def _watch(processes: list, group: Any) -> None:
-    """Abort the process group once any worker exits, so that rank 0 leaves a collective it waits in."""
-    multiprocessing.connection.wait([p.sentinel for p in processes])
-    abort = getattr(group, "abort", None)
-    if abort is not None and any(p.exitcode not in (0, None) for p in processes):
+class Watchdog:
+    """Ends rank 0's waits on ranks that will never answer.
+
+    A thread that checks every half second whether a worker exited and, while rank 0 is in a
+    start-up phase (`busy`), whether any rank reported a new phase in the store. A worker that
+    exits with an error, or no progress for `STALL_TIMEOUT_S` while busy, aborts the process
+    group so that rank 0 leaves a collective it waits in; a stall is described in `stalled`, and
+    the workers are killed, since a live but stalled peer keeps gloo waiting despite the abort.
+    Steps are not timed: a worker's death is what ends one (vLLM's rule too)."""
+
+    def __init__(self, processes: list, port: int, world_size: int):
+        self.processes = processes
+        # A client of its own: a store client serves one request at a time, and rank 0's may be
+        # blocked in a wait for a peer's key (NCCL's or symmetric memory's rendezvous).
+        self.store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=60),
+                                   wait_for_workers=False)
+        self.world_size = world_size
+        self.group: Any = None  # set once made; aborted on a death or a stall
+        self.stalled: Optional[str] = None
+        self._busy: Optional[tuple[str, float]] = None  # (phase, since)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="hetero-tp-watchdog")
+        self._thread.start()
+
+    def busy(self, phase: str) -> None:
+        self._busy = (phase, time.monotonic())
+
+    def idle(self) -> None:
+        self._busy = None
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def phases(self) -> dict[int, str]:
+        """The start-up phase each rank last reported."""
+        keys = {rank: _phase_key(rank) for rank in range(self.world_size)}
+        return {rank: self.store.get(key).decode() for rank, key in keys.items() if self.store.check([key])}
+
+    def _run(self) -> None:
+        sentinels = [p.sentinel for p in self.processes]
+        seen: Optional[dict[int, str]] = None
+        progressed = time.monotonic()
+        while not self._closed.is_set():
+            if multiprocessing.connection.wait(sentinels, _WATCH_PERIOD_S):
+                if any(p.exitcode not in (0, None) for p in self.processes):
+                    self._abort()
+                return
+            busy = self._busy
+            if busy is None or self._closed.is_set():
+                continue
+            try:
+                phases = self.phases()
+            except RuntimeError:  # the store is closing with the engine
+                continue
+            now = time.monotonic()
+            if phases != seen:
+                seen, progressed = phases, now
+            phase, since = busy
+            if now - max(since, progressed) > STALL_TIMEOUT_S:
+                where = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(phases.items()))
+                self.stalled = (f"tensor-parallel start-up stalled: no rank made progress for {STALL_TIMEOUT_S:.0f} s "
+                                f"while rank 0 was {phase}; last phase of each rank: {where}")
+                logger.error(self.stalled)
+                for process in self.processes:  # a stalled worker holds its connections open: gloo would wait on
+                    process.kill()
+                self._abort()
+                return
+
+    def _abort(self) -> None:
+        abort = getattr(self.group, "abort", None)
+        if abort is None:
+            return
         try:
             abort()
         except Exception:  # the group may be gone already; rank 0 then sees the error itself
             logger.debug("aborting the tensor-parallel group failed", exc_info=True)
 
 
-def _stop(processes: list, conns: list) -> None:
+def _stop(processes: list, conns: list, watchdog: Watchdog) -> None:
+    watchdog.close()
     for conn in conns:
         try:
             conn.send(("stop", ()))

@@ -18,6 +18,7 @@ timer) and `observer` (told of tokens of steps without trees).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import gc
 import logging
@@ -53,6 +54,16 @@ from hetero.spec.verifier import BatchVerifier
 logger = logging.getLogger("hetero")
 
 _DEFAULT_TREE_NODES = 16
+
+
+def _unwatched(phase: str) -> contextlib.AbstractContextManager:
+    """One GPU: a start-up phase with no other rank to wait for."""
+    return contextlib.nullcontext()
+
+
+def _unreported(phase: str) -> None:
+    """One GPU: no watchdog to tell of start-up phases."""
+
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,12 +117,16 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, self.device)
         self.eos_token_ids = self.inputs.eos_token_ids
         spec = TargetSpec(str(model_path), self.model_config, self.dtype, self.device.type, real_weights, config.seed,
-                          config.quantization, config.batch_invariant, config.block_size, config.enforce_eager)
-        # Tensor parallelism: ranks 1..N-1 in worker processes, rank 0 here (gpu_target/tp_worker.py).
+                          config.quantization, config.batch_invariant, config.block_size, config.enforce_eager,
+                          custom_all_reduce=not config.disable_custom_all_reduce)
+        # Tensor parallelism: ranks 1..N-1 in worker processes, rank 0 here (gpu_target/tp_worker.py);
+        # rank 0's start-up phases run watched, so that a stalled or dead worker is an error, not a hang.
         world_size = config.tensor_parallel_size
         self._ranks = start_ranks(spec, world_size, tp_worker_cpus(world_size - 1)) if world_size > 1 else None
         tp = self._ranks.tp if self._ranks is not None else SINGLE
-        self.model = load_model(spec, tp, self.device)
+        rank0_phase = self._ranks.running if self._ranks is not None else _unwatched
+        with rank0_phase("loading weights"):
+            self.model = load_model(spec, tp, self.device)
         if self._ranks is not None:
             self._ranks.wait_for("loaded")
         # Each rank holds its own KV heads of every block: sized by rank 0's share.
@@ -141,7 +156,9 @@ class LLMEngine:
                            self.max_model_len, step_tokens)
         if self._ranks is not None:
             self._ranks.build(shape)  # the workers capture their graphs alongside rank 0: the collectives pair up
-        self.runner = build_runner(spec, self.model, self.kv_pool, tp, shape)
+        with rank0_phase("building the runner"):
+            self.runner = build_runner(spec, self.model, self.kv_pool, tp, shape,
+                                       self._ranks.report if self._ranks is not None else _unreported)
         graph_runner = self.runner.graph_runner
         self.cuda_graph_capture_seconds = graph_runner.capture_seconds if graph_runner is not None else 0.0
         if self._ranks is not None:

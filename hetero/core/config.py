@@ -141,6 +141,10 @@ class EngineConfig:
     async_scheduling: bool = True
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
+    # vLLM's name: True keeps every tensor-parallel all-reduce on NCCL; False sends decode-sized
+    # ones through the one-shot all-reduce over NVLink (gpu_target/custom_all_reduce.py), NCCL
+    # still taking what it cannot. Default True until bench/tp_decode.py shows the one-shot faster.
+    disable_custom_all_reduce: bool = True
     device: str = "auto"
     load_format: str = "auto"  # "dummy": random weights in the checkpoint's shapes (vLLM's name), for timing
     # Target weights: "fp8", "int4" (quantised at load) or a "gptq" / "awq" checkpoint (gpu_target/quantization).
@@ -194,6 +198,8 @@ class EngineConfig:
         check_quantization(self.quantization)
         _check(isinstance(self.batch_invariant, bool), "batch_invariant", self.batch_invariant, "must be True or False")
         _check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "must be True or False")
+        _check(isinstance(self.disable_custom_all_reduce, bool), "disable_custom_all_reduce",
+               self.disable_custom_all_reduce, "must be True or False")
         self.batch_invariant = self.batch_invariant or _env_flag(BATCH_INVARIANT_ENV)
         _check(0 < self.cpu_decoding_memory_utilization <= 1, "cpu_decoding_memory_utilization", self.cpu_decoding_memory_utilization, "must be in (0, 1]")
         if self.num_speculative_tokens is not None:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import threading
 import time
 
 import pytest
 import torch
 
-from gpu_target import gguf_checkpoint
+from gpu_target import gguf_checkpoint, tp_worker
 from gpu_target.loader import default_model_path, load_config, load_state_dict
 from gpu_target.runner import SequenceChunk
 from gpu_target.target import CacheShape, TargetSpec, build_runner, load_model, make_kv_pool
@@ -39,23 +40,56 @@ def _generate(model_dir, prompts, params, **kwargs):
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
-def test_tp2_greedy_equals_tp1(tiny_llama_dir, num_scheduler_steps):
-    """Single steps and multi-step decoding (rank 0 broadcasts its picks between steps)."""
+@pytest.mark.parametrize("num_scheduler_steps, disable_custom_all_reduce", [(1, True), (4, False)])
+def test_tp2_greedy_equals_tp1(tiny_llama_dir, num_scheduler_steps, disable_custom_all_reduce):
+    """Single steps and multi-step decoding (rank 0 broadcasts its picks between steps); asking
+    for the one-shot all-reduce on the CPU falls back to gloo's."""
     expected = _generate(tiny_llama_dir, PROMPTS, GREEDY, num_scheduler_steps=num_scheduler_steps)
-    got = _generate(tiny_llama_dir, PROMPTS, GREEDY, num_scheduler_steps=num_scheduler_steps, tensor_parallel_size=2)
+    got = _generate(tiny_llama_dir, PROMPTS, GREEDY, num_scheduler_steps=num_scheduler_steps, tensor_parallel_size=2,
+                    disable_custom_all_reduce=disable_custom_all_reduce)
     assert got == expected
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_tp2_on_two_gpus_equals_tp1_with_graphs_and_lookahead(tiny_llama_dir, tmp_path):
-    """NCCL, the all-reduces inside CUDA graphs, multi-step decoding and tree verification, in float32."""
-    (tmp_path / "lookahead_cache_config.json").write_text('{"cache_mode": 2, "copy_length": 8, "is_debug": false}')
-    common = dict(device="cuda", gpu_memory_utilization=0.3, max_num_seqs=8)
-    expected = _generate(tiny_llama_dir, PROMPTS, GREEDY, **common)
-    assert _generate(tiny_llama_dir, PROMPTS, GREEDY, tensor_parallel_size=2, **common) == expected
-    assert _generate(tiny_llama_dir, PROMPTS, GREEDY, tensor_parallel_size=2, lookahead_cache_config_dir=str(tmp_path),
-                     **common) == expected
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+# Few graph buckets (4 sequences, trees of 4 nodes, 320-token steps): each one is warmed up and
+# captured on every rank, with Triton's float32 kernels compiled at first use on a fresh host.
+_CUDA = dict(device="cuda", gpu_memory_utilization=0.3, max_num_seqs=4, max_num_batched_tokens=256)
+_COPY_PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def one_gpu_outputs(tiny_llama_dir):
+    """tp = 1 on CUDA (graphs, multi-step decoding): PROMPTS' greedy outputs, and a prompt that
+    repeats itself with its own greedy output (which lookahead trees then copy)."""
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", **_CUDA)
+    plain = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    seed = llm.generate(["The capital of Italy is Rome. The capital of"], _COPY_PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    copy_prompt = {"prompt_token_ids": list(seed) + list(seed)}
+    copied = llm.generate(copy_prompt, _COPY_PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    del llm
+    return plain, copy_prompt, copied
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("disable_custom_all_reduce", [True, False], ids=["nccl", "one-shot"])
+def test_tp2_on_two_gpus_equals_tp1_with_graphs_and_lookahead(tiny_llama_dir, tmp_path, monkeypatch, one_gpu_outputs,
+                                                              disable_custom_all_reduce):
+    """NCCL or the one-shot all-reduce inside CUDA graphs, multi-step decoding (steps without
+    trees) and tree verification (the copy prompt), in float32. A start-up stall fails within
+    two minutes naming each rank's phase, instead of hanging."""
+    monkeypatch.setattr(tp_worker, "STALL_TIMEOUT_S", 120.0)
+    plain, copy_prompt, copied = one_gpu_outputs
+    (tmp_path / "lookahead_cache_config.json").write_text(
+        '{"cache_mode": 2, "copy_length": 8, "is_debug": false, "target_parallelism": 64}')
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", tensor_parallel_size=2,
+              lookahead_cache_config_dir=str(tmp_path), num_speculative_tokens=4,
+              disable_custom_all_reduce=disable_custom_all_reduce, **_CUDA)
+    engine = llm.llm_engine
+    assert (engine.model.tp.one_shot is None) == disable_custom_all_reduce  # the path under test is the one in use
+    assert [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == plain
+    engine.spec_control.always_speculate = True
+    assert llm.generate(copy_prompt, _COPY_PARAMS, use_tqdm=False)[0].outputs[0].token_ids == copied
+    assert engine.spec_stats.num_accepted_tokens > 0  # trees were verified, not only plain steps
 
 
 def test_tp2_with_replicated_kv_head_padded_vocab_and_biases(odd_qwen2_dir):
@@ -270,3 +304,42 @@ def test_serve_flag_reaches_the_engine_and_bad_sizes_are_usage_errors(capsys):
         main(["serve", "m", "--tensor-parallel-size", "3"])
     assert exit_info.value.code == 2
     assert "tensor_parallel_size must be 1, 2, 4 or 8" in capsys.readouterr().err
+
+
+def test_a_stalled_rank_at_start_up_is_an_error_naming_each_ranks_phase(tiny_llama_dir, monkeypatch):
+    """A worker that stops answering (SIGSTOP: alive, never reaching the collective) while rank 0
+    waits in a collective, then while it waits for the workers' report: the watchdog aborts the
+    group and both waits end in RankStalledError with every rank's last phase, not a hang."""
+    monkeypatch.setattr(tp_worker, "STALL_TIMEOUT_S", 2.0)
+    config = load_config(tiny_llama_dir)
+    spec = TargetSpec(str(tiny_llama_dir), config, torch.float32, "cpu", True, 0, None, False, 16, True)
+    ranks = RankGroup(spec, 2, num_threads=1)
+    worker = ranks.processes[0]
+    try:
+        load_model(spec, ranks.tp, torch.device("cpu"))
+        ranks.wait_for("loaded")
+        os.kill(worker.pid, signal.SIGSTOP)
+        errors: list[BaseException] = []
+
+        def collective_then_wait():
+            try:
+                with ranks.running("summing a test tensor"):
+                    ranks.tp.all_reduce(torch.ones(4))
+            except BaseException as error:  # noqa: BLE001 - the test inspects it
+                errors.append(error)
+            try:
+                ranks.wait_for("built")
+            except BaseException as error:  # noqa: BLE001
+                errors.append(error)
+
+        thread = threading.Thread(target=collective_then_wait, daemon=True)
+        thread.start()
+        thread.join(120)  # bounded: a hang fails the test instead of the suite
+        assert not thread.is_alive(), "rank 0 hung on a stalled worker"
+        assert len(errors) == 2 and all(isinstance(e, tp_worker.RankStalledError) for e in errors), errors
+        assert "while rank 0 was summing a test tensor" in str(errors[0])
+        assert "rank 1: waiting for the KV cache shape from the coordinator" in str(errors[0])
+    finally:
+        worker.kill()
+        ranks.close()
+    assert not worker.is_alive()
