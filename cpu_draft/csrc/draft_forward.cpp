@@ -7,7 +7,7 @@
 // into the projections, Q pre-scaled, rotary pairs adjacent); the reason for this file is
 // cost: torch runs ~28 ops per layer, each paying fork/join and dispatch, while here one
 // OpenMP parallel region covers the whole forward, with five barriers per layer (our own spinning
-// ones, `SpinBarrier`, not OpenMP's):
+// dissemination barrier, `SpinBarrier`, not OpenMP's):
 //
 //   QKV matmul (rms scale, bias, rotary, K/V store fused in its epilogue) | attention |
 //   O matmul (+= residual, partial sums of squares for the next rms) | gate_up matmul
@@ -267,12 +267,19 @@ struct PhaseClock {
     }
 };
 
-// The forward's threads meet here between phases: a spinning sense-reversing barrier. Each thread
-// counts itself in; the last one resets the count and bumps the generation the others spin on
-// (with `pause`). libgomp's barrier costs ~12 µs at 14 threads (it may sleep on a futex); this one
-// is a few cache-line transfers. After `spin` pauses a waiter yields its core each round, and with
-// more threads than usable cores (CI, tests) it yields at once: the thread it waits for may be
-// waiting for that core.
+// The forward's threads meet here between phases: a spinning dissemination barrier (Hensgen, Finkel and
+// Manber 1988; Mellor-Crummey and Scott 1991, "Algorithms for scalable synchronization on shared-memory
+// multiprocessors", section 3.3). In round r of ceil(log2 nt), thread i tells thread (i + 2^r) mod nt
+// that it arrived, by storing its barrier count into a flag on a cache line of that thread's, then
+// spins (with `pause`) on its own round-r flag until thread (i - 2^r) mod nt has told it the same;
+// after the last round every thread has heard, through a chain of release/acquire pairs, from every
+// other. Each round costs one cache-line transfer per thread, all rounds' transfers in parallel across
+// threads: ~log2(nt) line latencies, where a counter every thread increments costs nt of them one
+// after another (its line goes from core to core) and libgomp's barrier ~12 µs at 14 threads (it may
+// sleep on a futex). Counts only grow, so flags are never reset: a flag showing a later barrier's
+// count (its writer can be at most one barrier ahead) also shows this one's. After `spin` pauses a
+// waiter yields its core each round, and with more threads than usable cores (CI, tests) it yields at
+// once: the thread it waits for may be waiting for that core.
 constexpr int SPIN_PAUSES = 4096;
 
 inline void cpu_relax() {
@@ -288,27 +295,42 @@ int usable_cpus() {
 }
 
 class SpinBarrier {
-    alignas(64) std::atomic<int> arrived_{0};
-    alignas(64) std::atomic<int> generation_{0};  // a line of its own: arrivals do not disturb the spinners
-    const int spin_;
+    struct alignas(64) Flag {
+        std::atomic<int64_t> count{0};
+    };
+    struct alignas(64) Passed {
+        int64_t count = 0;
+    };
+    static int rounds_for(int n) {
+        int rounds = 0;
+        while ((1 << rounds) < n) ++rounds;
+        return rounds;
+    }
+    const int rounds_, spin_;
+    std::unique_ptr<Flag[]> flags_;     // [thread][round]: written by that round's one partner, read by the thread
+    std::unique_ptr<Passed[]> passed_;  // [thread]: barriers the thread has entered
 
   public:
-    explicit SpinBarrier(int spin) : spin_(spin) {}
+    // max_threads: the most threads that wait (a team may have fewer).
+    SpinBarrier(int max_threads, int spin)
+        : rounds_(rounds_for(max_threads)),
+          spin_(spin),
+          flags_(new Flag[std::max(1, max_threads * rounds_)]),
+          passed_(new Passed[std::max(1, max_threads)]) {}
 
-    void wait(int nt) {  // nt: the team's size, the same in every thread
+    void wait(int tid, int nt) {  // nt: the team's size, the same in every thread
         if (nt == 1) return;
-        const int generation = generation_.load(std::memory_order_relaxed);
-        if (arrived_.fetch_add(1, std::memory_order_acq_rel) == nt - 1) {
-            arrived_.store(0, std::memory_order_relaxed);
-            generation_.store(generation + 1, std::memory_order_release);
-            return;
-        }
-        for (int spins = 0; generation_.load(std::memory_order_acquire) == generation;) {
-            if (spins < spin_) {
-                cpu_relax();
-                ++spins;
-            } else {
-                std::this_thread::yield();
+        const int64_t count = ++passed_[tid].count;
+        for (int r = 0, step = 1; step < nt; ++r, step <<= 1) {
+            flags_[(tid + step) % nt * rounds_ + r].count.store(count, std::memory_order_release);
+            const std::atomic<int64_t>& mine = flags_[tid * rounds_ + r].count;
+            for (int spins = 0; mine.load(std::memory_order_acquire) < count;) {
+                if (spins < spin_) {
+                    cpu_relax();
+                    ++spins;
+                } else {
+                    std::this_thread::yield();
+                }
             }
         }
     }
@@ -1256,7 +1278,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
     auto chunk_partials = buffer<float>(split ? total_chunks * partial_size : 0);
     auto chunks_done = std::unique_ptr<std::atomic<int32_t>[]>(new std::atomic<int32_t>[pairs]);
     for (int64_t tg = 0; tg < pairs; ++tg) chunks_done[tg].store(0, std::memory_order_relaxed);
-    SpinBarrier barrier(max_threads <= usable_cpus() ? SPIN_PAUSES : 0);
+    SpinBarrier barrier(max_threads, max_threads <= usable_cpus() ? SPIN_PAUSES : 0);
 
 #pragma omp parallel num_threads(max_threads)
     {
@@ -1269,7 +1291,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
         auto own_partials = buffer<float>(split ? 0 : (max_len + ATTN_CHUNK - 1) / ATTN_CHUNK * partial_size);
         auto end_phase = [&](int phase) {  // this thread's work of `phase` is done: wait for the others'
             clock.computed(phase);
-            barrier.wait(nt);
+            barrier.wait(tid, nt);
             clock.waited(phase);
         };
 
