@@ -1069,6 +1069,33 @@ class ChunkPrefetch {
     }
 };
 
+// Heads whose value sums `weigh_values` keeps in registers at once: HB x DC / VW accumulators, the DC / VW
+// value vectors of a position and a broadcast within the register file (32 vectors with AVX-512, 16 without).
+template <int DC>
+constexpr int values_heads_at_once() {
+    constexpr int C = DC / VW, budget = VW == 16 ? 24 : 12;
+    return std::max(1, std::min(4, budget / C - 1));
+}
+
+// acc [HB][DC] = sum_j sc[h][j] * values[j] for HB heads (scores [HB][ATTN_CHUNK]): each position's values
+// loaded (and widened) once for the HB heads, HB x DC / VW independent sums in flight. Each sum runs over j
+// in order, as one head at a time would: the grouping changes no bit.
+template <int DC, int HB, typename KT>
+inline void weigh_values(const float* sc, const KT* values, int64_t n, float* acc, ChunkPrefetch<KT>& ahead) {
+    constexpr int C = DC / VW;
+    vf a[HB][C] = {};
+    for (int64_t j = 0; j < n; ++j) {
+        vf v[C];
+        for (int c = 0; c < C; ++c) v[c] = load_w(values + j * DC + c * VW);
+        for (int h = 0; h < HB; ++h) {
+            const float s = sc[h * ATTN_CHUNK + j];
+            for (int c = 0; c < C; ++c) a[h][c] += s * v[c];
+        }
+        ahead.lines(1);
+    }
+    std::memcpy(acc, a, sizeof a);
+}
+
 // The partial of `group` query heads q (sharing one KV head) over n <= ATTN_CHUNK keys and values
 // (KT: float32, or bf16 widened in registers), prefetching `ahead` as it goes. scores: [group][ATTN_CHUNK] scratch.
 template <int DC, typename KT>
@@ -1115,17 +1142,11 @@ void attend_chunk(const float* q, const KT* keys, const KT* values, int64_t n, i
         maxima[h] = mx;
         sums[h] = sum(sc, n);
     }
-    if constexpr (DC > 0 && DC % VW == 0) {  // each head's sums in registers over the chunk's values
-        constexpr int C = DC / VW;
-        for (int h = 0; h < group; ++h) {
-            const float* sc = scores + h * ATTN_CHUNK;
-            vf a[C] = {};
-            for (int64_t j = 0; j < n; ++j) {
-                for (int c = 0; c < C; ++c) a[c] += sc[j] * load_w(values + j * DC + c * VW);
-                ahead.lines(1);
-            }
-            std::memcpy(acc + h * DC, a, sizeof a);
-        }
+    if constexpr (DC > 0 && DC % VW == 0) {  // the heads' sums in registers, HB heads per pass over the chunk's values
+        constexpr int HB = values_heads_at_once<DC>();
+        int h = 0;
+        for (; h + HB <= group; h += HB) weigh_values<DC, HB>(scores + h * ATTN_CHUNK, values, n, acc + h * DC, ahead);
+        for (; h < group; ++h) weigh_values<DC, 1>(scores + h * ATTN_CHUNK, values, n, acc + h * DC, ahead);
     } else {
         std::memset(acc, 0, sizeof(float) * group * D);
         for (int64_t j = 0; j < n; ++j) {
