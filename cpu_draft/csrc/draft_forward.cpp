@@ -789,6 +789,19 @@ inline void amx_load_a(const void* rows, int64_t row_bytes, bool tail) {
 // thread has just quantised or rounded visible to them.
 inline void amx_rows_written() { asm volatile("" ::: "memory"); }
 
+// Tile loads wait for the lines they read and leave the hardware prefetchers few streams to follow, so
+// the tile kernels prefetch (to L2) the panels the thread multiplies next, `next` (null where none
+// follow), block by block as they multiply the same block of their own: the next group's B tiles are
+// on their way a whole group of panels before their use, as in the vector kernels' `prefetch_next`.
+template <typename WT>
+inline void amx_prefetch_block(const WT* next, int np, int64_t stride, int64_t b) {
+    if (!next) return;
+    for (int i = 0; i < np; ++i) {
+        const char* line = reinterpret_cast<const char*>(next + i * stride + b * AMX_DEPTH * VW);
+        for (int l = 0; l < AMX_DEPTH * VW * 4; l += 64) __builtin_prefetch(line + l, 0, 2);
+    }
+}
+
 #if DRAFT_AMX_INT8
 // C tile i = the A tile's rows . panel weights w (B tile 5, or 7 for K's partial block), int32.
 inline void amx_dot_int8(int i, const u8x4* w, bool tail) {
@@ -811,7 +824,7 @@ inline void amx_dot_int8(int i, const u8x4* w, bool tail) {
 // stored to `dots`, then the VNNI kernel's epilogue on the stored sums (start + sum, converted, times
 // the block's scale, added into out). A block's epilogue runs after the next block's multiplies are
 // issued, so the vector units work while the tile unit does; `dots` alternates between two buffers.
-inline void amx_tile_int8(int np, int mt, const u8x4* const* wp, const void* const* xr, int64_t K, float* out) {
+inline void amx_tile_int8(int np, int mt, const u8x4* const* wp, const u8x4* next, const void* const* xr, int64_t K, float* out) {
     const int64_t blocks = (K + QB4 - 1) / QB4, full = K / QB4, row_bytes = quantized_row_bytes(K * 4);
     const float* xs[AMX_ROWS];
     const int32_t* xc[AMX_ROWS];
@@ -838,6 +851,7 @@ inline void amx_tile_int8(int np, int mt, const u8x4* const* wp, const void* con
         const bool tail = b == full;
         amx_load_a(a + b * QB, row_bytes, tail);
         for (int i = 0; i < np; ++i) amx_dot_int8(i, wp[i] + b * QB4 * VW, tail);
+        amx_prefetch_block(next, np, K * VW, b);
         if (b > 0) epilogue(b - 1);
         for (int i = 0; i < np; ++i) amx_store(i, dots[b & 1][i]);
     }
@@ -862,7 +876,7 @@ inline void amx_dot_bf16(int i, const bf16x2* w, bool tail) {
 
 // The bf16x2 `tile` of np panels and mt rows (rows rounded by `round_rows_bf16`, K pairs) with tile
 // multiplies (tdpbf16ps) accumulating in the C tiles over all of K, stored to out at the end.
-inline void amx_tile_bf16(int np, int mt, const bf16x2* const* wp, const void* const* xr, int64_t K, float* out) {
+inline void amx_tile_bf16(int np, int mt, const bf16x2* const* wp, const bf16x2* next, const void* const* xr, int64_t K, float* out) {
     const int64_t blocks = (K + AMX_DEPTH - 1) / AMX_DEPTH, full = K / AMX_DEPTH, row_bytes = K * 4;
     const uint32_t* a = static_cast<const uint32_t*>(xr[0]);
     amx_rows_written();
@@ -871,6 +885,7 @@ inline void amx_tile_bf16(int np, int mt, const bf16x2* const* wp, const void* c
         const bool tail = b == full;
         amx_load_a(a + b * AMX_DEPTH, row_bytes, tail);
         for (int i = 0; i < np; ++i) amx_dot_bf16(i, wp[i] + b * AMX_DEPTH * VW, tail);
+        amx_prefetch_block(next, np, K * VW, b);
     }
     for (int i = 0; i < np; ++i) amx_store(i, out + i * mt * VW);
 }
@@ -881,13 +896,14 @@ inline void amx_tile_bf16(int np, int mt, const bf16x2* const* wp, const void* c
 // `tile` by tile multiplies for mt <= AMX_ROWS rows, consecutive in one buffer (as quantize_rows and
 // round_rows_bf16 lay them out), and np <= AMX_PANELS panels.
 template <typename WT>
-inline void amx_tile(AmxTiles& tiles, int np, int mt, const WT* const* wp, const void* const* xr, int64_t K, float* out) {
+inline void amx_tile(AmxTiles& tiles, int np, int mt, const WT* const* wp, const WT* next, const void* const* xr, int64_t K,
+                     float* out) {
     tiles.configure(mt, int(K % AMX_DEPTH));
 #if DRAFT_AMX_INT8
-    if constexpr (std::is_same_v<WT, u8x4>) amx_tile_int8(np, mt, wp, xr, K, out);
+    if constexpr (std::is_same_v<WT, u8x4>) amx_tile_int8(np, mt, wp, next, xr, K, out);
 #endif
 #if DRAFT_AMX_BF16
-    if constexpr (std::is_same_v<WT, bf16x2>) amx_tile_bf16(np, mt, wp, xr, K, out);
+    if constexpr (std::is_same_v<WT, bf16x2>) amx_tile_bf16(np, mt, wp, next, xr, K, out);
 #endif
 }
 #endif
@@ -940,7 +956,7 @@ void matmul_t(const Matrix& W, const float* const* xr, const float* row_scale, i
                 const int mt = int(std::min<int64_t>(rows_at_once, R - m0));
 #if DRAFT_AMX
                 if (amx)
-                    amx_tile<WT>(tiles, np, mt, wp, rows + m0, K, out);
+                    amx_tile<WT>(tiles, np, mt, wp, m0 + mt == R && p + np < p1 ? wp[np - 1] + stride : nullptr, rows + m0, K, out);
                 else
 #endif
                     tile_any<WT>(np, mt, wp, m0 + mt == R && p + np < p1 ? wp[np - 1] + stride : wp[0], rows + m0, K, out);
