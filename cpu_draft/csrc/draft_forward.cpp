@@ -30,7 +30,8 @@
 // independent FMAs are in flight), from 2 rows up prefetching the panels it streams next as it streams
 // these. Threads own contiguous ranges of panels (static partition), so each output element is summed
 // in the same order whatever the batch: a token's result does not depend on the other tokens of its
-// forward.
+// forward. The partition being known ahead, a thread waiting at a phase's barrier prefetches (to L2)
+// its share of the next matmul's weights.
 //
 // Built for AMX (-march=native on a Xeon with it) and allowed at run time (the CPU has it, Linux
 // granted the process its tile data; HETERO_NATIVE_AMX=0 or draft_set_amx(0) turn it off), int8 and
@@ -76,6 +77,7 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <utility>
 
 namespace {
 
@@ -318,7 +320,9 @@ class SpinBarrier {
           flags_(new Flag[std::max(1, max_threads * rounds_)]),
           passed_(new Passed[std::max(1, max_threads)]) {}
 
-    void wait(int tid, int nt) {  // nt: the team's size, the same in every thread
+    // nt: the team's size, the same in every thread; idle() runs between spins (it must return quickly).
+    template <typename Idle>
+    void wait(int tid, int nt, Idle&& idle) {
         if (nt == 1) return;
         const int64_t count = ++passed_[tid].count;
         for (int r = 0, step = 1; step < nt; ++r, step <<= 1) {
@@ -326,6 +330,7 @@ class SpinBarrier {
             const std::atomic<int64_t>& mine = flags_[tid * rounds_ + r].count;
             for (int spins = 0; mine.load(std::memory_order_acquire) < count;) {
                 if (spins < spin_) {
+                    idle();
                     cpu_relax();
                     ++spins;
                 } else {
@@ -908,6 +913,48 @@ inline void amx_tile(AmxTiles& tiles, int np, int mt, const WT* const* wp, const
 }
 #endif
 
+// The panels [first, second) of W a thread computes: contiguous, in units of `group` panels.
+inline std::pair<int64_t, int64_t> panel_share(const Matrix& W, int tid, int nt, int group) {
+    const int64_t units = W.panels / group;
+    return {units * tid / nt * group, units * (tid + 1) / nt * group};
+}
+
+// Bytes of one packed panel of W, as `matmul` reads it for the format and this build's kernels.
+inline int64_t panel_bytes(const Matrix& W) {
+    switch (W.format) {
+        case BF16: return DRAFT_BF16_PAIRS ? (W.k + 1) / 2 * VW * 4 : W.k * VW * 2;
+        case I8: return DRAFT_INT8_QUADS ? (W.k + 3) / 4 * VW * 4 : W.k * VW;
+        default: return W.k * VW * 4;
+    }
+}
+
+// A thread's share of the next matmul's weights, prefetched to L2 a line at a time while the thread waits
+// at a barrier (`SpinBarrier::wait`'s idle): the weights live in the last-level cache, and a matmul whose
+// share is a group of panels or two (o and down: 2-3 panels a thread at 14 threads) otherwise meets all
+// of it cold, its kernels' `prefetch_next` having no group before it. Waiting, a thread has nothing
+// else to do; arriving last, it prefetches nothing and the matmul runs as before.
+class SharePrefetch {
+    const Matrix* of_ = nullptr;
+    const char* at_ = nullptr;
+    const char* end_ = nullptr;
+
+  public:
+    void set(const Matrix& W, int tid, int nt, int group) {  // where it is already W, it goes on
+        if (&W == of_) return;
+        of_ = &W;
+        const auto [p0, p1] = panel_share(W, tid, nt, group);
+        const int64_t bytes = panel_bytes(W);
+        at_ = static_cast<const char*>(W.weight) + p0 * bytes;
+        end_ = static_cast<const char*>(W.weight) + p1 * bytes;
+    }
+    void line() {
+        if (at_ < end_) {
+            __builtin_prefetch(at_, 0, 2);
+            at_ += 64;
+        }
+    }
+};
+
 // This thread's share of y = x @ W^T, each row m scaled by row_scale[m] (if given: the rms of a norm
 // folded into W): panels in units of `group` (2 keeps gate_up's gate and up panels together);
 // epi(m0, mt, panel, np, out) gets each block of results, out [np][mt][VW], scales applied.
@@ -918,8 +965,7 @@ template <typename WT, typename Epi>
 void matmul_t(const Matrix& W, const float* const* xr, const float* row_scale, int64_t M, int tid, int nt, int group,
               float* out, Epi& epi) {
     constexpr bool pairs = std::is_same_v<WT, bf16x2>, quads = std::is_same_v<WT, u8x4>, converted = pairs || quads;
-    const int64_t units = W.panels / group;
-    const int64_t p0 = units * tid / nt * group, p1 = units * (tid + 1) / nt * group;
+    const auto [p0, p1] = panel_share(W, tid, nt, group);
     if (p0 == p1) return;
     const WT* base = static_cast<const WT*>(W.weight);
     const int64_t K = pairs ? (W.k + 1) / 2 : quads ? (W.k + 3) / 4 : W.k, stride = K * VW;
@@ -1326,9 +1372,13 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
         auto out = buffer<float>(NP_MAX * MT_MAX * VW);
         auto scores = buffer<float>(group * ATTN_CHUNK);
         auto own_partials = buffer<float>(split ? 0 : (max_len + ATTN_CHUNK - 1) / ATTN_CHUNK * partial_size);
-        auto end_phase = [&](int phase) {  // this thread's work of `phase` is done: wait for the others'
+        SharePrefetch upcoming;
+        // This thread's work of `phase` is done: wait for the others', prefetching its share of the next
+        // matmul's weights (`next`, split in units of `group` panels).
+        auto end_phase = [&](int phase, const Matrix& next, int group) {
             clock.computed(phase);
-            barrier.wait(tid, nt);
+            upcoming.set(next, tid, nt, group);
+            barrier.wait(tid, nt, [&] { upcoming.line(); });
             clock.waited(phase);
         };
 
@@ -1343,7 +1393,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
             }
             for (int64_t c0 = 0; c0 < H; c0 += VW) partial[t * HP + c0 / VW] = panel_ssq(r + c0, std::min<int64_t>(VW, H - c0));
         }
-        end_phase(P_EMBED);
+        end_phase(P_EMBED, md.num_layers ? md.layers[0].qkv : md.head, 1);
 
         auto add_to_residual = [&](const Matrix& W) {
             return [&, n = W.n](int64_t m0, int mt, int64_t p, int np, const float* o) {
@@ -1360,9 +1410,9 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
             };
         };
         // A projection added into the residual stream (with the next norm's sums of squares), then the phase's barrier.
-        auto project_into_residual = [&](const Matrix& W, const float* const* rows, int phase) {
+        auto project_into_residual = [&](const Matrix& W, const float* const* rows, int phase, const Matrix& next, int next_group) {
             matmul(W, rows, nullptr, T, tid, nt, 1, out.get(), add_to_residual(W));
-            end_phase(phase);
+            end_phase(phase, next, next_group);
         };
 
         for (int64_t l = 0; l < md.num_layers; ++l) {
@@ -1430,7 +1480,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                     }
                 }
             });
-            end_phase(P_QKV);
+            end_phase(P_QKV, L.o, 1);
 
             // Attention: items (`work`) handed out dynamically; the last chunk of a (token, KV head) to
             // finish merges them. A thread claims its next item before attending the current one, so it
@@ -1474,9 +1524,9 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                 attend(static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc));
             else
                 attend(static_cast<const float*>(kc), static_cast<const float*>(vc));
-            end_phase(P_ATTN);
+            end_phase(P_ATTN, L.o, 1);
 
-            project_into_residual(L.o, attn_rows.get(), P_O);
+            project_into_residual(L.o, attn_rows.get(), P_O, L.gate_up, 2);
 
             // gate_up with silu(gate) * up: each unit is a (gate, up) pair of panels over the same channels.
             inverse_rms(partial.get(), HP, H, md.eps[2 * l + 1], nullptr, T, inv.get());
@@ -1492,9 +1542,9 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                     }
                 }
             });
-            end_phase(P_GATE_UP);
+            end_phase(P_GATE_UP, L.down, 1);
 
-            project_into_residual(L.down, act_rows.get(), P_DOWN);
+            project_into_residual(L.down, act_rows.get(), P_DOWN, l + 1 < md.num_layers ? md.layers[l + 1].qkv : md.head, 1);
         }
 
         // Final norm of the requested rows, then the logits head.
