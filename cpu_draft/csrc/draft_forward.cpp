@@ -1153,7 +1153,7 @@ inline void weigh_values(const float* sc, const KT* values, int64_t n, float* ac
             const float s = sc[h * ATTN_CHUNK + j];
             for (int c = 0; c < C; ++c) a[h][c] += s * v[c];
         }
-        ahead.lines(1);
+        ahead.lines(HB);  // as many as HB heads one at a time would have spread
     }
     std::memcpy(acc, a, sizeof a);
 }
