@@ -43,8 +43,11 @@
 // pairs for many threads (24 at batch 8 for 14), so each chunk of a pair is an item handed out
 // dynamically (with the same chunk of the pairs of the slot's next tokens in the batch, which read the
 // same K/V); it leaves a partial (its maximum score, sum of exponentials and exp-weighted values)
-// and the pair's last chunk to finish merges the partials in chunk order. A thread claims its next item
-// before attending the current one and prefetches that chunk's K/V meanwhile. Past a memory budget (long
+// and the pair's last chunk to finish merges the partials in chunk order. Within a chunk the query heads
+// of the KV head go together (up to four at once), so each key and value vector is loaded, and bf16
+// ones widened, once for them all; every sum still runs in the order one head alone would take. A
+// thread claims its next item before attending the current one and prefetches that chunk's K/V
+// meanwhile. Past a memory budget (long
 // prefills) a pair's chunks run in turn on one thread, merged the same way. Chunk bounds are fixed
 // positions, and the rms sums of squares are summed per panel in panel order, so a token's results
 // depend neither on its batch nor on the thread count.
@@ -1131,6 +1134,61 @@ class ChunkPrefetch {
     }
 };
 
+// f(std::integral_constant<int, hb>, h) for the group's heads h .. h + hb - 1, in blocks of at most MOST
+// heads (hb a compile-time constant: the kernels keep a block's sums in registers).
+template <int MOST, typename F>
+inline void for_head_blocks(int group, F&& f) {
+    for (int h = 0; h < group;) {
+        const int hb = std::min(MOST, group - h);
+        if (MOST >= 4 && hb == 4)
+            f(std::integral_constant<int, std::min(MOST, 4)>{}, h);
+        else if (MOST >= 3 && hb == 3)
+            f(std::integral_constant<int, std::min(MOST, 3)>{}, h);
+        else if (MOST >= 2 && hb == 2)
+            f(std::integral_constant<int, std::min(MOST, 2)>{}, h);
+        else
+            f(std::integral_constant<int, 1>{}, h);
+        h += hb;
+    }
+}
+
+// Heads whose queries `score_keys` keeps in registers at once: HB x DC / VW query vectors and a key's
+// DC / VW vectors within the register file, with room for the dot products in flight.
+template <int DC>
+constexpr int keys_heads_at_once() {
+    constexpr int C = DC / VW, budget = VW == 16 ? 24 : 12;
+    return std::max(1, std::min(4, budget / C - 2));
+}
+
+// scores [HB][ATTN_CHUNK] = q[h] . keys[j] for HB heads (q [HB][DC]) and the chunk's whole blocks of VW keys:
+// each key loaded (and widened) once for the HB heads; per head and block, VW dot products (each over
+// its DC / VW vectors in order) summed by one tree (`reduce_step`), as one head at a time would: the
+// grouping changes no bit. Prefetches `ahead` 8 lines a block and head, as the per-head loop did.
+template <int DC, int HB, typename KT>
+inline void score_keys(const float* q, const KT* keys, int64_t n, float* scores, ChunkPrefetch<KT>& ahead) {
+    constexpr int C = DC / VW;
+    vf qv[HB][C];
+    std::memcpy(qv, q, sizeof qv);
+    for (int64_t j0 = 0; j0 + VW <= n; j0 += VW) {
+        vf parts[HB][VW];
+        for (int i = 0; i < VW; ++i) {
+            const KT* k = keys + (j0 + BITREV[i]) * DC;
+            vf kv[C];
+            for (int c = 0; c < C; ++c) kv[c] = load_w(k + c * VW);
+            for (int h = 0; h < HB; ++h) {
+                vf a = qv[h][0] * kv[0];
+                for (int c = 1; c < C; ++c) a += qv[h][c] * kv[c];
+                parts[h][i] = a;
+            }
+        }
+        ahead.lines(8 * HB);
+        for (int h = 0; h < HB; ++h) {
+            reduce_step(parts[h]);
+            std::memcpy(scores + h * ATTN_CHUNK + j0, &parts[h][0], sizeof(vf));
+        }
+    }
+}
+
 // Heads whose value sums `weigh_values` keeps in registers at once: HB x DC / VW accumulators, the DC / VW
 // value vectors of a position and a broadcast within the register file (32 vectors with AVX-512, 16 without).
 template <int DC>
@@ -1169,23 +1227,9 @@ void attend_chunk(const float* q, const KT* keys, const KT* values, int64_t n, i
     float* sums = maxima + group;
     int64_t start = 0;
     if constexpr (DC > 0 && DC % VW == 0) {  // blocks of VW keys: VW dot products summed by one tree
-        constexpr int C = DC / VW;
-        for (int h = 0; h < group; ++h) {
-            vf qv[C];
-            std::memcpy(qv, q + h * DC, sizeof qv);
-            for (int64_t j0 = 0; j0 + VW <= n; j0 += VW) {
-                vf parts[VW];
-                for (int i = 0; i < VW; ++i) {
-                    const KT* k = keys + (j0 + BITREV[i]) * DC;
-                    vf a = qv[0] * load_w(k);
-                    for (int c = 1; c < C; ++c) a += qv[c] * load_w(k + c * VW);
-                    parts[i] = a;
-                }
-                ahead.lines(8);
-                reduce_step(parts);
-                std::memcpy(scores + h * ATTN_CHUNK + j0, &parts[0], sizeof(vf));
-            }
-        }
+        for_head_blocks<keys_heads_at_once<DC>()>(group, [&](auto hb, int h) {
+            score_keys<DC, decltype(hb)::value>(q + h * DC, keys, n, scores + h * ATTN_CHUNK, ahead);
+        });
         start = n / VW * VW;
     }
     for (int64_t j = start; j < n; ++j) {
@@ -1205,10 +1249,9 @@ void attend_chunk(const float* q, const KT* keys, const KT* values, int64_t n, i
         sums[h] = sum(sc, n);
     }
     if constexpr (DC > 0 && DC % VW == 0) {  // the heads' sums in registers, HB heads per pass over the chunk's values
-        constexpr int HB = values_heads_at_once<DC>();
-        int h = 0;
-        for (; h + HB <= group; h += HB) weigh_values<DC, HB>(scores + h * ATTN_CHUNK, values, n, acc + h * DC, ahead);
-        for (; h < group; ++h) weigh_values<DC, 1>(scores + h * ATTN_CHUNK, values, n, acc + h * DC, ahead);
+        for_head_blocks<values_heads_at_once<DC>()>(group, [&](auto hb, int h) {
+            weigh_values<DC, decltype(hb)::value>(scores + h * ATTN_CHUNK, values, n, acc + h * DC, ahead);
+        });
     } else {
         std::memset(acc, 0, sizeof(float) * group * D);
         for (int64_t j = 0; j < n; ++j) {

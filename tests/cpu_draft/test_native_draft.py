@@ -72,6 +72,8 @@ SHAPES = {  # hidden, heads, kv heads, head dim, intermediate, vocab, qkv bias
     "mha": dict(hidden_size=48, num_heads=3, num_kv_heads=3, head_dim=16, intermediate_size=88, vocab_size=257),
     "gqa-d64-bias": dict(hidden_size=96, num_heads=3, num_kv_heads=1, head_dim=64, intermediate_size=144, vocab_size=333,
                          attention_bias=True),
+    # Six query heads a KV head: the blocked attention kernels take them in blocks of four and two.
+    "gqa6-d64": dict(hidden_size=80, num_heads=6, num_kv_heads=1, head_dim=64, intermediate_size=112, vocab_size=290),
 }
 PRECISIONS = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, False), "int8": (torch.bfloat16, True)}
 QB = 64  # csrc/draft_forward.cpp's inputs per int8 activation block (the AVX512_VNNI kernel)
