@@ -89,7 +89,7 @@ def read_profile(library: ctypes.CDLL) -> dict:
     ``threads``, and per phase (``embed``, ``qkv`` with rotary and the K/V store, ``attention``, ``o``,
     ``gate_up`` with silu, ``down``, ``lm_head``) a dict of ``compute_s`` (mean over threads),
     ``compute_max_s`` (the busiest thread) and ``wait_s`` (mean time at the barrier that ends the phase:
-    load imbalance plus the barrier itself)."""
+    load imbalance plus the barrier itself; none after ``qkv``, whose waits attention's time includes)."""
     names = library.draft_profile_names().decode().split(",")
     values = (ctypes.c_double * (3 + 3 * len(names)))()
     library.draft_profile(values, len(values))

@@ -6,14 +6,17 @@
 // `cpu_draft/slot_kv.py`. The maths is `cpu_draft/lean_model.py`'s (norm weights folded
 // into the projections, Q pre-scaled, rotary pairs adjacent); the reason for this file is
 // cost: torch runs ~28 ops per layer, each paying fork/join and dispatch, while here one
-// OpenMP parallel region covers the whole forward, with five barriers per layer (our own spinning
-// dissemination barrier, `SpinBarrier`, not OpenMP's):
+// OpenMP parallel region covers the whole forward, with four barriers per layer (our own spinning
+// dissemination barrier, `SpinBarrier`, not OpenMP's; `|` below):
 //
-//   QKV matmul (rms scale, bias, rotary, K/V store fused in its epilogue) | attention |
+//   QKV matmul (rms scale, bias, rotary, K/V store fused in its epilogue) -> attention |
 //   O matmul (+= residual, partial sums of squares for the next rms) | gate_up matmul
-//   (silu(gate) * up in its epilogue) | down matmul (+= residual, sums of squares)
+//   (silu(gate) * up in its epilogue) | down matmul (+= residual, sums of squares) |
 //
-// then the final rms of the requested rows and the logits head. Activations, the residual
+// then the final rms of the requested rows and the logits head. Between QKV and attention (`->`) no
+// barrier: an attention item of a KV head starts once every QKV panel with columns of that head (its
+// query heads' Q, its K and V) has all its rows done, each panel counting itself in per KV head as its
+// epilogue finishes, so threads done with their panels attend while others finish theirs. Activations, the residual
 // stream and attention are float32; K/V are stored in float32 or bfloat16 (the caller's cache:
 // rounded to nearest even by the QKV epilogue, as torch's `.to(torch.bfloat16)` rounds, and widened
 // in registers as attention reads them: half the bytes a decode batch's attention streams); weights
@@ -53,7 +56,8 @@
 // depend neither on its batch nor on the thread count.
 //
 // HETERO_NATIVE_PROFILE=1 (read once at load; draft_profile_enable switches it) sums each thread's time
-// per phase, computing and waiting at the closing barrier: draft_profile / draft_profile_reset,
+// per phase, computing and waiting at the closing barrier (QKV has none: attention's time includes
+// waiting for its KV heads' panels): draft_profile / draft_profile_reset,
 // read by `cpu_draft.native.read_profile` and `python -m bench.cpu_draft --profile-native`.
 //
 // Only GOMP_parallel / omp_get_* are used (no worksharing constructs, no OpenMP barriers), so
@@ -299,6 +303,20 @@ int usable_cpus() {
     return int(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+// Spins (with `pause`, running idle() between) until done(); after `spin` pauses yields the core each round.
+template <typename Done, typename Idle>
+inline void spin_until(Done&& done, int spin, Idle&& idle) {
+    for (int spins = 0; !done();) {
+        if (spins < spin) {
+            idle();
+            cpu_relax();
+            ++spins;
+        } else {
+            std::this_thread::yield();
+        }
+    }
+}
+
 class SpinBarrier {
     struct alignas(64) Flag {
         std::atomic<int64_t> count{0};
@@ -331,15 +349,7 @@ class SpinBarrier {
         for (int r = 0, step = 1; step < nt; ++r, step <<= 1) {
             flags_[(tid + step) % nt * rounds_ + r].count.store(count, std::memory_order_release);
             const std::atomic<int64_t>& mine = flags_[tid * rounds_ + r].count;
-            for (int spins = 0; mine.load(std::memory_order_acquire) < count;) {
-                if (spins < spin_) {
-                    idle();
-                    cpu_relax();
-                    ++spins;
-                } else {
-                    std::this_thread::yield();
-                }
-            }
+            spin_until([&] { return mine.load(std::memory_order_acquire) >= count; }, spin_, idle);
         }
     }
 };
@@ -1404,7 +1414,36 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
     auto chunk_partials = buffer<float>(split ? total_chunks * partial_size : 0);
     auto chunks_done = std::unique_ptr<std::atomic<int32_t>[]>(new std::atomic<int32_t>[pairs]);
     for (int64_t tg = 0; tg < pairs; ++tg) chunks_done[tg].store(0, std::memory_order_relaxed);
-    SpinBarrier barrier(max_threads, max_threads <= usable_cpus() ? SPIN_PAUSES : 0);
+    const int spin = max_threads <= usable_cpus() ? SPIN_PAUSES : 0;
+    SpinBarrier barrier(max_threads, spin);
+    // Attention follows QKV without a barrier: an item of KV head g waits until every QKV panel with
+    // columns of g (its query heads' Q, its K and V) has all its rows done, counted in heads_ready[g]
+    // (over the layers: heads_needed[g] a layer). QKV panel p counts itself in for the KV heads
+    // panel_heads[panel_first[p] .. panel_first[p + 1] - 1]: one entry per run of its columns in one
+    // KV head (stepped head by head: Q heads of a KV head are adjacent, then K's heads, then V's).
+    const int64_t qkv_n = q_size + 2 * kv_size, qkv_panels = (qkv_n + VW - 1) / VW;
+    auto panel_first = buffer<int64_t>(qkv_panels + 1);
+    auto panel_heads = buffer<int64_t>(qkv_panels * 3 + qkv_n / D + 1);  // a panel's runs: <= 3 parts + heads it crosses
+    auto heads_needed = buffer<int64_t>(KVH);
+    auto heads_ready = std::unique_ptr<std::atomic<int64_t>[]>(new std::atomic<int64_t>[KVH]);
+    for (int64_t g = 0; g < KVH; ++g) {
+        heads_needed[g] = 0;
+        heads_ready[g].store(0, std::memory_order_relaxed);
+    }
+    panel_first[0] = 0;
+    for (int64_t p = 0, runs = 0; p < qkv_panels; ++p) {
+        for (int64_t c = p * VW, end = std::min(c + VW, qkv_n), last = -1; c < end;) {
+            const int64_t span = c < q_size ? group * D : D, base = c < q_size ? 0 : q_size + (c - q_size) / kv_size * kv_size;
+            const int64_t g = (c - base) / span;
+            if (g != last) {
+                panel_heads[runs++] = g;
+                ++heads_needed[g];
+            }
+            last = g;
+            c = std::min(end, base + (g + 1) * span);
+        }
+        panel_first[p + 1] = runs;
+    }
 
 #pragma omp parallel num_threads(max_threads)
     {
@@ -1521,9 +1560,12 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                             }
                         }
                     }
+                    if (m0 + mt == T)  // the panel's last rows: its KV heads' attention may read it
+                        for (int64_t r = panel_first[p + pi]; r < panel_first[p + pi + 1]; ++r)
+                            heads_ready[panel_heads[r]].fetch_add(1, std::memory_order_release);
                 }
             });
-            end_phase(P_QKV, L.o, 1);
+            clock.computed(P_QKV);
 
             // Attention: items (`work`) handed out dynamically; the last chunk of a (token, KV head) to
             // finish merges them. A thread claims its next item before attending the current one, so it
@@ -1541,6 +1583,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                     const int64_t next = counters[l].fetch_add(1, std::memory_order_relaxed);
                     const AttnItem& it = work[item];
                     const int64_t g = it.g;
+                    spin_until([&] { return heads_ready[g].load(std::memory_order_acquire) >= heads_needed[g] * (l + 1); }, spin, [] {});
                     ChunkPrefetch<KT> following = next < items ? first_unit(next) : ChunkPrefetch<KT>(), within;
                     for (int64_t t = it.t0; t < it.t1; ++t) {
                         const int64_t tg = t * KVH + g, chunks = first_chunk[tg + 1] - first_chunk[tg];
