@@ -16,8 +16,9 @@
 // then the final rms of the requested rows and the logits head. Between QKV and attention (`->`) no
 // barrier: an attention item of a KV head starts once every QKV panel with columns of that head (its
 // query heads' Q, its K and V) has all its rows done, each panel counting itself in per KV head as its
-// epilogue finishes, so threads done with their panels attend while others finish theirs. Activations, the residual
-// stream and attention are float32; K/V are stored in float32 or bfloat16 (the caller's cache:
+// epilogue finishes, so threads done with their panels attend while others finish theirs.
+//
+// Activations, the residual stream and attention are float32; K/V are stored in float32 or bfloat16 (the caller's cache:
 // rounded to nearest even by the QKV epilogue, as torch's `.to(torch.bfloat16)` rounds, and widened
 // in registers as attention reads them: half the bytes a decode batch's attention streams); weights
 // are float32, bfloat16 (widened in registers: bits << 16; with AVX512_BF16, packed in k pairs
