@@ -943,10 +943,11 @@ inline int64_t panel_bytes(const Matrix& W) {
 }
 
 // A thread's share of the next matmul's weights, prefetched to L2 a line at a time while the thread waits
-// at a barrier (`SpinBarrier::wait`'s idle): the weights live in the last-level cache, and a matmul whose
-// share is a group of panels or two (o and down: 2-3 panels a thread at 14 threads) otherwise meets all
-// of it cold, its kernels' `prefetch_next` having no group before it. Waiting, a thread has nothing
-// else to do; arriving last, it prefetches nothing and the matmul runs as before.
+// at a barrier (`SpinBarrier::wait`'s idle) or for a KV head's QKV panels: the weights live in the
+// last-level cache, and a matmul whose share is a group of panels or two (o and down: 2-3 panels a
+// thread at 14 threads) otherwise meets all of it cold, its kernels' `prefetch_next` having no group
+// before it. Waiting, a thread has nothing else to do; arriving last, it prefetches nothing and the
+// matmul runs as before.
 class SharePrefetch {
     const Matrix* of_ = nullptr;
     const char* at_ = nullptr;
@@ -1567,6 +1568,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                 }
             });
             clock.computed(P_QKV);
+            upcoming.set(L.o, tid, nt, 1);  // prefetched while attention waits for a KV head's panels
 
             // Attention: items (`work`) handed out dynamically; the last chunk of a (token, KV head) to
             // finish merges them. A thread claims its next item before attending the current one, so it
@@ -1584,7 +1586,8 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                     const int64_t next = counters[l].fetch_add(1, std::memory_order_relaxed);
                     const AttnItem& it = work[item];
                     const int64_t g = it.g;
-                    spin_until([&] { return heads_ready[g].load(std::memory_order_acquire) >= heads_needed[g] * (l + 1); }, spin, [] {});
+                    spin_until([&] { return heads_ready[g].load(std::memory_order_acquire) >= heads_needed[g] * (l + 1); }, spin,
+                               [&] { upcoming.line(); });
                     ChunkPrefetch<KT> following = next < items ? first_unit(next) : ChunkPrefetch<KT>(), within;
                     for (int64_t t = it.t0; t < it.t1; ++t) {
                         const int64_t tg = t * KVH + g, chunks = first_chunk[tg + 1] - first_chunk[tg];
