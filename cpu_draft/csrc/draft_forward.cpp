@@ -1658,6 +1658,118 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
     return 0;
 }
 
+// The k largest logits of each row [rows][cols] and their softmax probabilities: probs and columns
+// [rows][k], largest first (equal logits: the lower column first). What the drafter reads of a level's
+// logits; torch's topk and logsumexp over a 32k head took as long as the forward at 8-32 rows. Rows are
+// cut into chunks of TOP_CHUNK columns, items spread over num_threads threads; each leaves its maximum,
+// its sum of exp(x - maximum) and its k largest, merged per row in chunk order.
+constexpr int64_t TOP_CHUNK = 4096;
+constexpr int64_t TOP_K_MAX = 16;
+
+struct TopPartial {
+    float max, sum;
+    float vals[TOP_K_MAX];
+    int64_t cols[TOP_K_MAX];
+    int64_t count;
+};
+
+// Insert (v, c) into a descending list of at most k (equal values: the lower column first).
+inline void top_insert(float* vals, int64_t* cols, int64_t& count, int64_t k, float v, int64_t c) {
+    int64_t at = count < k ? count : k - 1;
+    if (count == k && !(v > vals[k - 1] || (v == vals[k - 1] && c < cols[k - 1]))) return;
+    while (at > 0 && (v > vals[at - 1] || (v == vals[at - 1] && c < cols[at - 1]))) {
+        vals[at] = vals[at - 1];
+        cols[at] = cols[at - 1];
+        --at;
+    }
+    vals[at] = v;
+    cols[at] = c;
+    if (count < k) ++count;
+}
+
+// Whether any lane of a comparison's result (all ones or zeros per lane) is set.
+inline bool any_lane(vi32 c) {
+    uint64_t words[sizeof(vi32) / 8];
+    std::memcpy(words, &c, sizeof words);
+    uint64_t any = 0;
+    for (uint64_t w : words) any |= w;
+    return any != 0;
+}
+
+// One chunk: its maximum, sum of exp(x - maximum) and k largest. The k-th largest of the lanes'
+// maxima bounds the chunk's k-th largest from below, so the second pass looks at a lane only where
+// a vector compare with that bound (raised as the list fills) finds one.
+static void top_chunk(const float* x, int64_t begin, int64_t end, int64_t k, TopPartial& out) {
+    vf vmax = vf{} - INFINITY;
+    int64_t i = begin;
+    for (; i + VW <= end; i += VW) {
+        vf v;
+        std::memcpy(&v, x + i, sizeof v);
+        vmax = v > vmax ? v : vmax;
+    }
+    float lanes[VW];
+    std::memcpy(lanes, &vmax, sizeof lanes);
+    std::sort(lanes, lanes + VW, [](float a, float b) { return a > b; });
+    float m = lanes[0];
+    for (int64_t j = i; j < end; ++j) m = std::max(m, x[j]);
+    float threshold = i > begin && k <= VW ? lanes[k - 1] : -INFINITY;
+    vf vsum{};
+    out.count = 0;
+    for (i = begin; i + VW <= end; i += VW) {
+        vf v;
+        std::memcpy(&v, x + i, sizeof v);
+        vsum += exp_approx(v - m);
+        if (!any_lane(v >= threshold)) continue;
+        for (int l = 0; l < VW; ++l)
+            if (v[l] >= threshold) {
+                top_insert(out.vals, out.cols, out.count, k, v[l], i + l);
+                if (out.count == k) threshold = std::max(threshold, out.vals[k - 1]);
+            }
+    }
+    float sum = lane_sum(vsum);
+    for (int64_t j = i; j < end; ++j) {
+        sum += exp_approx(x[j] - m);
+        if (x[j] >= threshold) {
+            top_insert(out.vals, out.cols, out.count, k, x[j], j);
+            if (out.count == k) threshold = std::max(threshold, out.vals[k - 1]);
+        }
+    }
+    out.max = m;
+    out.sum = sum;
+}
+
+int64_t draft_top_probs(const float* logits, int64_t rows, int64_t cols, int64_t k, int64_t num_threads, float* probs,
+                        int64_t* columns) {
+    if (k < 1 || k > TOP_K_MAX || k > cols) return 1;
+    const int64_t chunks = (cols + TOP_CHUNK - 1) / TOP_CHUNK, items = rows * chunks;
+    auto partials = buffer<TopPartial>(items);
+#pragma omp parallel num_threads(int(std::max<int64_t>(1, std::min<int64_t>(num_threads > 0 ? num_threads : omp_get_max_threads(), items))))
+    {
+        const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t item = tid; item < items; item += nt) {
+            const int64_t row = item / chunks, begin = (item % chunks) * TOP_CHUNK;
+            top_chunk(logits + row * cols, begin, std::min(cols, begin + TOP_CHUNK), k, partials[item]);
+        }
+    }
+    for (int64_t row = 0; row < rows; ++row) {
+        const TopPartial* part = &partials[row * chunks];
+        float m = -INFINITY;
+        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part[c].max);
+        float sum = 0.0f;
+        float vals[TOP_K_MAX];
+        int64_t top[TOP_K_MAX], count = 0;
+        for (int64_t c = 0; c < chunks; ++c) {
+            sum += part[c].sum * exp_approx(part[c].max - m);
+            for (int64_t j = 0; j < part[c].count; ++j) top_insert(vals, top, count, k, part[c].vals[j], part[c].cols[j]);
+        }
+        for (int64_t j = 0; j < k; ++j) {
+            probs[row * k + j] = exp_approx(vals[j] - m) / sum;
+            columns[row * k + j] = top[j];
+        }
+    }
+    return 0;
+}
+
 // float32 to bf16 as the forward stores K/V (tests compare it with torch's rounding).
 void draft_to_bf16(const float* x, int64_t n, uint16_t* y) {
     for (int64_t i = 0; i < n; ++i) y[i] = float_to_bf16(x[i]);
