@@ -257,8 +257,8 @@ def main(argv=None) -> None:
                 hits, misses = (after[n] - before[4][n] for n in ("predraft_hits", "predraft_misses"))
                 row["hidden_share"] = round(hidden / (hidden + exposed), 3) if hidden + exposed else ""
                 row["predraft_hit_rate"] = round(hits / (hits + misses), 3) if hits + misses else ""
-                for name in ("runner_up_guesses", "rejected_guess_hits", "bonus_guess_hits"):  # drafted ahead; hits among predraft hits
-                    row[name] = int(after[name] - before[4][name])
+                for stat in ("runner_up_guesses", "rejected_guess_hits", "bonus_guess_hits"):  # drafted ahead; hits among predraft hits
+                    row[stat] = int(after[stat] - before[4][stat])
             rows.append(row)
             print(row, flush=True)
         release_engine(engine)
