@@ -1,9 +1,9 @@
 """End-to-end decode throughput of every proposer on a Llama-3-shaped target (GPU host).
 
 Configurations, side by side in one run: plain decoding, the lookahead cache, a draft
-model on the CPU in its own worker process (also without its runner-up guesses:
-``cpu-draft-no-runner-ups``), the same draft on the GPU (in the engine's process, CUDA graphs,
-as vLLM runs a draft model), and the CPU draft merged with the lookahead cache (hybrid). Reports tokens/s, tokens per verification step, the time the
+model on the CPU in its own worker process, the same draft on the GPU (in the engine's
+process, CUDA graphs, as vLLM runs a draft model), and the CPU draft merged with the
+lookahead cache (hybrid). Reports tokens/s, tokens per verification step, the time the
 engine waited for drafts (per step and as a share of the run) and, for the CPU worker,
 the share of drafting hidden behind the GPU's verification.
 
@@ -223,7 +223,6 @@ def main(argv=None) -> None:
         "plain": {},
         "lookahead": lookahead,
         "cpu-draft": dict(draft_model, cpu_draft_worker=True, speculative_config=cpu_draft),
-        "cpu-draft-no-runner-ups": dict(draft_model, cpu_draft_worker=True, speculative_config=dict(cpu_draft, runner_ups=0)),
         "gpu-draft": dict(draft_model, cpu_draft_worker=False),
         "hybrid": dict(draft_model, cpu_draft_worker=True, lookahead_cache_config_dir=lookahead_dir,
                        speculative_config=cpu_draft),
@@ -257,8 +256,6 @@ def main(argv=None) -> None:
                 hits, misses = (after[n] - before[4][n] for n in ("predraft_hits", "predraft_misses"))
                 row["hidden_share"] = round(hidden / (hidden + exposed), 3) if hidden + exposed else ""
                 row["predraft_hit_rate"] = round(hits / (hits + misses), 3) if hits + misses else ""
-                for stat in ("runner_up_guesses", "rejected_guess_hits", "bonus_guess_hits"):  # drafted ahead; hits among predraft hits
-                    row[stat] = int(after[stat] - before[4][stat])
             rows.append(row)
             print(row, flush=True)
         release_engine(engine)

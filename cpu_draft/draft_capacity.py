@@ -49,22 +49,12 @@ class DraftCapacity:
         """The measured level time per row of the cost model (`row_overhead` + rows per level)."""
         return self.level_s / (self.row_overhead + self.level_rows)
 
-    def _rows_that_fit(self, depth: int) -> int:
-        """Rows whose next trees (``depth`` levels, plus the bonus guess) fit one step in the cost model."""
-        return int(self.cycle_s / ((depth + 1) * self._seconds_per_row()) - self.row_overhead)
-
     def capacity(self, num_seqs: int, depth: int) -> int:
-        """Sequences whose next trees fit one step; all until measured."""
+        """Sequences whose next trees (``depth`` levels, plus the bonus guess) fit one step; all until measured."""
         if self.cycle_s is None or self.level_s is None or num_seqs <= 1:
             return num_seqs
-        return max(1, min(num_seqs, self._rows_that_fit(depth)))
-
-    def spare_rows(self, rows: int, depth: int) -> int:
-        """Rows that drafting ahead can add to ``rows`` and still fit one step (runner-up
-        guesses, `cpu_draft.runner_up`); none until measured."""
-        if self.cycle_s is None or self.level_s is None:
-            return 0
-        return max(0, self._rows_that_fit(depth) - rows)
+        fits = int(self.cycle_s / ((depth + 1) * self._seconds_per_row()) - self.row_overhead)
+        return max(1, min(num_seqs, fits))
 
     def draft_now_pays(self, misses: list[int], batch_size: int, depth: int) -> bool:
         """Whether the step should wait for the trees of ``misses`` (sequences without a tree

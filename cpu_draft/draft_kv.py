@@ -14,8 +14,7 @@ memory a token holds). The paged layout keeps the model's dtype: its pool is the
 Both take, per forward, each sequence's handle, its cached length and the tokens to append
 (their K/V land right after the cached ones; positions are storage indices), and return
 the float32 logits of every feed's last token over the head's ids (the whole vocabulary, or
-the reduced one of `cpu_draft.draft_vocab`). Rollback is `truncate`, a length change;
-`copy` gives another sequence the K/V of a shared prefix (`Drafter.fork`).
+the reduced one of `cpu_draft.draft_vocab`). Rollback is `truncate`, a length change.
 """
 from __future__ import annotations
 
@@ -74,11 +73,6 @@ class SlotDraftKV:
 
     def release(self, handle: SlotHandle) -> None:
         self.cache.release(handle)
-
-    def copy(self, source: SlotHandle, target: SlotHandle, start: int, end: int) -> None:
-        """The K/V of storage indices [start, end) from one sequence's slot to another's (room reserved)."""
-        storage = self.cache.storage
-        storage[:, :, target.slot, :, start:end] = storage[:, :, source.slot, :, start:end]
 
     def holds_kv(self, handle: SlotHandle) -> bool:
         return handle.slot is not None
@@ -163,16 +157,6 @@ class PagedDraftKV:
 
     def release(self, blocks: list[int]) -> None:
         self.truncate(blocks, 0)
-
-    def copy(self, source: list[int], target: list[int], start: int, end: int) -> None:
-        """The K/V of positions [start, end) from one sequence's blocks to another's (room reserved)."""
-        positions = torch.arange(start, end)
-        device = self.pool.storage.device
-
-        def flat(blocks: list[int]) -> torch.Tensor:
-            return (torch.tensor(blocks, dtype=torch.long)[positions // self.block_size] * self.block_size + positions % self.block_size).to(device)
-
-        self.pool.copy_slots(flat(source), flat(target))
 
     def reset(self) -> None:
         """Nothing to give back: released sequences' blocks are free again."""

@@ -9,13 +9,8 @@ whole blocks past the end), never a copy. Stale K/V past the end is invisible (a
 reads ``seq_len`` tokens) and is overwritten by the next write.
 
 A tree is a greedy chain, optionally with the next-best siblings of each chain node
-(``tree_width`` > 1; `cpu_draft.draft_tree`). Per depth level there is one batched forward
-over every sequence.
-
-A sequence's context and KV can be *forked* into another sequence of the drafter (the
-K/V of their shared prefix copied, only the part the fork lacks) and the two swapped
-(`adopt`): the worker drafts guesses of a step's runner-up outcomes in forks
-(`cpu_draft.runner_up`) and adopts the one the target's reply matches.
+(``tree_width`` > 1): the siblings come from logits the chain already computed, so they
+cost no forward pass. Per depth level there is one batched forward over every sequence.
 
 The model is loaded as `gpu_target.model.CausalLM`, the target's own code, and runs over
 one of the KV layouts of `cpu_draft.draft_kv`: on the CPU, contiguous slots read by a native
@@ -26,13 +21,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Hashable, Optional, Sequence, Union
+from typing import Callable, Hashable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from cpu_draft.draft_kv import PagedDraftKV, SlotDraftKV, default_layout
-from cpu_draft.draft_tree import RunnerUp, TreeBuilder, runner_ups, tree_levels
 from cpu_draft.draft_vocab import draft_head_ids
 from cpu_draft.top_probs import top_probabilities
 from gpu_target.loader import load_config, load_state_dict, resolve_model_path
@@ -69,24 +63,68 @@ class DraftModelOptions:
     cuda_graphs: bool = True  # paged layout on CUDA: replay CUDA graphs for the drafting forwards
 
 
+def tree_levels(max_nodes: int, width: int) -> list[int]:
+    """Nodes per depth level (one chain node plus siblings) for a budget of ``max_nodes``.
+
+    The chain is as deep as ``ceil(max_nodes / width)``; siblings fill the shallow levels first.
+    """
+    if max_nodes <= 0:
+        return []
+    width = max(1, min(width, max_nodes))
+    depth = -(-max_nodes // width)
+    siblings = max_nodes - depth
+    levels = []
+    for _ in range(depth):
+        extra = min(width - 1, siblings)
+        siblings -= extra
+        levels.append(1 + extra)
+    return levels
+
+
 @dataclass
 class _SeqState:
     context: list[int] = field(default_factory=list)
     kv_tokens: list[int] = field(default_factory=list)
     kv: object = None  # the KV layout's handle: a slot, or a block list
     chain: list[int] = field(default_factory=list)  # the last drafted chain, drafted from `context`
-    levels: list[int] = field(default_factory=list)  # the last tree's nodes per level
-    runner_ups: list[list[tuple[int, float]]] = field(default_factory=list)  # per level of `chain`: `TreeBuilder.runner_ups`
-    path_probs: list[float] = field(default_factory=list)  # per level of `chain`: the draft's probability of the chain down to it
-    guesses: list[RunnerUp] = field(default_factory=list)  # set by `assume_accepted`: see `runner_up_guesses`
-    fork: bool = False  # a fork (`Drafter.fork`): evicted first, evicts nothing
+
+
+class _TreeBuilder:
+    """Grows one sequence's tree level by level from that level's top-k."""
+
+    def __init__(self, levels: list[int]):
+        self.levels = levels
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+        self.chain: list[int] = []
+        self._parent = -1
+        self._path_prob = 1.0
+
+    @property
+    def done(self) -> bool:
+        return len(self.chain) == len(self.levels)
+
+    def add_level(self, top_tokens: list[int], top_probs: list[float]) -> None:
+        count = self.levels[len(self.chain)]
+        chain_node = len(self.tokens)
+        for token, prob in zip(top_tokens[:count], top_probs[:count]):
+            self.tokens.append(token)
+            self.parents.append(self._parent)
+            self.scores.append(self._path_prob * prob)
+        self._parent = chain_node
+        self._path_prob *= top_probs[0]
+        self.chain.append(top_tokens[0])
+
+    def tree(self) -> TokenTree:
+        return TokenTree(np.asarray(self.tokens, np.int64), np.asarray(self.parents, np.int32), np.asarray(self.scores, np.float32))
 
 
 @dataclass
 class _Work:
     index: int
     state: _SeqState
-    builder: TreeBuilder
+    builder: _TreeBuilder
 
 
 class Drafter:
@@ -145,8 +183,7 @@ class Drafter:
         if not tokens:
             raise ValueError(f"sequence {seq_id!r}: a context needs at least the root token")
         if tokens != state.context:
-            _clear_chain(state)
-            state.guesses = []
+            state.chain = []
         state.context = tokens
         self._truncate(state, common_prefix_length(state.kv_tokens, tokens))
 
@@ -186,27 +223,25 @@ class Drafter:
     def draft(
         self,
         requests: Sequence[tuple[SeqId, int]],
-        interrupt: Optional[Callable[[], Union[bool, Collection[SeqId]]]] = None,
+        interrupt: Optional[Callable[[], bool]] = None,
     ) -> Optional[list[TokenTree]]:
         """One tree per (seq_id, max_nodes), from each sequence's current context.
 
         ``interrupt`` is polled between depth levels; when it returns True drafting stops and
-        None is returned (the KV stays consistent, no chain is recorded); when it returns a
-        non-empty collection of seq ids drafting goes on for those only (the others' trees
-        come back empty).
+        None is returned (the KV stays consistent, no chain is recorded).
         """
         trees = [TokenTree.empty() for _ in requests]
         batch_ids = {seq_id for seq_id, _ in requests}
         work: list[_Work] = []
         for index, (seq_id, max_nodes) in enumerate(requests):
             state = self._seqs[seq_id]
-            _clear_chain(state)
+            state.chain = []
             levels = tree_levels(max_nodes, self.options.tree_width)
             if not levels or len(state.context) + len(levels) > self.max_positions:
                 continue
             self._truncate(state, min(len(state.kv_tokens), len(state.context) - 1))
             if self._reserve(state, len(state.context) + len(levels) - 1, batch_ids):
-                work.append(_Work(index, state, TreeBuilder(levels)))
+                work.append(_Work(index, state, _TreeBuilder(levels)))
         if not work:
             return trees
         logits = self._catch_up([w.state for w in work])
@@ -216,19 +251,11 @@ class Drafter:
             active = [w for w in active if not w.builder.done]
             if not active:
                 break
-            verdict = interrupt() if interrupt is not None else False
-            if verdict is True:
+            if interrupt is not None and interrupt():
                 return None
-            if verdict:
-                active = [w for w in active if requests[w.index][0] in verdict]
-                if not active:
-                    break
             logits = self._forward([w.state for w in active], [[w.builder.chain[-1]] for w in active])
         for w in work:
-            if not w.builder.done:
-                continue
-            w.state.chain, w.state.levels = w.builder.chain, w.builder.levels
-            w.state.runner_ups, w.state.path_probs = w.builder.runner_ups, w.builder.path_probs
+            w.state.chain = w.builder.chain
             trees[w.index] = w.builder.tree()
         return trees
 
@@ -245,8 +272,7 @@ class Drafter:
         keep = np.asarray([starts[d] + i for d, n in enumerate(want) for i in range(n)], np.int64)
         parents = np.asarray([-1 if d == 0 else new_starts[d - 1] for d, n in enumerate(want) for _ in range(n)], np.int32)
         scores = tree.scores[keep] if tree.scores is not None else None
-        state.chain, state.levels = state.chain[: len(want)], want
-        state.runner_ups, state.path_probs = state.runner_ups[: len(want)], state.path_probs[: len(want)]
+        state.chain = state.chain[: len(want)]
         self._truncate(state, len(state.context) + max(len(want) - 1, 0))
         return TokenTree(tree.tokens[keep], parents, scores)
 
@@ -274,47 +300,11 @@ class Drafter:
         if not states:
             return []
         logits = self._forward([s for _, s, _ in states], [[known[-1]] for _, _, known in states])
-        top_probs, top_columns = top_probabilities(logits, min(2, logits.shape[-1]), self._native_library)
-        for (_, state, known), tokens, probs in zip(states, self._token_ids(top_columns).tolist(), top_probs.tolist()):
-            state.guesses = runner_ups(len(state.context), state.levels, state.runner_ups, state.path_probs, list(zip(tokens[1:], probs[1:])))
-            state.context = known + [tokens[0]]
-            _clear_chain(state)
+        guesses = self._token_ids(logits.argmax(dim=-1)).tolist()
+        for (_, state, known), guess in zip(states, guesses):
+            state.context = known + [guess]
+            state.chain = []
         return [seq_id for seq_id, _, _ in states]
-
-    def runner_up_guesses(self, seq_id: SeqId) -> list[RunnerUp]:
-        """The likeliest other outcomes of the step whose outcome `assume_accepted` guessed, by the
-        draft's own ranks (their contexts: this sequence's first ``prefix`` tokens, then ``token``)."""
-        return self._seqs[seq_id].guesses
-
-    def fork(self, seq_id: SeqId, fork_id: SeqId, context: Sequence[int]) -> bool:
-        """Make ``fork_id`` a sequence of ``context`` whose KV holds the prefix it shares with
-        ``seq_id``'s KV: the K/V it lacks of that prefix are copied from ``seq_id``'s, the rest
-        its next draft computes. False where the KV has no room: a fork evicts no sequence."""
-        source = self._seqs[seq_id]
-        state = self._seqs.get(fork_id)
-        if state is None:
-            state = self._seqs[fork_id] = _SeqState(kv=self.kv.new_handle(), fork=True)
-        tokens = list(context)
-        if not tokens:
-            raise ValueError(f"fork {fork_id!r}: a context needs at least the root token")
-        _clear_chain(state)
-        state.context, state.guesses = tokens, []
-        have = common_prefix_length(state.kv_tokens, tokens[:-1])
-        shared = common_prefix_length(source.kv_tokens, tokens[:-1])
-        self._truncate(state, have)
-        if shared <= have:
-            return True
-        if not self._reserve(state, shared, set()):
-            return False
-        self.kv.copy(source.kv, state.kv, have, shared)
-        state.kv_tokens.extend(tokens[have:shared])
-        return True
-
-    def adopt(self, seq_id: SeqId, fork_id: SeqId) -> None:
-        """``seq_id`` takes the fork's context, KV and last draft; the fork gets ``seq_id``'s (a swap, nothing copied)."""
-        state, fork = self._seqs[seq_id], self._seqs[fork_id]
-        state.fork, fork.fork = True, False
-        self._seqs[seq_id], self._seqs[fork_id] = fork, state
 
     # -------------------------------------------------------------- internals
     def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
@@ -322,7 +312,7 @@ class Drafter:
         return columns if self.head_ids is None else self.head_ids[columns]
 
     def _add_levels(self, work: list[_Work], logits: torch.Tensor) -> None:
-        width = min(1 + max(w.builder.levels[len(w.builder.chain)] for w in work), logits.shape[-1])  # one beyond the tree: its runner-up
+        width = max(w.builder.levels[len(w.builder.chain)] for w in work)
         top_probs, top_columns = top_probabilities(logits, width, self._native_library)
         top_tokens = self._token_ids(top_columns)
         for w, tokens, probs in zip(work, top_tokens.tolist(), top_probs.tolist()):
@@ -379,9 +369,7 @@ class Drafter:
         """Room for ``num_tokens`` of KV; evicts the KV of sequences outside ``protected`` if short."""
         if self.kv.reserve(state.kv, num_tokens):
             return True
-        if state.fork:
-            return False
-        for seq_id, other in sorted(self._seqs.items(), key=lambda item: not item[1].fork):  # forks first
+        for seq_id, other in self._seqs.items():
             if seq_id not in protected and self.kv.holds_kv(other.kv):
                 self._truncate(other, 0)
                 if self.kv.reserve(state.kv, num_tokens):
@@ -392,10 +380,6 @@ class Drafter:
     def _truncate(self, state: _SeqState, length: int) -> None:
         del state.kv_tokens[length:]
         self.kv.truncate(state.kv, length)
-
-
-def _clear_chain(state: _SeqState) -> None:
-    state.chain, state.levels, state.runner_ups, state.path_probs = [], [], [], []
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

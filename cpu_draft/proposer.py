@@ -82,7 +82,6 @@ def build_draft_proposer(config: EngineConfig, target_config: ModelConfig, token
             num_threads=settings.threads,
             overlap=settings.overlap,
             budget=min(config.num_speculative_tokens or INITIAL_AHEAD_NODES, INITIAL_AHEAD_NODES),
-            runner_ups=settings.runner_ups,
         )
         return WorkerDraftProposer(options, settings.reply_timeout_s, DRAFT_START_TIMEOUT_S)
     device = config.resolve_device()

@@ -12,9 +12,7 @@ back to the longest prefix it shares with the real context (the accepted part of
 chain is usually still there) and is drafted again. Drafting ahead stops at the next
 depth level once a message is waiting, so it delays a request by at most one forward,
 unless that message asks for the very trees being drafted (the guess held): then they are
-finished, since drafting them again would cost more. Where cores are spare, the likeliest
-other outcomes of the step are drafted ahead too, in the same forwards (`cpu_draft.runner_up`);
-a waiting message that asks for one of the guesses lets drafting go on for that one only.
+finished, since drafting them again would cost more.
 Sequences the coordinator decodes without trees (prefill, plain steps) arrive as SYNC
 updates; the worker feeds their new tokens and drafts their next trees between messages
 (`DraftService.catch_up`), so a prompt's draft prefill and a return to speculation after
@@ -23,8 +21,6 @@ plain steps cost the coordinator nothing.
 Stats: ``exposed_s`` is draft time between receiving PROPOSE and replying (the
 coordinator waits for it); ``hidden_s`` is drafting-ahead time between replying and
 the next message (behind the target's verification). Overlap share = hidden / (hidden + exposed).
-``predraft_hits`` counts trees served drafted ahead, of any guess; ``rejected_guess_hits`` and
-``bonus_guess_hits`` those of runner-up guesses, of ``runner_up_guesses`` drafted.
 """
 from __future__ import annotations
 
@@ -35,17 +31,15 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from cpu_draft.affinity import pin_current_process
 from cpu_draft.draft_capacity import DraftCapacity
-from cpu_draft.draft_tree import tree_levels
-from cpu_draft.drafter import SHORT_FEED_TOKENS, DraftModelOptions, Drafter, common_prefix_length
+from cpu_draft.drafter import SHORT_FEED_TOKENS, DraftModelOptions, Drafter, common_prefix_length, tree_levels
 from cpu_draft.messages import PROPOSE, READY, SHUTDOWN, STAT_NAMES, SYNC, TREES, read_updates, tree_arrays
-from cpu_draft.runner_up import HIT_STATS, Predrafted, fork_runner_ups, matching, release_forks
 from hetero.core.protocols import TokenTree
 from ipc import Channel, Message, PeerDeadError
 
@@ -61,19 +55,25 @@ class WorkerOptions:
     num_threads: Optional[int] = None
     overlap: bool = True
     budget: int = 0  # nodes drafted ahead for sequences decoded without trees (`DraftService.catch_up`)
-    runner_ups: int = 0  # runner-up guesses drafted ahead per sequence where cores are spare (`cpu_draft.runner_up`)
 
     def to_json(self) -> str:
         draft = dict(vars(self.draft), dtype=str(self.draft.dtype).removeprefix("torch."))
         return json.dumps(dict(model=self.model, draft=draft, cpus=list(self.cpus), num_threads=self.num_threads, overlap=self.overlap,
-                               budget=self.budget, runner_ups=self.runner_ups))
+                               budget=self.budget))
 
     @classmethod
     def from_json(cls, text: str) -> "WorkerOptions":
         data = json.loads(text)
         draft = DraftModelOptions(**dict(data["draft"], dtype=getattr(torch, data["draft"]["dtype"]),
                                          keep_token_ids=tuple(data["draft"]["keep_token_ids"])))
-        return cls(data["model"], draft, tuple(data["cpus"]), data["num_threads"], data["overlap"], data["budget"], data["runner_ups"])
+        return cls(data["model"], draft, tuple(data["cpus"]), data["num_threads"], data["overlap"], data["budget"])
+
+
+@dataclass
+class _Predrafted:
+    context: list[int]
+    max_nodes: int
+    tree: TokenTree
 
 
 @dataclass
@@ -82,9 +82,6 @@ class WorkerStats:
     hidden_s: float = 0.0
     predraft_hits: int = 0
     predraft_misses: int = 0
-    runner_up_guesses: int = 0
-    rejected_guess_hits: int = 0
-    bonus_guess_hits: int = 0
 
     def as_list(self) -> list[float]:
         return [float(getattr(self, name)) for name in STAT_NAMES]
@@ -97,10 +94,8 @@ class DraftService:
     drafter: Drafter
     overlap: bool = True
     budget: int = 0  # nodes of a tree drafted ahead for a sequence the coordinator only told of (SYNC)
-    runner_ups: int = 0  # runner-up guesses per sequence drafted ahead where cores are spare
     contexts: dict[int, list[int]] = field(default_factory=dict)
-    predrafted: dict[int, Predrafted] = field(default_factory=dict)  # the main guess
-    runner_up: dict[int, list[Predrafted]] = field(default_factory=dict)  # the runner-up guesses
+    predrafted: dict[int, _Predrafted] = field(default_factory=dict)
     stats: WorkerStats = field(default_factory=WorkerStats)
     stale: set[int] = field(default_factory=set)  # sequences told of new tokens, with no tree drafted from them yet
     capacity: DraftCapacity = field(default_factory=DraftCapacity)
@@ -111,8 +106,6 @@ class DraftService:
         for seq_id in arrays["released"].tolist():
             self.contexts.pop(seq_id, None)
             self.predrafted.pop(seq_id, None)
-            self.runner_up.pop(seq_id, None)
-            release_forks(self.drafter, seq_id, self.runner_ups)
             self.offered.pop(seq_id, None)
             self.unserved.discard(seq_id)
             self.capacity.forget(seq_id)
@@ -130,39 +123,20 @@ class DraftService:
                 start, chain = offered
                 self.capacity.observe_accepted(update.seq_id, common_prefix_length(context[start:], chain) / len(chain))
 
-    def asked_for(self, message: Optional[Message], seq_ids: Sequence[int], forks: Sequence[tuple[int, Hashable]] = ()) -> Optional[set]:
-        """The drafter's sequences drafting the contexts ``message`` asks trees of, where it asks
-        for one being drafted for each of ``seq_ids`` (by the sequence itself or one of its
-        ``forks``, (seq_id, fork) pairs: a guess held): drafting then goes on for those instead
-        of stopping. None where it does not."""
+    def needed_by(self, message: Optional[Message], seq_ids: Sequence[int]) -> bool:
+        """Whether ``message`` asks for trees of exactly the contexts the drafter is drafting
+        ``seq_ids`` from (its guess held): then drafting goes on instead of stopping for it."""
         if message is None or message.kind != PROPOSE or set(message.arrays["released"].tolist()) & set(seq_ids):
-            return None
+            return False
         contexts = {seq_id: self.contexts[seq_id] for seq_id in seq_ids}
         for update in read_updates(message.arrays):
             if update.seq_id in contexts:
                 contexts[update.seq_id] = contexts[update.seq_id][: update.keep] + update.new_tokens
-        drafting = {seq_id: [seq_id] for seq_id in seq_ids}
-        for seq_id, fork in forks:
-            drafting[seq_id].append(fork)
-        asked = set()
-        for seq_id in seq_ids:
-            holder = next((d for d in drafting[seq_id] if self.drafter.context(d) == contexts[seq_id]), None)
-            if holder is None:
-                return None
-            asked.add(holder)
-        return asked
+        return all(contexts[seq_id] == self.drafter.context(seq_id) for seq_id in seq_ids)
 
-    def _interrupt(self, pending, seq_ids: Sequence[int], forks: Sequence[tuple[int, Hashable]] = ()):
-        """Stop drafting ahead for a waiting message, unless it asks for what is being drafted:
-        then go on with what it asks for only (`Drafter.draft`'s ``interrupt``)."""
-        def verdict():
-            message = pending()
-            if message is None:
-                return False
-            asked = self.asked_for(message, seq_ids, forks)
-            return True if asked is None else asked
-
-        return verdict
+    def _interrupt(self, pending, seq_ids: Sequence[int]):
+        """Stop drafting ahead for a waiting message, unless it asks for what is being drafted."""
+        return lambda: pending() is not None and not self.needed_by(pending(), seq_ids)
 
     def catch_up(self, pending) -> None:
         """Between messages: feed the stale sequences' new tokens and draft their next trees
@@ -185,8 +159,7 @@ class DraftService:
             return
         for (seq_id, max_nodes), tree in zip(requests, trees):
             context = self.drafter.context(seq_id) if seq_id in guessed else self.contexts[seq_id]
-            self.predrafted[seq_id] = Predrafted(list(context), max_nodes, tree)
-            self.runner_up.pop(seq_id, None)
+            self.predrafted[seq_id] = _Predrafted(list(context), max_nodes, tree)
         self.stale.clear()
         self.unserved.clear()
 
@@ -206,16 +179,13 @@ class DraftService:
         depth = len(tree_levels(self.budget, self.drafter.options.tree_width))
         chosen = self.capacity.select([seq_id for seq_id, max_nodes in batch if max_nodes > 0], depth)
         for seq_id, max_nodes in batch:
-            ahead, others = self.predrafted.pop(seq_id, None), self.runner_up.pop(seq_id, [])
             if seq_id not in chosen:
+                self.predrafted.pop(seq_id, None)
                 continue
             context = self.contexts[seq_id]
-            hit = matching(([ahead] if ahead is not None else []) + others, context, max_nodes)
-            if hit is not None:
-                if hit.holder is not None:
-                    self.drafter.adopt(seq_id, hit.holder)
-                    setattr(self.stats, HIT_STATS[hit.kind], getattr(self.stats, HIT_STATS[hit.kind]) + 1)
-                trees[seq_id] = self.drafter.shrink_last_draft(seq_id, hit.tree, max_nodes)
+            ahead = self.predrafted.pop(seq_id, None)
+            if ahead is not None and max_nodes <= ahead.max_nodes and ahead.context == context:
+                trees[seq_id] = self.drafter.shrink_last_draft(seq_id, ahead.tree, max_nodes)
                 self.stats.predraft_hits += 1
                 continue
             if ahead is not None:
@@ -242,34 +212,26 @@ class DraftService:
 
     def draft_ahead(self, batch: list[tuple[int, int]], pending) -> None:
         """Draft the next step assuming full acceptance (for the sequences answered without a
-        tree: assuming the draft's guess of the token this step decodes), and where cores are
-        spare its likeliest runner-up outcomes in the same forwards, until done or a message
-        is waiting that does not ask for these trees (``pending()``: the waiting message, or None)."""
+        tree: assuming the draft's guess of the token this step decodes), until done or a
+        message is waiting that does not ask for these trees (``pending()``: the waiting
+        message, or None)."""
         if not self.overlap or pending() is not None:
             return
         budgets = dict(batch)
         started = time.perf_counter()
         extended = self.drafter.assume_accepted([s for s, n in batch if n > 0 and (s in self.offered or s in self.unserved)])
-        if not extended or pending() is not None and self.asked_for(pending(), extended) is None:
+        if not extended or pending() is not None and not self.needed_by(pending(), extended):
             return
-        depth = max(len(tree_levels(budgets[s], self.drafter.options.tree_width)) for s in extended)
-        forks = fork_runner_ups(self.drafter, extended, self.runner_ups, self.capacity.spare_rows(len(extended), depth))
-        requests = [(seq_id, budgets[seq_id]) for seq_id in extended] + [(fork, budgets[seq_id]) for seq_id, fork, _ in forks]
-        trees = self.drafter.draft(requests, interrupt=self._interrupt(pending, extended, [(s, f) for s, f, _ in forks]))
+        requests = [(seq_id, budgets[seq_id]) for seq_id in extended]
+        trees = self.drafter.draft(requests, interrupt=self._interrupt(pending, extended))
         if trees is None:
             return
-        if all(len(tree) for tree in trees):  # every row drafted to the end (none dropped for a waiting proposal)
-            self.capacity.observe_levels(time.perf_counter() - started, depth + 1, len(requests))
-        for seq_id, tree in zip(extended, trees):
-            self.runner_up[seq_id] = []
-            if len(tree):  # (none where a waiting proposal asked for a runner-up guess instead)
-                self.predrafted[seq_id] = Predrafted(list(self.drafter.context(seq_id)), budgets[seq_id], tree)
+        levels = max(len(tree_levels(n, self.drafter.options.tree_width)) for _, n in requests)
+        self.capacity.observe_levels(time.perf_counter() - started, levels + 1, len(requests))
+        for (seq_id, max_nodes), tree in zip(requests, trees):
+            self.predrafted[seq_id] = _Predrafted(list(self.drafter.context(seq_id)), max_nodes, tree)
             self.stale.discard(seq_id)
             self.unserved.discard(seq_id)
-        for (seq_id, fork, kind), tree in zip(forks, trees[len(extended) :]):
-            if len(tree):
-                self.runner_up[seq_id].append(Predrafted(list(self.drafter.context(fork)), budgets[seq_id], tree, kind, fork))
-                self.stats.runner_up_guesses += 1
 
 
 class _Loop:
@@ -306,7 +268,7 @@ class _Loop:
                 raise RuntimeError(f"draft worker got an unknown message kind {message.kind}")
             started = time.monotonic()
             stats = self.service.stats
-            hits, misses, runner_up_hits = stats.predraft_hits, stats.predraft_misses, stats.rejected_guess_hits + stats.bonus_guess_hits
+            hits, misses = stats.predraft_hits, stats.predraft_misses
             self.service.apply_updates(message.arrays)
             if message.kind == SYNC:
                 answered = None
@@ -331,11 +293,10 @@ class _Loop:
             stats.hidden_s += time.monotonic() - replied
             if timeline:
                 logger.debug("PROPOSE of %d, sent %.2f ms after the last reply: queued %.2f ms, replied in %.2f ms (%d drafted ahead, "
-                             "%d of them from runner-up guesses, %d drafted again, %d pending, %d empty); then drafted ahead for %.2f ms",
+                             "%d drafted again, %d pending, %d empty); then drafted ahead for %.2f ms",
                              len(batch), 1e3 * cycle if cycle is not None else float("nan"),
                              1e3 * (started - sent_at),
-                             1e3 * (replied - started), stats.predraft_hits - hits,
-                             stats.rejected_guess_hits + stats.bonus_guess_hits - runner_up_hits, stats.predraft_misses - misses,
+                             1e3 * (replied - started), stats.predraft_hits - hits, stats.predraft_misses - misses,
                              sum(not t.ready for t in trees), sum(t.ready and not len(t) for t in trees), 1e3 * (time.monotonic() - replied))
             answered = replied
 
@@ -356,7 +317,7 @@ def worker_main(spec: dict, options: WorkerOptions) -> None:
     logger.info("pid %d drafting with %s on cpus %s, %d threads", os.getpid(), options.model, list(options.cpus), threads)
     try:
         channel.send(READY, {"pid": np.asarray([os.getpid()], np.int64)})
-        _Loop(DraftService(drafter, options.overlap, options.budget, options.runner_ups), channel).run()
+        _Loop(DraftService(drafter, options.overlap, options.budget), channel).run()
     except PeerDeadError:
         logger.info("the coordinator is gone; exiting")
     finally:

@@ -76,7 +76,6 @@ class DraftConfig:
     kv_cache_gib: float = _env_default("kv_cache_gib", float, 1.0)  # the draft's own KV cache
     reply_timeout_s: float = _env_default("reply_timeout_s", float, 10.0)  # a silent worker is restarted after this
     overlap: bool = _env_default("overlap", _on_off_env, True)  # draft the next tree while the target verifies
-    runner_ups: int = _env_default("runner_ups", int, 4)  # also draft ahead this many runner-up outcomes per sequence where cores are spare; 0: off
     dtype: str = _env_default("dtype", str, "auto")  # the CPU worker's: auto (bfloat16 where the native forward builds), float32, bfloat16
     # The draft's logits head over the most frequent tokens only (FR-Spec; cpu_draft/draft_vocab.py):
     # how many, and optionally SGLang's speculative_token_map file ranking them. None: the whole vocabulary.
@@ -93,7 +92,6 @@ class DraftConfig:
             value = getattr(self, name)
             _draft_check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, name, value, "must be positive")
         _draft_check(isinstance(self.overlap, bool), "overlap", self.overlap, "must be True or False")
-        _draft_check(_is_int(self.runner_ups) and self.runner_ups >= 0, "runner_ups", self.runner_ups, "must be an int of at least 0")
         _draft_check(self.dtype in DRAFT_DTYPES, "dtype", self.dtype, f"must be one of {list(DRAFT_DTYPES)}")
         if self.draft_vocab_size is not None:
             _check(_is_int(self.draft_vocab_size) and self.draft_vocab_size >= 1,

@@ -23,12 +23,12 @@ def no_draft_env(monkeypatch):
 def test_speculative_config_keys_map_onto_the_draft_config():
     config = EngineConfig(model="m", speculative_config={
         "model": "draft/", "num_speculative_tokens": 6, "tree_width": 2, "quantization": "int8", "cpus": "2-3",
-        "threads": 2, "kv_cache_gib": 0.5, "reply_timeout_s": 3.0, "overlap": False, "runner_ups": 2, "dtype": "bfloat16",
+        "threads": 2, "kv_cache_gib": 0.5, "reply_timeout_s": 3.0, "overlap": False, "dtype": "bfloat16",
         "draft_vocab_size": 1000,
     })
     assert config.speculative_model == "draft/" and config.num_speculative_tokens == 6
     assert config.draft == DraftConfig(tree_width=2, quantization="int8", cpus="2-3", threads=2, kv_cache_gib=0.5,
-                                       reply_timeout_s=3.0, overlap=False, runner_ups=2, dtype="bfloat16", draft_vocab_size=1000)
+                                       reply_timeout_s=3.0, overlap=False, dtype="bfloat16", draft_vocab_size=1000)
     assert config.lookahead is None
 
 
@@ -67,7 +67,6 @@ def test_an_unknown_speculative_config_key_is_named_with_the_valid_ones(key, clo
 @pytest.mark.parametrize("values, named", [
     ({"tree_width": 0}, "tree_width"), ({"quantization": "int4"}, "quantization"), ({"threads": 0}, "threads"),
     ({"kv_cache_gib": 0}, "kv_cache_gib"), ({"reply_timeout_s": -1.0}, "reply_timeout_s"), ({"overlap": "yes"}, "overlap"),
-    ({"runner_ups": -1}, "runner_ups"),
     ({"dtype": "int4"}, "dtype"), ({"draft_vocab_size": 0}, "draft_vocab_size"), ({"cpus": 4}, "cpus"),
 ])
 def test_a_bad_draft_value_names_its_key_and_variable(values, named):
@@ -94,7 +93,7 @@ def test_every_env_backed_field_is_documented_with_its_variable():
     documented = DraftConfig.__doc__
     assert "$HETERO_DRAFT_<FIELD>" in documented
     env_backed = [f.name for f in dataclasses.fields(DraftConfig) if f.default_factory is not dataclasses.MISSING]
-    assert env_backed == ["tree_width", "quantization", "cpus", "threads", "kv_cache_gib", "reply_timeout_s", "overlap", "runner_ups", "dtype"]
+    assert env_backed == ["tree_width", "quantization", "cpus", "threads", "kv_cache_gib", "reply_timeout_s", "overlap", "dtype"]
 
 
 def test_ngram_speculative_config_resolves_to_a_lookahead_config():

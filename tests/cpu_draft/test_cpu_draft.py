@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from cpu_draft.draft_kv import slot_kv_dtype
-from cpu_draft.draft_tree import tree_levels
-from cpu_draft.drafter import DraftModelOptions, Drafter
+from cpu_draft.drafter import DraftModelOptions, Drafter, tree_levels
 from cpu_draft.messages import ContextUpdate, read_updates, split_updates, update_arrays
 from cpu_draft.slot_kv import SlotHandle, SlotKVCache
 from hetero import LLM, SamplingParams
