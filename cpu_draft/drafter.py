@@ -28,7 +28,6 @@ import torch
 
 from cpu_draft.draft_kv import PagedDraftKV, SlotDraftKV, default_layout
 from cpu_draft.draft_vocab import draft_head_ids
-from cpu_draft.top_probs import top_probabilities
 from gpu_target.loader import load_config, load_state_dict, resolve_model_path
 from gpu_target.model import CausalLM, build_model
 from hetero.core.protocols import TokenTree
@@ -146,8 +145,6 @@ class Drafter:
                 restrict_head(model, head_ids)
             self.kv = PagedDraftKV(_paged_layout_model(model, options), options.dtype, self.device, options.kv_cache_bytes, options.max_num_seqs,
                                    options.block_size, self.max_positions, options.kv_dtype, options.cuda_graphs)
-        # The native forward's library also reads each level's logits (`top_probabilities`); None: torch does.
-        self._native_library = self.kv.model.library if isinstance(self.kv, SlotDraftKV) and self.kv.native else None
         self._seqs: dict[SeqId, _SeqState] = {}
 
     @classmethod
@@ -313,8 +310,9 @@ class Drafter:
 
     def _add_levels(self, work: list[_Work], logits: torch.Tensor) -> None:
         width = max(w.builder.levels[len(w.builder.chain)] for w in work)
-        top_probs, top_columns = top_probabilities(logits, width, self._native_library)
+        top_logits, top_columns = torch.topk(logits, width, dim=-1)
         top_tokens = self._token_ids(top_columns)
+        top_probs = torch.exp(top_logits - torch.logsumexp(logits, dim=-1, keepdim=True))
         for w, tokens, probs in zip(work, top_tokens.tolist(), top_probs.tolist()):
             w.builder.add_level(tokens, probs)
 

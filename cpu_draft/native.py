@@ -130,9 +130,6 @@ def _build_and_load(compiler: str, flags: tuple[str, ...], directory: Path, sour
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         library.draft_forward.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
         library.draft_to_bf16.argtypes = [ptr, i64, ptr]
-        if hasattr(library, "draft_top_probs"):  # a baseline built from an older source (bench.cpu_draft) may lack it
-            library.draft_top_probs.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
-            library.draft_top_probs.restype = i64
         library.draft_matmul.argtypes = [ptr, i64, ptr, ptr, i64, ptr]
         library.draft_profile_enable.argtypes = [i64]
         library.draft_profile_enabled.restype = i64
