@@ -14,7 +14,7 @@ threads measure at start (``read_bandwidth_GBps`` in the CSV).
                               [--precisions bf16 fp32 int8] [--batch-sizes 1 8 32]
                               [--context 256] [--draft-tokens 4] [--steps 20] [--cpus 4-15] [--threads 12]
                               [--kv-layouts slots paged] [--kernels native lean] [--no-pack-linears]
-                              [--kv-dtypes fp32 bf16] [--profile-native] [--amx on off] [--native-baseline FILE]
+                              [--kv-dtypes fp32 bf16] [--profile-native] [--amx on off]
 
 ``--kv-layouts slots paged`` times the contiguous-slot layout (the CPU default) next to the
 paged one it replaced on the CPU (gathers per layer, plain F.linear), in one run.
@@ -31,11 +31,6 @@ the model's dtype, whatever is asked.
 where the library was built for AMX and Linux grants the tile data) and without them, in one run;
 by default they are on where available (``HETERO_NATIVE_AMX=0`` turns them off). The ``amx_kernels``
 column says whether they ran.
-
-``--native-baseline FILE`` also times the native forward built from another version of
-``cpu_draft/csrc/draft_forward.cpp`` with the same interface (e.g. ``git show main:cpu_draft/csrc/draft_forward.cpp
-> base.cpp``), right after each native run with the same settings, in one process: ``kernels`` says
-``baseline`` for its rows (and in the profile table), so a change is compared on one machine in one run.
 
 ``--profile-native`` turns on the native forward's phase timing (as ``HETERO_NATIVE_PROFILE=1``
 does) and prints, for each native row, milliseconds per forward in each phase (embed, qkv,
@@ -113,17 +108,6 @@ def load_drafter(args, dtype: torch.dtype, int8: bool, max_num_seqs: int, kv_lay
     state = {name: (torch.randn(shape, generator=generator) * 0.02).to(dtype) for name, shape in parameter_shapes(config).items()}
     model = build_model(config, state, dtype, "cpu")
     return Drafter(model, options)
-
-
-def use_library(model, library) -> None:
-    """Runs `model` (a `NativeDraftModel`) on ``library``, another build of the native forward, where it packs weights
-    as the model's own library does (the same vector width, bf16 pairs and int8 quads)."""
-    if library is None:
-        raise SystemExit("--native-baseline: the baseline source did not build (see the warning above)")
-    packing = ("draft_vector_width", "draft_bf16_pairs", "draft_int8_quads")
-    if any(getattr(library, f)() != getattr(model.library, f)() for f in packing):
-        raise SystemExit("--native-baseline: the baseline library packs weights differently from this one")
-    model.library = library
 
 
 WEIGHT_BYTES = {"bf16": 2, "fp32": 4, "int8": 1}  # per weight element; int8 adds a float32 scale per row
@@ -210,8 +194,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="native rows: time each phase of the forward and print ms per forward per phase")
     parser.add_argument("--amx", nargs="+", default=None, choices=["on", "off"],
                         help="native rows: with the AMX kernels and/or without (default: as loaded, on where available)")
-    parser.add_argument("--native-baseline", type=Path, default=None,
-                        help="native rows: also time the native forward built from this version of csrc/draft_forward.cpp")
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="the head over this many of the most frequent tokens (speculative_draft_vocab_size); default: all")
     parser.add_argument("--out", type=Path, default=None, help="CSV path, or a directory for cpu_draft-<hostname>.csv in it (default bench/results)")
@@ -237,34 +219,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bandwidth = read_bandwidth()
     print(f"memory read bandwidth of these {threads} threads: {bandwidth / 1e9:.1f} GB/s (roofline ms: the bytes a forward "
           "must read at that rate)")
-    print(f"{'layout':>6} {'kernels':>8} {'amx':>3} {'precision':>9} {'kv':>4} {'batch':>5} {'step p50 ms':>11} {'step p90 ms':>11} "
+    print(f"{'layout':>6} {'kernels':>7} {'amx':>3} {'precision':>9} {'kv':>4} {'batch':>5} {'step p50 ms':>11} {'step p90 ms':>11} "
           f"{'forward ms':>10} {'roofline ms':>11} {'draft tok/s':>11}")
     rows, profile_rows = [], []
-    if args.native_baseline is not None and not args.native_baseline.is_file():
-        raise SystemExit(f"--native-baseline: no such file {args.native_baseline}")
-    kernel_runs = [k for kernels in args.kernels for k in ([kernels, "baseline"] if kernels == "native" and args.native_baseline else [kernels])]
-    amx_settings = args.amx or [None]
-    # A baseline run right after its native one; AMX settings for the native forward only.
-    runs = [(layout, kernels, amx if kernels in ("native", "baseline") else None, kv) for layout in args.kv_layouts
-            for amx in amx_settings for kv in ((args.kv_dtypes or [None]) if layout == "slots" else [None])
-            for kernels in (kernel_runs if layout == "slots" else ["torch"])
-            if kernels in ("native", "baseline") or amx == amx_settings[0]]
+    runs = [(layout, kernels, amx, kv) for layout in args.kv_layouts for kernels in (args.kernels if layout == "slots" else ["torch"])
+            for amx in ((args.amx or [None]) if kernels == "native" else [None])
+            for kv in ((args.kv_dtypes or [None]) if layout == "slots" else [None])]
     for precision, (layout, kernels, amx_setting, kv_setting) in itertools.product(args.precisions, runs):
         dtype, int8 = PRECISIONS[precision]
-        drafter = load_drafter(args, dtype, int8, max(args.batch_sizes), layout, "native" if kernels == "baseline" else kernels,
-                               kv_setting and KV_DTYPES[kv_setting])
+        drafter = load_drafter(args, dtype, int8, max(args.batch_sizes), layout, kernels, kv_setting and KV_DTYPES[kv_setting])
         kv_dtype = drafter.kv.cache.dtype if layout == "slots" else drafter.kv.pool.storage.dtype
         kv_name = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(kv_dtype, str(kv_dtype).removeprefix("torch."))
-        if kernels in ("native", "baseline") and not drafter.kv.native:
+        if kernels == "native" and not drafter.kv.native:
             kernels = "lean"  # the native forward did not build (warned): this is the torch forward
-        if kernels == "baseline":
-            use_library(drafter.kv.model, native.load_library(source=args.native_baseline))
         amx_kernels = False
-        if kernels in ("native", "baseline"):
+        if kernels == "native":
             if amx_setting is not None:
                 native.set_amx(drafter.kv.model.library, amx_setting == "on")
             amx_kernels = native.amx(drafter.kv.model.library)
-        library = drafter.kv.model.library if kernels in ("native", "baseline") and args.profile_native else None
+        library = drafter.kv.model.library if kernels == "native" and args.profile_native else None
         if library is not None:
             native.enable_profile(library)
         for batch_size in args.batch_sizes:
@@ -292,13 +265,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "steps": args.steps,
             }
             rows.append(row)
-            print(f"{layout:>6} {kernels:>8} {'yes' if amx_kernels else 'no':>3} {precision:>9} {kv_name:>4} {batch_size:>5} {p50:>11.2f} "
+            print(f"{layout:>6} {kernels:>7} {'yes' if amx_kernels else 'no':>3} {precision:>9} {kv_name:>4} {batch_size:>5} {p50:>11.2f} "
                   f"{p90:>11.2f} {row['forward_ms']:>10.2f} {roofline_ms:>11.2f} {row['draft_tokens_per_s']:>11.0f}")
             if library is not None:
                 profile = native.read_profile(library)
                 table = native.profile_table(profile)
-                profile_rows.append({"kernels": kernels, "precision": precision, "kv_dtype": kv_name, "amx_kernels": amx_kernels,
-                                     "batch_size": batch_size,
+                profile_rows.append({"precision": precision, "kv_dtype": kv_name, "amx_kernels": amx_kernels, "batch_size": batch_size,
                                      "forwards": profile["calls"],
                                      "threads": profile["threads"], **{f"{k}_ms": round(v, 4) for k, v in table.items()}})
                 print("        phases, ms per forward: " + "  ".join(f"{k} {v:.3f}" for k, v in table.items()))
@@ -328,9 +300,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if profile_rows:
         names = [k for k in profile_rows[0] if k.endswith("_ms")]
         print("native forward phases, ms per forward (phase = mean compute + mean wait at its closing barrier):")
-        print(f"{'kernels':>8} {'precision':>9} {'kv':>4} {'amx':>3} {'batch':>5} " + " ".join(f"{n[:-3]:>9}" for n in names))
+        print(f"{'precision':>9} {'kv':>4} {'amx':>3} {'batch':>5} " + " ".join(f"{n[:-3]:>9}" for n in names))
         for r in profile_rows:
-            print(f"{r['kernels']:>8} {r['precision']:>9} {r['kv_dtype']:>4} {'yes' if r['amx_kernels'] else 'no':>3} {r['batch_size']:>5} "
+            print(f"{r['precision']:>9} {r['kv_dtype']:>4} {'yes' if r['amx_kernels'] else 'no':>3} {r['batch_size']:>5} "
                   + " ".join(f"{r[n]:>9.3f}" for n in names))
         write_csv_with_context(out.with_name(f"{out.stem}-profile{out.suffix}"), profile_rows, extra)
     return 0

@@ -44,18 +44,17 @@ def cache_dir() -> Path:
     return Path(base) / "native" if base else Path.home() / ".cache" / "hetero" / "native"
 
 
-def load_library(extra_flags: Sequence[str] = (), source: Path = SOURCE) -> Optional[ctypes.CDLL]:
+def load_library(extra_flags: Sequence[str] = ()) -> Optional[ctypes.CDLL]:
     """The compiled draft forward, built if needed; None (warned once per build setup) if it cannot be built.
 
     ``extra_flags`` are appended to the compiler flags (tests build the portable AVX2 path with
-    ``-mno-avx512f`` on an AVX-512 machine). ``source``: another version of ``csrc/draft_forward.cpp`` with
-    the same interface (`bench.cpu_draft --native-baseline` times one side by side with this one).
+    ``-mno-avx512f`` on an AVX-512 machine).
     """
     compiler, flags, directory = COMPILER, (*FLAGS, *extra_flags), cache_dir()
-    key = (compiler, flags, str(directory), str(source))
+    key = (compiler, flags, str(directory))
     with _lock:
         if key not in _libraries:
-            _libraries[key] = _build_and_load(compiler, flags, directory, Path(source))
+            _libraries[key] = _build_and_load(compiler, flags, directory)
         return _libraries[key]
 
 
@@ -89,7 +88,7 @@ def read_profile(library: ctypes.CDLL) -> dict:
     ``threads``, and per phase (``embed``, ``qkv`` with rotary and the K/V store, ``attention``, ``o``,
     ``gate_up`` with silu, ``down``, ``lm_head``) a dict of ``compute_s`` (mean over threads),
     ``compute_max_s`` (the busiest thread) and ``wait_s`` (mean time at the barrier that ends the phase:
-    load imbalance plus the barrier itself; none after ``qkv``, whose waits attention's time includes)."""
+    load imbalance plus the barrier itself)."""
     names = library.draft_profile_names().decode().split(",")
     values = (ctypes.c_double * (3 + 3 * len(names)))()
     library.draft_profile(values, len(values))
@@ -112,8 +111,8 @@ def profile_table(profile: dict) -> dict[str, float]:
     return table
 
 
-def _build_and_load(compiler: str, flags: tuple[str, ...], directory: Path, source_path: Path) -> Optional[ctypes.CDLL]:
-    source = source_path.read_bytes()
+def _build_and_load(compiler: str, flags: tuple[str, ...], directory: Path) -> Optional[ctypes.CDLL]:
+    source = SOURCE.read_bytes()
     digest = hashlib.sha256()
     for part in (source, compiler.encode(), " ".join(flags).encode(), platform.machine().encode(), _cpu_flags().encode()):
         digest.update(part)
@@ -121,7 +120,7 @@ def _build_and_load(compiler: str, flags: tuple[str, ...], directory: Path, sour
     path = directory / f"draft_forward-{digest.hexdigest()[:16]}.so"
     try:
         if not path.exists():
-            _compile(compiler, flags, source_path, path)
+            _compile(compiler, flags, path)
         library = ctypes.CDLL(str(path))
         library.draft_vector_width.restype = ctypes.c_int64
         library.draft_bf16_pairs.restype = ctypes.c_int64
@@ -146,14 +145,14 @@ def _build_and_load(compiler: str, flags: tuple[str, ...], directory: Path, sour
         return None
 
 
-def _compile(compiler: str, flags: tuple[str, ...], source: Path, path: Path) -> None:
+def _compile(compiler: str, flags: tuple[str, ...], path: Path) -> None:
     if shutil.which(compiler) is None:
         raise FileNotFoundError(f"C++ compiler {compiler!r} not found")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
     os.close(fd)
     try:
-        command = [compiler, *flags, str(source), "-o", temporary]
+        command = [compiler, *flags, str(SOURCE), "-o", temporary]
         result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if result.returncode != 0:
             raise subprocess.SubprocessError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")

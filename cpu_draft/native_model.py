@@ -4,7 +4,7 @@ Each small torch op costs microseconds of OpenMP fork/join and dispatch, and
 `LeanDraftModel` runs ~28 of them per layer, so a small draft's forward is mostly op
 overhead (bench/results/cpu_draft-*). `csrc/draft_forward.cpp` (built by `cpu_draft.native`) runs
 the whole forward (embedding, every layer, the logits head) in one OpenMP parallel region
-with four barriers per layer, streaming each weight once per forward.
+with five barriers per layer, streaming each weight once per forward.
 
 The weights are `LeanDraftModel`'s, built in float32 (norms folded, Q scaled, rotary pairs
 adjacent: one implementation of the folding), then converted once to the kernel's format:

@@ -6,19 +6,15 @@
 // `cpu_draft/slot_kv.py`. The maths is `cpu_draft/lean_model.py`'s (norm weights folded
 // into the projections, Q pre-scaled, rotary pairs adjacent); the reason for this file is
 // cost: torch runs ~28 ops per layer, each paying fork/join and dispatch, while here one
-// OpenMP parallel region covers the whole forward, with four barriers per layer (our own spinning
-// dissemination barrier, `SpinBarrier`, not OpenMP's; `|` below):
+// OpenMP parallel region covers the whole forward, with five barriers per layer (our own spinning
+// ones, `SpinBarrier`, not OpenMP's):
 //
-//   QKV matmul (rms scale, bias, rotary, K/V store fused in its epilogue) -> attention |
+//   QKV matmul (rms scale, bias, rotary, K/V store fused in its epilogue) | attention |
 //   O matmul (+= residual, partial sums of squares for the next rms) | gate_up matmul
-//   (silu(gate) * up in its epilogue) | down matmul (+= residual, sums of squares) |
+//   (silu(gate) * up in its epilogue) | down matmul (+= residual, sums of squares)
 //
-// then the final rms of the requested rows and the logits head. Between QKV and attention (`->`) no
-// barrier: an attention item of a KV head starts once every QKV panel with columns of that head (its
-// query heads' Q, its K and V) has all its rows done, each panel counting itself in per KV head as its
-// epilogue finishes, so threads done with their panels attend while others finish theirs.
-//
-// Activations, the residual stream and attention are float32; K/V are stored in float32 or bfloat16 (the caller's cache:
+// then the final rms of the requested rows and the logits head. Activations, the residual
+// stream and attention are float32; K/V are stored in float32 or bfloat16 (the caller's cache:
 // rounded to nearest even by the QKV epilogue, as torch's `.to(torch.bfloat16)` rounds, and widened
 // in registers as attention reads them: half the bytes a decode batch's attention streams); weights
 // are float32, bfloat16 (widened in registers: bits << 16; with AVX512_BF16, packed in k pairs
@@ -34,8 +30,7 @@
 // independent FMAs are in flight), from 2 rows up prefetching the panels it streams next as it streams
 // these. Threads own contiguous ranges of panels (static partition), so each output element is summed
 // in the same order whatever the batch: a token's result does not depend on the other tokens of its
-// forward. The partition being known ahead, a thread waiting at a phase's barrier prefetches (to L2)
-// its share of the next matmul's weights.
+// forward.
 //
 // Built for AMX (-march=native on a Xeon with it) and allowed at run time (the CPU has it, Linux
 // granted the process its tile data; HETERO_NATIVE_AMX=0 or draft_set_amx(0) turn it off), int8 and
@@ -47,18 +42,14 @@
 // pairs for many threads (24 at batch 8 for 14), so each chunk of a pair is an item handed out
 // dynamically (with the same chunk of the pairs of the slot's next tokens in the batch, which read the
 // same K/V); it leaves a partial (its maximum score, sum of exponentials and exp-weighted values)
-// and the pair's last chunk to finish merges the partials in chunk order. Within a chunk the query heads
-// of the KV head go together (up to four at once), so each key and value vector is loaded, and bf16
-// ones widened, once for them all; every sum still runs in the order one head alone would take. A
-// thread claims its next item before attending the current one and prefetches that chunk's K/V
-// meanwhile. Past a memory budget (long
+// and the pair's last chunk to finish merges the partials in chunk order. A thread claims its next item
+// before attending the current one and prefetches that chunk's K/V meanwhile. Past a memory budget (long
 // prefills) a pair's chunks run in turn on one thread, merged the same way. Chunk bounds are fixed
 // positions, and the rms sums of squares are summed per panel in panel order, so a token's results
 // depend neither on its batch nor on the thread count.
 //
 // HETERO_NATIVE_PROFILE=1 (read once at load; draft_profile_enable switches it) sums each thread's time
-// per phase, computing and waiting at the closing barrier (QKV has none: attention's time includes
-// waiting for its KV heads' panels): draft_profile / draft_profile_reset,
+// per phase, computing and waiting at the closing barrier: draft_profile / draft_profile_reset,
 // read by `cpu_draft.native.read_profile` and `python -m bench.cpu_draft --profile-native`.
 //
 // Only GOMP_parallel / omp_get_* are used (no worksharing constructs, no OpenMP barriers), so
@@ -85,7 +76,6 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
-#include <utility>
 
 namespace {
 
@@ -277,19 +267,12 @@ struct PhaseClock {
     }
 };
 
-// The forward's threads meet here between phases: a spinning dissemination barrier (Hensgen, Finkel and
-// Manber 1988; Mellor-Crummey and Scott 1991, "Algorithms for scalable synchronization on shared-memory
-// multiprocessors", section 3.3). In round r of ceil(log2 nt), thread i tells thread (i + 2^r) mod nt
-// that it arrived, by storing its barrier count into a flag on a cache line of that thread's, then
-// spins (with `pause`) on its own round-r flag until thread (i - 2^r) mod nt has told it the same;
-// after the last round every thread has heard, through a chain of release/acquire pairs, from every
-// other. Each round costs one cache-line transfer per thread, all rounds' transfers in parallel across
-// threads: ~log2(nt) line latencies, where a counter every thread increments costs nt of them one
-// after another (its line goes from core to core) and libgomp's barrier ~12 µs at 14 threads (it may
-// sleep on a futex). Counts only grow, so flags are never reset: a flag showing a later barrier's
-// count (its writer can be at most one barrier ahead) also shows this one's. After `spin` pauses a
-// waiter yields its core each round, and with more threads than usable cores (CI, tests) it yields at
-// once: the thread it waits for may be waiting for that core.
+// The forward's threads meet here between phases: a spinning sense-reversing barrier. Each thread
+// counts itself in; the last one resets the count and bumps the generation the others spin on
+// (with `pause`). libgomp's barrier costs ~12 µs at 14 threads (it may sleep on a futex); this one
+// is a few cache-line transfers. After `spin` pauses a waiter yields its core each round, and with
+// more threads than usable cores (CI, tests) it yields at once: the thread it waits for may be
+// waiting for that core.
 constexpr int SPIN_PAUSES = 4096;
 
 inline void cpu_relax() {
@@ -304,53 +287,29 @@ int usable_cpus() {
     return int(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-// Spins (with `pause`, running idle() between) until done(); after `spin` pauses yields the core each round.
-template <typename Done, typename Idle>
-inline void spin_until(Done&& done, int spin, Idle&& idle) {
-    for (int spins = 0; !done();) {
-        if (spins < spin) {
-            idle();
-            cpu_relax();
-            ++spins;
-        } else {
-            std::this_thread::yield();
-        }
-    }
-}
-
 class SpinBarrier {
-    struct alignas(64) Flag {
-        std::atomic<int64_t> count{0};
-    };
-    struct alignas(64) Passed {
-        int64_t count = 0;
-    };
-    static int rounds_for(int n) {
-        int rounds = 0;
-        while ((1 << rounds) < n) ++rounds;
-        return rounds;
-    }
-    const int rounds_, spin_;
-    std::unique_ptr<Flag[]> flags_;     // [thread][round]: written by that round's one partner, read by the thread
-    std::unique_ptr<Passed[]> passed_;  // [thread]: barriers the thread has entered
+    alignas(64) std::atomic<int> arrived_{0};
+    alignas(64) std::atomic<int> generation_{0};  // a line of its own: arrivals do not disturb the spinners
+    const int spin_;
 
   public:
-    // max_threads: the most threads that wait (a team may have fewer).
-    SpinBarrier(int max_threads, int spin)
-        : rounds_(rounds_for(max_threads)),
-          spin_(spin),
-          flags_(new Flag[std::max(1, max_threads * rounds_)]),
-          passed_(new Passed[std::max(1, max_threads)]) {}
+    explicit SpinBarrier(int spin) : spin_(spin) {}
 
-    // nt: the team's size, the same in every thread; idle() runs between spins (it must return quickly).
-    template <typename Idle>
-    void wait(int tid, int nt, Idle&& idle) {
+    void wait(int nt) {  // nt: the team's size, the same in every thread
         if (nt == 1) return;
-        const int64_t count = ++passed_[tid].count;
-        for (int r = 0, step = 1; step < nt; ++r, step <<= 1) {
-            flags_[(tid + step) % nt * rounds_ + r].count.store(count, std::memory_order_release);
-            const std::atomic<int64_t>& mine = flags_[tid * rounds_ + r].count;
-            spin_until([&] { return mine.load(std::memory_order_acquire) >= count; }, spin_, idle);
+        const int generation = generation_.load(std::memory_order_relaxed);
+        if (arrived_.fetch_add(1, std::memory_order_acq_rel) == nt - 1) {
+            arrived_.store(0, std::memory_order_relaxed);
+            generation_.store(generation + 1, std::memory_order_release);
+            return;
+        }
+        for (int spins = 0; generation_.load(std::memory_order_acquire) == generation;) {
+            if (spins < spin_) {
+                cpu_relax();
+                ++spins;
+            } else {
+                std::this_thread::yield();
+            }
         }
     }
 };
@@ -808,19 +767,6 @@ inline void amx_load_a(const void* rows, int64_t row_bytes, bool tail) {
 // thread has just quantised or rounded visible to them.
 inline void amx_rows_written() { asm volatile("" ::: "memory"); }
 
-// Tile loads wait for the lines they read and leave the hardware prefetchers few streams to follow, so
-// the tile kernels prefetch (to L2) the panels the thread multiplies next, `next` (null where none
-// follow), block by block as they multiply the same block of their own: the next group's B tiles are
-// on their way a whole group of panels before their use, as in the vector kernels' `prefetch_next`.
-template <typename WT>
-inline void amx_prefetch_block(const WT* next, int np, int64_t stride, int64_t b) {
-    if (!next) return;
-    for (int i = 0; i < np; ++i) {
-        const char* line = reinterpret_cast<const char*>(next + i * stride + b * AMX_DEPTH * VW);
-        for (int l = 0; l < AMX_DEPTH * VW * 4; l += 64) __builtin_prefetch(line + l, 0, 2);
-    }
-}
-
 #if DRAFT_AMX_INT8
 // C tile i = the A tile's rows . panel weights w (B tile 5, or 7 for K's partial block), int32.
 inline void amx_dot_int8(int i, const u8x4* w, bool tail) {
@@ -843,7 +789,7 @@ inline void amx_dot_int8(int i, const u8x4* w, bool tail) {
 // stored to `dots`, then the VNNI kernel's epilogue on the stored sums (start + sum, converted, times
 // the block's scale, added into out). A block's epilogue runs after the next block's multiplies are
 // issued, so the vector units work while the tile unit does; `dots` alternates between two buffers.
-inline void amx_tile_int8(int np, int mt, const u8x4* const* wp, const u8x4* next, const void* const* xr, int64_t K, float* out) {
+inline void amx_tile_int8(int np, int mt, const u8x4* const* wp, const void* const* xr, int64_t K, float* out) {
     const int64_t blocks = (K + QB4 - 1) / QB4, full = K / QB4, row_bytes = quantized_row_bytes(K * 4);
     const float* xs[AMX_ROWS];
     const int32_t* xc[AMX_ROWS];
@@ -870,7 +816,6 @@ inline void amx_tile_int8(int np, int mt, const u8x4* const* wp, const u8x4* nex
         const bool tail = b == full;
         amx_load_a(a + b * QB, row_bytes, tail);
         for (int i = 0; i < np; ++i) amx_dot_int8(i, wp[i] + b * QB4 * VW, tail);
-        amx_prefetch_block(next, np, K * VW, b);
         if (b > 0) epilogue(b - 1);
         for (int i = 0; i < np; ++i) amx_store(i, dots[b & 1][i]);
     }
@@ -895,7 +840,7 @@ inline void amx_dot_bf16(int i, const bf16x2* w, bool tail) {
 
 // The bf16x2 `tile` of np panels and mt rows (rows rounded by `round_rows_bf16`, K pairs) with tile
 // multiplies (tdpbf16ps) accumulating in the C tiles over all of K, stored to out at the end.
-inline void amx_tile_bf16(int np, int mt, const bf16x2* const* wp, const bf16x2* next, const void* const* xr, int64_t K, float* out) {
+inline void amx_tile_bf16(int np, int mt, const bf16x2* const* wp, const void* const* xr, int64_t K, float* out) {
     const int64_t blocks = (K + AMX_DEPTH - 1) / AMX_DEPTH, full = K / AMX_DEPTH, row_bytes = K * 4;
     const uint32_t* a = static_cast<const uint32_t*>(xr[0]);
     amx_rows_written();
@@ -904,7 +849,6 @@ inline void amx_tile_bf16(int np, int mt, const bf16x2* const* wp, const bf16x2*
         const bool tail = b == full;
         amx_load_a(a + b * AMX_DEPTH, row_bytes, tail);
         for (int i = 0; i < np; ++i) amx_dot_bf16(i, wp[i] + b * AMX_DEPTH * VW, tail);
-        amx_prefetch_block(next, np, K * VW, b);
     }
     for (int i = 0; i < np; ++i) amx_store(i, out + i * mt * VW);
 }
@@ -915,60 +859,16 @@ inline void amx_tile_bf16(int np, int mt, const bf16x2* const* wp, const bf16x2*
 // `tile` by tile multiplies for mt <= AMX_ROWS rows, consecutive in one buffer (as quantize_rows and
 // round_rows_bf16 lay them out), and np <= AMX_PANELS panels.
 template <typename WT>
-inline void amx_tile(AmxTiles& tiles, int np, int mt, const WT* const* wp, const WT* next, const void* const* xr, int64_t K,
-                     float* out) {
+inline void amx_tile(AmxTiles& tiles, int np, int mt, const WT* const* wp, const void* const* xr, int64_t K, float* out) {
     tiles.configure(mt, int(K % AMX_DEPTH));
 #if DRAFT_AMX_INT8
-    if constexpr (std::is_same_v<WT, u8x4>) amx_tile_int8(np, mt, wp, next, xr, K, out);
+    if constexpr (std::is_same_v<WT, u8x4>) amx_tile_int8(np, mt, wp, xr, K, out);
 #endif
 #if DRAFT_AMX_BF16
-    if constexpr (std::is_same_v<WT, bf16x2>) amx_tile_bf16(np, mt, wp, next, xr, K, out);
+    if constexpr (std::is_same_v<WT, bf16x2>) amx_tile_bf16(np, mt, wp, xr, K, out);
 #endif
 }
 #endif
-
-// The panels [first, second) of W a thread computes: contiguous, in units of `group` panels.
-inline std::pair<int64_t, int64_t> panel_share(const Matrix& W, int tid, int nt, int group) {
-    const int64_t units = W.panels / group;
-    return {units * tid / nt * group, units * (tid + 1) / nt * group};
-}
-
-// Bytes of one packed panel of W, as `matmul` reads it for the format and this build's kernels.
-inline int64_t panel_bytes(const Matrix& W) {
-    switch (W.format) {
-        case BF16: return DRAFT_BF16_PAIRS ? (W.k + 1) / 2 * VW * 4 : W.k * VW * 2;
-        case I8: return DRAFT_INT8_QUADS ? (W.k + 3) / 4 * VW * 4 : W.k * VW;
-        default: return W.k * VW * 4;
-    }
-}
-
-// A thread's share of the next matmul's weights, prefetched to L2 a line at a time while the thread waits
-// at a barrier (`SpinBarrier::wait`'s idle) or for a KV head's QKV panels: the weights live in the
-// last-level cache, and a matmul whose share is a group of panels or two (o and down: 2-3 panels a
-// thread at 14 threads) otherwise meets all of it cold, its kernels' `prefetch_next` having no group
-// before it. Waiting, a thread has nothing else to do; arriving last, it prefetches nothing and the
-// matmul runs as before.
-class SharePrefetch {
-    const Matrix* of_ = nullptr;
-    const char* at_ = nullptr;
-    const char* end_ = nullptr;
-
-  public:
-    void set(const Matrix& W, int tid, int nt, int group) {  // where it is already W, it goes on
-        if (&W == of_) return;
-        of_ = &W;
-        const auto [p0, p1] = panel_share(W, tid, nt, group);
-        const int64_t bytes = panel_bytes(W);
-        at_ = static_cast<const char*>(W.weight) + p0 * bytes;
-        end_ = static_cast<const char*>(W.weight) + p1 * bytes;
-    }
-    void line() {
-        if (at_ < end_) {
-            __builtin_prefetch(at_, 0, 2);
-            at_ += 64;
-        }
-    }
-};
 
 // This thread's share of y = x @ W^T, each row m scaled by row_scale[m] (if given: the rms of a norm
 // folded into W): panels in units of `group` (2 keeps gate_up's gate and up panels together);
@@ -980,7 +880,8 @@ template <typename WT, typename Epi>
 void matmul_t(const Matrix& W, const float* const* xr, const float* row_scale, int64_t M, int tid, int nt, int group,
               float* out, Epi& epi) {
     constexpr bool pairs = std::is_same_v<WT, bf16x2>, quads = std::is_same_v<WT, u8x4>, converted = pairs || quads;
-    const auto [p0, p1] = panel_share(W, tid, nt, group);
+    const int64_t units = W.panels / group;
+    const int64_t p0 = units * tid / nt * group, p1 = units * (tid + 1) / nt * group;
     if (p0 == p1) return;
     const WT* base = static_cast<const WT*>(W.weight);
     const int64_t K = pairs ? (W.k + 1) / 2 : quads ? (W.k + 3) / 4 : W.k, stride = K * VW;
@@ -1017,7 +918,7 @@ void matmul_t(const Matrix& W, const float* const* xr, const float* row_scale, i
                 const int mt = int(std::min<int64_t>(rows_at_once, R - m0));
 #if DRAFT_AMX
                 if (amx)
-                    amx_tile<WT>(tiles, np, mt, wp, m0 + mt == R && p + np < p1 ? wp[np - 1] + stride : nullptr, rows + m0, K, out);
+                    amx_tile<WT>(tiles, np, mt, wp, rows + m0, K, out);
                 else
 #endif
                     tile_any<WT>(np, mt, wp, m0 + mt == R && p + np < p1 ? wp[np - 1] + stride : wp[0], rows + m0, K, out);
@@ -1146,88 +1047,6 @@ class ChunkPrefetch {
     }
 };
 
-// f(std::integral_constant<int, hb>, h) for the group's heads h .. h + hb - 1, in blocks of at most MOST
-// heads (hb a compile-time constant: the kernels keep a block's sums in registers).
-template <int MOST, typename F>
-inline void for_head_blocks(int group, F&& f) {
-    for (int h = 0; h < group;) {
-        const int hb = std::min(MOST, group - h);
-        if (MOST >= 4 && hb == 4)
-            f(std::integral_constant<int, std::min(MOST, 4)>{}, h);
-        else if (MOST >= 3 && hb == 3)
-            f(std::integral_constant<int, std::min(MOST, 3)>{}, h);
-        else if (MOST >= 2 && hb == 2)
-            f(std::integral_constant<int, std::min(MOST, 2)>{}, h);
-        else
-            f(std::integral_constant<int, 1>{}, h);
-        h += hb;
-    }
-}
-
-// Heads whose queries `score_keys` keeps in registers at once: HB x DC / VW query vectors and a key's
-// DC / VW vectors within the register file, with room for the dot products in flight.
-template <int DC>
-constexpr int keys_heads_at_once() {
-    constexpr int C = DC / VW, budget = VW == 16 ? 24 : 12;
-    return std::max(1, std::min(4, budget / C - 2));
-}
-
-// scores [HB][ATTN_CHUNK] = q[h] . keys[j] for HB heads (q [HB][DC]) and the chunk's whole blocks of VW keys:
-// each key loaded (and widened) once for the HB heads; per head and block, VW dot products (each over
-// its DC / VW vectors in order) summed by one tree (`reduce_step`), as one head at a time would: the
-// grouping changes no bit. Prefetches `ahead` 8 lines a block and head, as the per-head loop did.
-template <int DC, int HB, typename KT>
-inline void score_keys(const float* q, const KT* keys, int64_t n, float* scores, ChunkPrefetch<KT>& ahead) {
-    constexpr int C = DC / VW;
-    vf qv[HB][C];
-    std::memcpy(qv, q, sizeof qv);
-    for (int64_t j0 = 0; j0 + VW <= n; j0 += VW) {
-        vf parts[HB][VW];
-        for (int i = 0; i < VW; ++i) {
-            const KT* k = keys + (j0 + BITREV[i]) * DC;
-            vf kv[C];
-            for (int c = 0; c < C; ++c) kv[c] = load_w(k + c * VW);
-            for (int h = 0; h < HB; ++h) {
-                vf a = qv[h][0] * kv[0];
-                for (int c = 1; c < C; ++c) a += qv[h][c] * kv[c];
-                parts[h][i] = a;
-            }
-        }
-        ahead.lines(8 * HB);
-        for (int h = 0; h < HB; ++h) {
-            reduce_step(parts[h]);
-            std::memcpy(scores + h * ATTN_CHUNK + j0, &parts[h][0], sizeof(vf));
-        }
-    }
-}
-
-// Heads whose value sums `weigh_values` keeps in registers at once: HB x DC / VW accumulators, the DC / VW
-// value vectors of a position and a broadcast within the register file (32 vectors with AVX-512, 16 without).
-template <int DC>
-constexpr int values_heads_at_once() {
-    constexpr int C = DC / VW, budget = VW == 16 ? 24 : 12;
-    return std::max(1, std::min(4, budget / C - 1));
-}
-
-// acc [HB][DC] = sum_j sc[h][j] * values[j] for HB heads (scores [HB][ATTN_CHUNK]): each position's values
-// loaded (and widened) once for the HB heads, HB x DC / VW independent sums in flight. Each sum runs over j
-// in order, as one head at a time would: the grouping changes no bit.
-template <int DC, int HB, typename KT>
-inline void weigh_values(const float* sc, const KT* values, int64_t n, float* acc, ChunkPrefetch<KT>& ahead) {
-    constexpr int C = DC / VW;
-    vf a[HB][C] = {};
-    for (int64_t j = 0; j < n; ++j) {
-        vf v[C];
-        for (int c = 0; c < C; ++c) v[c] = load_w(values + j * DC + c * VW);
-        for (int h = 0; h < HB; ++h) {
-            const float s = sc[h * ATTN_CHUNK + j];
-            for (int c = 0; c < C; ++c) a[h][c] += s * v[c];
-        }
-        ahead.lines(HB);  // as many as HB heads one at a time would have spread
-    }
-    std::memcpy(acc, a, sizeof a);
-}
-
 // The partial of `group` query heads q (sharing one KV head) over n <= ATTN_CHUNK keys and values
 // (KT: float32, or bf16 widened in registers), prefetching `ahead` as it goes. scores: [group][ATTN_CHUNK] scratch.
 template <int DC, typename KT>
@@ -1239,9 +1058,23 @@ void attend_chunk(const float* q, const KT* keys, const KT* values, int64_t n, i
     float* sums = maxima + group;
     int64_t start = 0;
     if constexpr (DC > 0 && DC % VW == 0) {  // blocks of VW keys: VW dot products summed by one tree
-        for_head_blocks<keys_heads_at_once<DC>()>(group, [&](auto hb, int h) {
-            score_keys<DC, decltype(hb)::value>(q + h * DC, keys, n, scores + h * ATTN_CHUNK, ahead);
-        });
+        constexpr int C = DC / VW;
+        for (int h = 0; h < group; ++h) {
+            vf qv[C];
+            std::memcpy(qv, q + h * DC, sizeof qv);
+            for (int64_t j0 = 0; j0 + VW <= n; j0 += VW) {
+                vf parts[VW];
+                for (int i = 0; i < VW; ++i) {
+                    const KT* k = keys + (j0 + BITREV[i]) * DC;
+                    vf a = qv[0] * load_w(k);
+                    for (int c = 1; c < C; ++c) a += qv[c] * load_w(k + c * VW);
+                    parts[i] = a;
+                }
+                ahead.lines(8);
+                reduce_step(parts);
+                std::memcpy(scores + h * ATTN_CHUNK + j0, &parts[0], sizeof(vf));
+            }
+        }
         start = n / VW * VW;
     }
     for (int64_t j = start; j < n; ++j) {
@@ -1260,10 +1093,17 @@ void attend_chunk(const float* q, const KT* keys, const KT* values, int64_t n, i
         maxima[h] = mx;
         sums[h] = sum(sc, n);
     }
-    if constexpr (DC > 0 && DC % VW == 0) {  // the heads' sums in registers, HB heads per pass over the chunk's values
-        for_head_blocks<values_heads_at_once<DC>()>(group, [&](auto hb, int h) {
-            weigh_values<DC, decltype(hb)::value>(scores + h * ATTN_CHUNK, values, n, acc + h * DC, ahead);
-        });
+    if constexpr (DC > 0 && DC % VW == 0) {  // each head's sums in registers over the chunk's values
+        constexpr int C = DC / VW;
+        for (int h = 0; h < group; ++h) {
+            const float* sc = scores + h * ATTN_CHUNK;
+            vf a[C] = {};
+            for (int64_t j = 0; j < n; ++j) {
+                for (int c = 0; c < C; ++c) a[c] += sc[j] * load_w(values + j * DC + c * VW);
+                ahead.lines(1);
+            }
+            std::memcpy(acc + h * DC, a, sizeof a);
+        }
     } else {
         std::memset(acc, 0, sizeof(float) * group * D);
         for (int64_t j = 0; j < n; ++j) {
@@ -1416,36 +1256,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
     auto chunk_partials = buffer<float>(split ? total_chunks * partial_size : 0);
     auto chunks_done = std::unique_ptr<std::atomic<int32_t>[]>(new std::atomic<int32_t>[pairs]);
     for (int64_t tg = 0; tg < pairs; ++tg) chunks_done[tg].store(0, std::memory_order_relaxed);
-    const int spin = max_threads <= usable_cpus() ? SPIN_PAUSES : 0;
-    SpinBarrier barrier(max_threads, spin);
-    // Attention follows QKV without a barrier: an item of KV head g waits until every QKV panel with
-    // columns of g (its query heads' Q, its K and V) has all its rows done, counted in heads_ready[g]
-    // (over the layers: heads_needed[g] a layer). QKV panel p counts itself in for the KV heads
-    // panel_heads[panel_first[p] .. panel_first[p + 1] - 1]: one entry per run of its columns in one
-    // KV head (stepped head by head: Q heads of a KV head are adjacent, then K's heads, then V's).
-    const int64_t qkv_n = q_size + 2 * kv_size, qkv_panels = (qkv_n + VW - 1) / VW;
-    auto panel_first = buffer<int64_t>(qkv_panels + 1);
-    auto panel_heads = buffer<int64_t>(qkv_panels * 3 + qkv_n / D + 1);  // a panel's runs: <= 3 parts + heads it crosses
-    auto heads_needed = buffer<int64_t>(KVH);
-    auto heads_ready = std::unique_ptr<std::atomic<int64_t>[]>(new std::atomic<int64_t>[KVH]);
-    for (int64_t g = 0; g < KVH; ++g) {
-        heads_needed[g] = 0;
-        heads_ready[g].store(0, std::memory_order_relaxed);
-    }
-    panel_first[0] = 0;
-    for (int64_t p = 0, runs = 0; p < qkv_panels; ++p) {
-        for (int64_t c = p * VW, end = std::min(c + VW, qkv_n), last = -1; c < end;) {
-            const int64_t span = c < q_size ? group * D : D, base = c < q_size ? 0 : q_size + (c - q_size) / kv_size * kv_size;
-            const int64_t g = (c - base) / span;
-            if (g != last) {
-                panel_heads[runs++] = g;
-                ++heads_needed[g];
-            }
-            last = g;
-            c = std::min(end, base + (g + 1) * span);
-        }
-        panel_first[p + 1] = runs;
-    }
+    SpinBarrier barrier(max_threads <= usable_cpus() ? SPIN_PAUSES : 0);
 
 #pragma omp parallel num_threads(max_threads)
     {
@@ -1456,13 +1267,9 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
         auto out = buffer<float>(NP_MAX * MT_MAX * VW);
         auto scores = buffer<float>(group * ATTN_CHUNK);
         auto own_partials = buffer<float>(split ? 0 : (max_len + ATTN_CHUNK - 1) / ATTN_CHUNK * partial_size);
-        SharePrefetch upcoming;
-        // This thread's work of `phase` is done: wait for the others', prefetching its share of the next
-        // matmul's weights (`next`, split in units of `group` panels).
-        auto end_phase = [&](int phase, const Matrix& next, int group) {
+        auto end_phase = [&](int phase) {  // this thread's work of `phase` is done: wait for the others'
             clock.computed(phase);
-            upcoming.set(next, tid, nt, group);
-            barrier.wait(tid, nt, [&] { upcoming.line(); });
+            barrier.wait(nt);
             clock.waited(phase);
         };
 
@@ -1477,7 +1284,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
             }
             for (int64_t c0 = 0; c0 < H; c0 += VW) partial[t * HP + c0 / VW] = panel_ssq(r + c0, std::min<int64_t>(VW, H - c0));
         }
-        end_phase(P_EMBED, md.num_layers ? md.layers[0].qkv : md.head, 1);
+        end_phase(P_EMBED);
 
         auto add_to_residual = [&](const Matrix& W) {
             return [&, n = W.n](int64_t m0, int mt, int64_t p, int np, const float* o) {
@@ -1494,9 +1301,9 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
             };
         };
         // A projection added into the residual stream (with the next norm's sums of squares), then the phase's barrier.
-        auto project_into_residual = [&](const Matrix& W, const float* const* rows, int phase, const Matrix& next, int next_group) {
+        auto project_into_residual = [&](const Matrix& W, const float* const* rows, int phase) {
             matmul(W, rows, nullptr, T, tid, nt, 1, out.get(), add_to_residual(W));
-            end_phase(phase, next, next_group);
+            end_phase(phase);
         };
 
         for (int64_t l = 0; l < md.num_layers; ++l) {
@@ -1562,13 +1369,9 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                             }
                         }
                     }
-                    if (m0 + mt == T)  // the panel's last rows: its KV heads' attention may read it
-                        for (int64_t r = panel_first[p + pi]; r < panel_first[p + pi + 1]; ++r)
-                            heads_ready[panel_heads[r]].fetch_add(1, std::memory_order_release);
                 }
             });
-            clock.computed(P_QKV);
-            upcoming.set(L.o, tid, nt, 1);  // prefetched while attention waits for a KV head's panels
+            end_phase(P_QKV);
 
             // Attention: items (`work`) handed out dynamically; the last chunk of a (token, KV head) to
             // finish merges them. A thread claims its next item before attending the current one, so it
@@ -1586,8 +1389,6 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                     const int64_t next = counters[l].fetch_add(1, std::memory_order_relaxed);
                     const AttnItem& it = work[item];
                     const int64_t g = it.g;
-                    spin_until([&] { return heads_ready[g].load(std::memory_order_acquire) >= heads_needed[g] * (l + 1); }, spin,
-                               [&] { upcoming.line(); });
                     ChunkPrefetch<KT> following = next < items ? first_unit(next) : ChunkPrefetch<KT>(), within;
                     for (int64_t t = it.t0; t < it.t1; ++t) {
                         const int64_t tg = t * KVH + g, chunks = first_chunk[tg + 1] - first_chunk[tg];
@@ -1614,9 +1415,9 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                 attend(static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc));
             else
                 attend(static_cast<const float*>(kc), static_cast<const float*>(vc));
-            end_phase(P_ATTN, L.o, 1);
+            end_phase(P_ATTN);
 
-            project_into_residual(L.o, attn_rows.get(), P_O, L.gate_up, 2);
+            project_into_residual(L.o, attn_rows.get(), P_O);
 
             // gate_up with silu(gate) * up: each unit is a (gate, up) pair of panels over the same channels.
             inverse_rms(partial.get(), HP, H, md.eps[2 * l + 1], nullptr, T, inv.get());
@@ -1632,9 +1433,9 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                     }
                 }
             });
-            end_phase(P_GATE_UP, L.down, 1);
+            end_phase(P_GATE_UP);
 
-            project_into_residual(L.down, act_rows.get(), P_DOWN, l + 1 < md.num_layers ? md.layers[l + 1].qkv : md.head, 1);
+            project_into_residual(L.down, act_rows.get(), P_DOWN);
         }
 
         // Final norm of the requested rows, then the logits head.

@@ -25,23 +25,3 @@ def test_head_coverage_counts_the_tokens_below_each_head_size():
     from bench.head_coverage import coverage
 
     assert coverage([0, 5, 9, 10, 20], [10, 21]) == {"head_10": 0.6, "head_21": 1.0}
-
-
-def test_a_native_baseline_library_replaces_the_models_only_where_it_packs_weights_alike():
-    from types import SimpleNamespace
-
-    import pytest
-
-    from bench.cpu_draft import use_library
-
-    def library(width, pairs, quads):
-        return SimpleNamespace(draft_vector_width=lambda: width, draft_bf16_pairs=lambda: pairs, draft_int8_quads=lambda: quads)
-
-    model = SimpleNamespace(library=library(16, 1, 1))
-    alike = library(16, 1, 1)
-    use_library(model, alike)
-    assert model.library is alike
-    for other in (library(8, 0, 0), library(16, 0, 1), library(16, 1, 0), None):
-        with pytest.raises(SystemExit):
-            use_library(model, other)
-        assert model.library is alike
