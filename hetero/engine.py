@@ -65,7 +65,6 @@ def _unreported(phase: str) -> None:
     """One GPU: no watchdog to tell of start-up phases."""
 
 
-
 @functools.lru_cache(maxsize=None)
 def _freeze_startup_heap() -> None:
     """Take the objects alive once the first engine is built (torch, transformers, the engine
