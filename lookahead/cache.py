@@ -223,8 +223,7 @@ class LookaheadCache(Proposer):
         skip_end = max(prompt_end, len(token_ids) - limit)
         if skip_end > prompt_end and not state.frozen:
             if not self._has_room((skip_end - prompt_end) * TOKEN_BYTES):
-                state.frozen = True
-                logger.warning("lookahead cache: memory budget reached, a request stops learning")
+                _stop_learning(state)
                 return
             state.gaps.append((prompt_end, skip_end))
             state.history.extend(int(t) for t in token_ids[prompt_end:skip_end])
@@ -239,8 +238,7 @@ class LookaheadCache(Proposer):
         room_per_token = trie.depth * NODE_BYTES + TOKEN_BYTES
         for token in tokens:
             if not self._has_room(room_per_token):
-                state.frozen = True
-                logger.warning("lookahead cache: memory budget reached, a request stops learning")
+                _stop_learning(state)
                 return
             before = trie.size
             state.appender.append(int(token), len(state.history))
@@ -306,6 +304,12 @@ def _read_warmup(path: str, voc_size: int) -> list[dict[str, list[int]]]:
             fields[key] = ids
         checked.append(fields)
     return checked
+
+
+def _stop_learning(state: _Request) -> None:
+    """The memory budget has no room left: the request learns nothing more, for good."""
+    state.frozen = True
+    logger.warning("lookahead cache: memory budget reached, a request stops learning")
 
 
 def _learned_spans(gaps: Sequence[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
