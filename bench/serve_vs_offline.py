@@ -29,21 +29,11 @@ from typing import Optional
 from bench import serve as bench_serve
 from bench._machine import describe_machine
 from bench.e2e_speculation import write_model_dir
+from bench.gpu_decode import LLAMA3_8B
+from bench.multi_turn_chat import SMALL_CPU_MODEL
 from bench.serve_load import free_port, wait_healthy
 
-SHAPES = {
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, rope_theta=10000.0),
-}
-
-
-def model_dir_for(shape: str) -> str:
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", max_position_embeddings=8192,
-                  rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16",
-                  tie_word_embeddings=False, **SHAPES[shape])
-    return write_model_dir(config)
+SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": SMALL_CPU_MODEL}
 
 
 ENGINE_SETTINGS = ("load_format", "max_num_seqs", "device", "kv_cache_space", "max_model_len")
@@ -114,7 +104,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--result-dir", default="bench/results")
     args = parser.parse_args(argv)
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
-    model = args.model or model_dir_for(args.shape)
+    model = args.model or write_model_dir(SHAPES[args.shape])
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     load_args = ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len), "--output-len",
                  str(args.output_len), "--vocab-size", str(vocab), "--warmup", str(args.warmup), "--ignore-eos",
