@@ -73,6 +73,13 @@ class OneShotAllReduce:
         staged.copy_(x)
         return torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, x)
 
+    def close(self) -> None:
+        """Drop the group registered for the kernel under `group_name` (it holds the rank's NCCL
+        backend); the engine's teardown then releases that backend."""
+        from torch._C._distributed_c10d import _unregister_process_group
+
+        _unregister_process_group(self.group_name)
+
 
 def set_up_one_shot(wanted: bool, backend, store, group_name: str, rank: int, world_size: int,
                     device: torch.device, dtype: torch.dtype,

@@ -26,6 +26,7 @@ segments of hetero's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import logging
@@ -43,7 +44,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from gpu_target.custom_all_reduce import set_up_one_shot
+from gpu_target.custom_all_reduce import OneShotAllReduce, set_up_one_shot
 from gpu_target.runner import ModelRunner, PickTokens, SequenceChunk
 from gpu_target.target import CacheShape, TargetSpec, build_runner, load_model, make_kv_pool, rank_device
 from gpu_target.tensor_parallel import TensorParallel, check_divisible
@@ -129,9 +130,11 @@ def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, group_nam
         while True:
             try:
                 call, args = conn.recv()
-            except EOFError:  # the coordinator is gone
+            except EOFError:  # the coordinator is gone: no peer will join a teardown
+                _abort(group)
                 return
             if call == "stop":
+                release(Links(group, one_shot))
                 return
             _replay(runner, tp, call, args)
     except Exception:
@@ -189,17 +192,18 @@ class RankGroup:
             theirs.close()
             self.conns.append(ours)
             self.processes.append(process)
-        self.watchdog = Watchdog(list(self.processes), port, world_size)
-        self._finalizer = weakref.finalize(self, _stop, list(self.processes), list(self.conns), self.watchdog)
+        self.links = Links()
+        self.watchdog = Watchdog(list(self.processes), port, world_size, self.links)
+        self._finalizer = weakref.finalize(self, _stop, list(self.processes), list(self.conns), self.watchdog,
+                                           self.links)
         try:
             with self.running("joining the process group"):
-                group = make_group(_backend(spec), self.store, 0, world_size)
-            self.watchdog.group = group
+                self.links.group = make_group(_backend(spec), self.store, 0, world_size)
             device = rank_device(spec, TensorParallel(0, world_size))
             with self.running("setting up the all-reduce"):
-                one_shot = set_up_one_shot(spec.custom_all_reduce, group, self.store, group_name, 0, world_size,
-                                           device, spec.dtype)
-            self.tp = TensorParallel(0, world_size, group, one_shot)
+                self.links.one_shot = set_up_one_shot(spec.custom_all_reduce, self.links.group, self.store,
+                                                      group_name, 0, world_size, device, spec.dtype)
+            self.tp = TensorParallel(0, world_size, self.links.group, self.links.one_shot)
         except BaseException:
             self.close()
             raise
@@ -311,14 +315,14 @@ class Watchdog:
     the workers are killed, since a live but stalled peer keeps gloo waiting despite the abort.
     Steps are not timed: a worker's death is what ends one (vLLM's rule too)."""
 
-    def __init__(self, processes: list, port: int, world_size: int):
+    def __init__(self, processes: list, port: int, world_size: int, links: "Links"):
         self.processes = processes
+        self.links = links  # its group, once made, is aborted on a death or a stall
         # A client of its own: a store client serves one request at a time, and rank 0's may be
         # blocked in a wait for a peer's key (NCCL's or symmetric memory's rendezvous).
         self.store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=60),
                                    wait_for_workers=False)
         self.world_size = world_size
-        self.group: Any = None  # set once made; aborted on a death or a stall
         self.stalled: Optional[str] = None
         self._busy: Optional[tuple[str, float]] = None  # (phase, since)
         self._closed = threading.Event()
@@ -370,22 +374,51 @@ class Watchdog:
                 return
 
     def _abort(self) -> None:
-        abort = getattr(self.group, "abort", None)
-        if abort is None:
-            return
-        try:
-            abort()
-        except Exception:  # the group may be gone already; rank 0 then sees the error itself
-            logger.debug("aborting the tensor-parallel group failed", exc_info=True)
+        _abort(self.links.group)
 
 
-def _stop(processes: list, conns: list, watchdog: Watchdog) -> None:
+@dataclasses.dataclass
+class Links:
+    """A rank's communicators: its process group and, when in use, the one-shot all-reduce."""
+    group: Any = None
+    one_shot: Optional[OneShotAllReduce] = None
+
+
+def release(links: Links) -> None:
+    """Tear a rank's communicators down when the engine stops. Every rank does it at the same
+    point, as torch.distributed.destroy_process_group has them do: NCCL's teardown may wait for
+    its peers, so a rank that leaves it to the destructor after its peers have exited waits forever."""
+    if links.one_shot is not None:
+        links.one_shot.close()
+    if links.group is not None:
+        links.group.shutdown()
+
+
+def _abort(group) -> None:
+    """Abort `group`'s collectives, which needs no peer (a dead or stalled one)."""
+    abort = getattr(group, "abort", None)
+    if abort is None:
+        return
+    try:
+        abort()
+    except Exception:  # the group may be gone already; rank 0 then sees the error itself
+        logger.debug("aborting the tensor-parallel group failed", exc_info=True)
+
+
+def _stop(processes: list, conns: list, watchdog: Watchdog, links: Links) -> None:
     watchdog.close()
     for conn in conns:
         try:
             conn.send(("stop", ()))
         except OSError:
             pass
+    try:
+        if not all(process.is_alive() for process in processes):
+            raise RankDiedError("a tensor-parallel worker exited before the engine stopped")
+        release(links)  # the workers release theirs meanwhile
+    except Exception:  # a peer that is gone or failing cannot join the teardown
+        logger.debug("releasing the tensor-parallel group failed; aborting it", exc_info=True)
+        _abort(links.group)
     for process in processes:
         process.join(_STOP_TIMEOUT_S)
         if process.is_alive():

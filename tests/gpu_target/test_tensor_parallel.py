@@ -265,14 +265,19 @@ def test_a_killed_rank_is_an_error_not_a_hang(tiny_llama_dir, when):
     assert not any(p.is_alive() for p in ranks.processes)
 
 
-def test_engine_release_stops_the_workers(tiny_llama_dir):
+def test_engine_release_stops_the_workers(tiny_llama_dir, monkeypatch):
+    """Every rank tears its group down at the same point (rank 0 here, the workers on "stop"),
+    as destroy_process_group does: rank 0 alone, after its peers exited, may wait forever in NCCL."""
+    released = []
+    monkeypatch.setattr(tp_worker, "release", lambda links: (released.append(links), links.group.shutdown()))
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", device="cpu", tensor_parallel_size=2)
     pids = [p.pid for p in llm.llm_engine._ranks.processes]
     processes = list(llm.llm_engine._ranks.processes)
     del llm  # no reference cycles: the finalizer runs now
     for process in processes:
         process.join(30)
-    assert not any(p.is_alive() for p in processes)
+    assert len(released) == 1 and released[0].group is not None
+    assert [p.exitcode for p in processes] == [0]  # released and returned, not killed after the stop timeout
     assert all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid in pids)
 
 
