@@ -130,9 +130,8 @@ def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, group_nam
         while True:
             try:
                 call, args = conn.recv()
-            except EOFError:  # the coordinator is gone: no peer will join a teardown
-                _abort(group)
-                return
+            except EOFError:  # the coordinator is gone
+                call = "stop"
             if call == "stop":
                 release(Links(group, one_shot))
                 return
@@ -385,13 +384,12 @@ class Links:
 
 
 def release(links: Links) -> None:
-    """Tear a rank's communicators down when the engine stops. Every rank does it at the same
-    point, as torch.distributed.destroy_process_group has them do: NCCL's teardown may wait for
-    its peers, so a rank that leaves it to the destructor after its peers have exited waits forever."""
+    """Tear a rank's communicators down when the engine stops, by aborting them: NCCL's graceful
+    teardown (ncclCommFinalize, what destroy_process_group's shutdown runs) waits on the peers, and
+    on the H100 pair it never returned on rank 0 once its worker had gone; an abort needs no peer."""
     if links.one_shot is not None:
         links.one_shot.close()
-    if links.group is not None:
-        links.group.shutdown()
+    _abort(links.group)
 
 
 def _abort(group) -> None:
@@ -412,13 +410,6 @@ def _stop(processes: list, conns: list, watchdog: Watchdog, links: Links) -> Non
             conn.send(("stop", ()))
         except OSError:
             pass
-    try:
-        if not all(process.is_alive() for process in processes):
-            raise RankDiedError("a tensor-parallel worker exited before the engine stopped")
-        release(links)  # the workers release theirs meanwhile
-    except Exception:  # a peer that is gone or failing cannot join the teardown
-        logger.debug("releasing the tensor-parallel group failed; aborting it", exc_info=True)
-        _abort(links.group)
     for process in processes:
         process.join(_STOP_TIMEOUT_S)
         if process.is_alive():
@@ -426,6 +417,7 @@ def _stop(processes: list, conns: list, watchdog: Watchdog, links: Links) -> Non
             process.join(_STOP_TIMEOUT_S)
     for conn in conns:
         conn.close()
+    release(links)
 
 
 class DrivingRunner:
