@@ -111,6 +111,14 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self.capture_seconds = 0.0
 
+    def release(self) -> None:
+        """Free the captured graphs; later steps run eagerly. A graph that captured NCCL
+        collectives holds its communicator's resources, so a process group torn down before its
+        graphs waits forever (pytorch/pytorch#115388): tensor parallelism calls this first."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def capture_all(self, report: Callable[[str], None] = lambda phase: None) -> float:
         """Capture every bucket, largest first so smaller graphs reuse its memory pool;
         `report` is told each bucket before its warm-up and capture."""

@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from gpu_target.cuda_graphs import CudaGraphRunner
 from gpu_target.custom_all_reduce import OneShotAllReduce, set_up_one_shot
 from gpu_target.runner import ModelRunner, PickTokens, SequenceChunk
 from gpu_target.target import CacheShape, TargetSpec, build_runner, load_model, make_kv_pool, rank_device
@@ -130,10 +131,11 @@ def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, group_nam
         while True:
             try:
                 call, args = conn.recv()
-            except EOFError:  # the coordinator is gone
-                call = "stop"
+            except EOFError:  # the coordinator is gone: no peer joins a graceful teardown
+                release(RankResources(group, one_shot, runner.graph_runner), graceful=False)
+                return
             if call == "stop":
-                release(Links(group, one_shot))
+                release(RankResources(group, one_shot, runner.graph_runner))
                 return
             _replay(runner, tp, call, args)
     except Exception:
@@ -191,18 +193,18 @@ class RankGroup:
             theirs.close()
             self.conns.append(ours)
             self.processes.append(process)
-        self.links = Links()
-        self.watchdog = Watchdog(list(self.processes), port, world_size, self.links)
+        self.resources = RankResources()
+        self.watchdog = Watchdog(list(self.processes), port, world_size, self.resources)
         self._finalizer = weakref.finalize(self, _stop, list(self.processes), list(self.conns), self.watchdog,
-                                           self.links)
+                                           self.resources)
         try:
             with self.running("joining the process group"):
-                self.links.group = make_group(_backend(spec), self.store, 0, world_size)
+                self.resources.group = make_group(_backend(spec), self.store, 0, world_size)
             device = rank_device(spec, TensorParallel(0, world_size))
             with self.running("setting up the all-reduce"):
-                self.links.one_shot = set_up_one_shot(spec.custom_all_reduce, self.links.group, self.store,
+                self.resources.one_shot = set_up_one_shot(spec.custom_all_reduce, self.resources.group, self.store,
                                                       group_name, 0, world_size, device, spec.dtype)
-            self.tp = TensorParallel(0, world_size, self.links.group, self.links.one_shot)
+            self.tp = TensorParallel(0, world_size, self.resources.group, self.resources.one_shot)
         except BaseException:
             self.close()
             raise
@@ -314,9 +316,9 @@ class Watchdog:
     the workers are killed, since a live but stalled peer keeps gloo waiting despite the abort.
     Steps are not timed: a worker's death is what ends one (vLLM's rule too)."""
 
-    def __init__(self, processes: list, port: int, world_size: int, links: "Links"):
+    def __init__(self, processes: list, port: int, world_size: int, resources: "RankResources"):
         self.processes = processes
-        self.links = links  # its group, once made, is aborted on a death or a stall
+        self.resources = resources  # its group, once made, is aborted on a death or a stall
         # A client of its own: a store client serves one request at a time, and rank 0's may be
         # blocked in a wait for a peer's key (NCCL's or symmetric memory's rendezvous).
         self.store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=60),
@@ -373,23 +375,30 @@ class Watchdog:
                 return
 
     def _abort(self) -> None:
-        _abort(self.links.group)
+        _abort(self.resources.group)
 
 
 @dataclasses.dataclass
-class Links:
-    """A rank's communicators: its process group and, when in use, the one-shot all-reduce."""
+class RankResources:
+    """What a rank tears down when the engine stops, in this order: its CUDA graphs (they hold
+    the communicator's resources), the one-shot all-reduce, its process group."""
     group: Any = None
     one_shot: Optional[OneShotAllReduce] = None
+    graph_runner: Optional[CudaGraphRunner] = None
 
 
-def release(links: Links) -> None:
-    """Tear a rank's communicators down when the engine stops, by aborting them: NCCL's graceful
-    teardown (ncclCommFinalize, what destroy_process_group's shutdown runs) waits on the peers, and
-    on the H100 pair it never returned on rank 0 once its worker had gone; an abort needs no peer."""
-    if links.one_shot is not None:
-        links.one_shot.close()
-    _abort(links.group)
+def release(resources: RankResources, graceful: bool = True) -> None:
+    """Tear a rank's communicators down. `graceful`: every rank does it at the same point and
+    shuts its group down, as torch.distributed.destroy_process_group has them do (NCCL's teardown
+    synchronises the ranks of a node); otherwise (a peer is gone) the group is aborted."""
+    if resources.graph_runner is not None:
+        resources.graph_runner.release()
+    if resources.one_shot is not None:
+        resources.one_shot.close()
+    if graceful:
+        resources.group.shutdown()
+    else:
+        _abort(resources.group)
 
 
 def _abort(group) -> None:
@@ -403,13 +412,19 @@ def _abort(group) -> None:
         logger.debug("aborting the tensor-parallel group failed", exc_info=True)
 
 
-def _stop(processes: list, conns: list, watchdog: Watchdog, links: Links) -> None:
+def _stop(processes: list, conns: list, watchdog: Watchdog, resources: RankResources) -> None:
     watchdog.close()
     for conn in conns:
         try:
             conn.send(("stop", ()))
         except OSError:
             pass
+    graceful = all(process.is_alive() for process in processes)  # the workers release theirs meanwhile
+    try:
+        release(resources, graceful)
+    except Exception:  # a peer that failed mid-teardown
+        logger.debug("releasing the tensor-parallel group failed; aborting it", exc_info=True)
+        _abort(resources.group)
     for process in processes:
         process.join(_STOP_TIMEOUT_S)
         if process.is_alive():
@@ -417,7 +432,6 @@ def _stop(processes: list, conns: list, watchdog: Watchdog, links: Links) -> Non
             process.join(_STOP_TIMEOUT_S)
     for conn in conns:
         conn.close()
-    release(links)
 
 
 class DrivingRunner:
@@ -430,6 +444,7 @@ class DrivingRunner:
         self.kv_pool = runner.kv_pool
         self.device = runner.device
         self.graph_runner = runner.graph_runner
+        ranks.resources.graph_runner = runner.graph_runner  # freed before rank 0's group at teardown
 
     def forward(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         self.ranks.send("forward", (list(chunks),))
