@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
-from bench.gemv import SHAPES, fastest, skinny_tile_fits, tile_label, time_per_call_us
+from bench.gemv import SHAPES, SKINNY_SWEEP_ROWS, fastest, skinny_tile_fits, tile_label, time_per_call_us
 from gpu_target import gemv_tiles
 from gpu_target.gemv import MAX_STREAMING_ROWS, gemv, linear, skinny_gemm, streaming_tile
 from gpu_target.quantization import quantize
@@ -38,7 +38,6 @@ except ImportError:
     OutOfResources = RuntimeError
 
 FORMATS = ("fp8", "int4")
-SWEEP_ROWS = 17  # tree verification's 1 + 16 nodes
 SHAPES_70B = dict(qkv_proj=(10240, 8192), o_proj=(8192, 8192), gate_up_proj=(57344, 8192), down_proj=(8192, 28672))
 
 
@@ -68,8 +67,9 @@ def bench_shape(name: str, n: int, k: int, row_counts: list[int], sweep: bool, r
                              bf16_us=round(bf16_us, 2), speedup_vs_bf16=round(bf16_us / us, 3), max_rel_err=f"{error.item():.1e}"))
             print(rows[-1], flush=True)
         if sweep:
-            for m, candidates, kernel in ((1, gemv_tiles.GEMV_CANDIDATES, gemv),
-                                          (SWEEP_ROWS, gemv_tiles.SKINNY_CANDIDATES, skinny_gemm)):
+            sweeps = [(1, gemv_tiles.GEMV_CANDIDATES, gemv)]
+            sweeps += [(m, gemv_tiles.SKINNY_CANDIDATES, skinny_gemm) for m in SKINNY_SWEEP_ROWS]
+            for m, candidates, kernel in sweeps:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 swept, seen = [], set()
                 for candidate in candidates:
@@ -92,22 +92,25 @@ def bench_shape(name: str, n: int, k: int, row_counts: list[int], sweep: bool, r
 
 
 def tile_table(best: list[dict]) -> dict:
-    """gemv_tiles.json's content: each (format, shape)'s fastest GEMV tile, and its fastest
-    skinny tile at M = 17 for BLOCK_M 16 and 32, and at 64 with the heuristic's stages (the
-    heuristic's tile where that still overflows shared memory)."""
+    """gemv_tiles.json's content: each (format, shape)'s fastest GEMV tile, its fastest skinny
+    tile at M = 17 for BLOCK_M 16 and 32, and at M = 64 for BLOCK_M 64. A shape swept at 17
+    rows only takes the 17-row tile at 64 with the heuristic's stages (the heuristic's tile
+    where that still overflows shared memory)."""
     table: dict = {"gemv": {}, "skinny": {}}
+    swept_at_64 = {(r["format"], r["n"], r["k"]) for r in best if r["m"] > 32}
     for row in sorted(best, key=lambda r: r["us"], reverse=True):  # the fastest of each key written last
-        n, k, tile = row["n"], row["k"], row["tile_dict"]
+        fmt, n, k, tile = row["format"], row["n"], row["k"], row["tile_dict"]
         if row["m"] == 1:
-            table["gemv"][gemv_tiles.gemv_key(row["format"], n, k)] = tile
+            table["gemv"][gemv_tiles.gemv_key(fmt, n, k)] = tile
+        elif row["m"] > 32:
+            table["skinny"][gemv_tiles.skinny_key(fmt, n, k, 64)] = tile
         else:
-            for block_m in (16, 32, 64):
-                chosen = tile
-                if block_m == 64:  # a shallower pipeline, or the heuristic's tile where even that overflows shared memory
-                    heuristic = gemv_tiles.heuristic_skinny_tile(row["format"], n, k, block_m)
-                    chosen = dict(tile, num_stages=min(heuristic["num_stages"], tile["num_stages"]))
-                    chosen = chosen if skinny_tile_fits(block_m, chosen) else heuristic
-                table["skinny"][gemv_tiles.skinny_key(row["format"], n, k, block_m)] = chosen
+            for block_m in (16, 32):
+                table["skinny"][gemv_tiles.skinny_key(fmt, n, k, block_m)] = tile
+            if (fmt, n, k) not in swept_at_64:
+                heuristic = gemv_tiles.heuristic_skinny_tile(fmt, n, k, 64)
+                chosen = dict(tile, num_stages=min(heuristic["num_stages"], tile["num_stages"]))
+                table["skinny"][gemv_tiles.skinny_key(fmt, n, k, 64)] = chosen if skinny_tile_fits(64, chosen) else heuristic
     return table
 
 
@@ -134,7 +137,7 @@ def main(argv=None) -> None:
         bench_shape(name, n, k, row_counts, args.sweep, rows, best)
     body = ["## QuantizedLinear vs bf16 linear(), the tiles the kernels take before this sweep", "", *markdown_table(rows), ""]
     if best:
-        body += [f"## sweep: the three fastest tiles per shape and format (M = 1 GEMV, M = {SWEEP_ROWS} skinny)", "",
+        body += [f"## sweep: the three fastest tiles per shape and format (M = 1 GEMV, M = {' and '.join(map(str, SKINNY_SWEEP_ROWS))} skinny)", "",
                  *markdown_table([{k: v for k, v in r.items() if k not in ("hetero_us", "tile_dict")} for r in best]), ""]
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name(), python=platform.python_version())
     command = "python -m bench.quant_gemv " + " ".join(sys.argv[1:] if argv is None else argv)

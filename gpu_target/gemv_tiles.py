@@ -42,9 +42,10 @@ GEMV_CANDIDATES = [
     )
 ]
 SKINNY_CANDIDATES = [
-    dict(block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages, w_first=True)
-    for block_n, block_k, stages in (
-        (16, 256, 3), (16, 512, 3), (32, 128, 4), (32, 256, 3), (32, 256, 4), (32, 512, 3), (64, 128, 4), (64, 256, 4),
+    dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, w_first=True)
+    for block_n, block_k, warps, stages in (
+        (16, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
+        (64, 128, 4, 4), (64, 256, 4, 4), (32, 256, 8, 3), (64, 128, 8, 3), (64, 256, 8, 3), (128, 128, 8, 3),
     )
 ]
 

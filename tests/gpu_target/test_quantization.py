@@ -614,6 +614,11 @@ def test_quantized_tiles_come_from_the_sweeps_table_else_the_heuristic(tmp_path)
     assert gemv_tiles.skinny_tile(gemv.FP8, 6144, 4096, 16, table)["block_k"] == 512
     # (64 + 64) x 512 bf16 in each of 2 buffered stages overflow shared memory: the heuristic's tile
     assert gemv_tiles.skinny_tile(gemv.FP8, 6144, 4096, 64, table) == gemv_tiles.heuristic_skinny_tile("fp8", 6144, 4096, 64)
+    # A shape also swept at 64 rows takes that sweep's tile at BLOCK_M 64, whatever its 17-row tile was
+    at_64 = dict(skinny_tile, num_warps=8, num_stages=3)
+    table = tile_table(best + [dict(format="int4", n=6144, k=4096, m=64, us=9.0, tile_dict=at_64)])
+    assert table["skinny"][gemv_tiles.skinny_key("int4", 6144, 4096, 64)] == at_64
+    assert table["skinny"][gemv_tiles.skinny_key("int4", 6144, 4096, 32)] == skinny_tile
     assert gemv_tiles.gemv_tile(gemv.FP8, 4096, 4096, table) == gemv_tiles.heuristic_gemv_tile("fp8", 4096, 4096)
     assert gemv_tiles.heuristic_gemv_tile("fp8", 6144, 4096)["block_n"] == 8
     assert gemv_tiles.heuristic_gemv_tile("int4", 4096, 4096)["block_n"] == 16
