@@ -5,9 +5,11 @@ float) greedily continues each prompt; then every format reads prompt + continua
 prefill, and at each continuation position its next-token distribution is compared with the
 full-precision one: top-1 agreement (same argmax) and KL(P_full || P_quantised) in nats. This
 is the usual teacher-forced protocol (as in llama.cpp's `perplexity --kl-divergence`), so
-one early disagreement does not derail the rest of a sequence.
+one early disagreement does not derail the rest of a sequence. The format "bf16" (the
+projections' weights rounded to bfloat16, computed in float32 like the others) is the
+reference row: what the target's own dtype already costs.
 
-    python -m bench.quant_quality --formats fp8,int4 --out bench/results
+    python -m bench.quant_quality --formats bf16,fp8,int4 --out bench/results
 """
 from __future__ import annotations
 
@@ -62,6 +64,14 @@ def dequantize_once(model) -> None:
             setattr(block, proj_name, linear)
 
 
+def round_to_bf16(model) -> None:
+    """Round each projection's weight to bfloat16 in place (kept float32 for the float32 compute)."""
+    for layer in model.layers:
+        for block_name, proj_name in PROJECTIONS:
+            weight = getattr(getattr(layer, block_name), proj_name).weight
+            weight.data.copy_(weight.data.to(torch.bfloat16))
+
+
 def compare(reference: torch.Tensor, quantized: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-position top-1 agreement, per-position KL(P_reference || P_quantized) in nats)."""
     log_p, log_q = reference.log_softmax(-1), quantized.log_softmax(-1)
@@ -75,9 +85,9 @@ def run(model: str, formats: list[str], new_tokens: int, num_prompts: int) -> li
     prompts = (default_prompts() * (1 + num_prompts // 64))[:num_prompts]
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     sequences = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in full.generate(prompts, greedy, use_tqdm=False)]
-    quantized = {fmt: LLM(**options, quantization=fmt) for fmt in formats}
-    for llm in quantized.values():
-        dequantize_once(llm.llm_engine.model)
+    quantized = {fmt: LLM(**options, quantization=None if fmt == "bf16" else fmt) for fmt in formats}
+    for fmt, llm in quantized.items():
+        (round_to_bf16 if fmt == "bf16" else dequantize_once)(llm.llm_engine.model)
     agree: dict[str, list[torch.Tensor]] = {fmt: [] for fmt in formats}
     kls: dict[str, list[torch.Tensor]] = {fmt: [] for fmt in formats}
     for number, (prompt, continuation) in enumerate(sequences):
@@ -107,7 +117,8 @@ def run(model: str, formats: list[str], new_tokens: int, num_prompts: int) -> li
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL_NAMES[0], help="HF directory or .gguf (default: packaged SmolLM2-135M)")
-    parser.add_argument("--formats", default="fp8,int4", help="comma-separated quantization methods to compare")
+    parser.add_argument("--formats", default="bf16,fp8,int4",
+                        help="comma-separated quantization methods to compare; bf16: weights rounded to bfloat16")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy continuation length per prompt")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--out", default="bench/results")
