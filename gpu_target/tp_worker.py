@@ -19,9 +19,11 @@ weights, compiling kernels, capturing each CUDA graph) in the group's store, and
 also ends a start-up in which no rank has made progress for `STALL_TIMEOUT_S` (a deadlock, or a
 rank waiting for a message that never comes): the engine raises `RankStalledError`, naming each
 rank's last phase. A worker whose pipe closes (the coordinator is gone) exits; workers are
-daemonic and stopped by a finalizer, so none outlives the engine. Gloo and NCCL here use TCP and
-CUDA IPC, the one-shot all-reduce cuMem handles passed over Unix sockets: no named shared-memory
-segments of hetero's.
+daemonic and stopped by a finalizer, so none outlives the engine. At that stop each rank frees
+its CUDA graphs before its process group (graphs that captured NCCL collectives keep the
+communicator busy), then shuts the group down while its peers do (`release`). Gloo and NCCL
+here use TCP and CUDA IPC, the one-shot all-reduce cuMem handles passed over Unix sockets: no
+named shared-memory segments of hetero's.
 """
 from __future__ import annotations
 
