@@ -397,6 +397,8 @@ def release(resources: RankResources, graceful: bool = True) -> None:
         resources.graph_runner.release()
     if resources.one_shot is not None:
         resources.one_shot.close()
+    if resources.group is None:  # start-up failed before the group was made
+        return
     if graceful:
         resources.group.shutdown()
     else:
@@ -404,7 +406,8 @@ def release(resources: RankResources, graceful: bool = True) -> None:
 
 
 def _abort(group) -> None:
-    """Abort `group`'s collectives, which needs no peer (a dead or stalled one)."""
+    """Abort `group`'s collectives: the teardown when a peer cannot join a graceful one (it died
+    or stalled), and the watchdog's way to free rank 0 from a collective it waits in."""
     abort = getattr(group, "abort", None)
     if abort is None:
         return
