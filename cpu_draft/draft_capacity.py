@@ -1,12 +1,16 @@
-"""How many sequences the draft worker drafts for, so its drafting stays behind the GPU's step.
+"""How many sequences the draft worker drafts for, and how deep, so its drafting stays behind the GPU's step.
 
 Where the cores cannot draft every sequence's next tree while the GPU verifies the current
 ones, the worker drafts for the sequences whose chains were accepted most and answers the
 rest with no tree (they decode their one token in the verification step): the batch then
-never waits for drafts it cannot use. The cost model is the worker's own measurements: the
-time from answering one proposal to the next (the verification step), and the seconds per
-drafted depth level, which grow with the rows of the forward as `row_overhead` + rows (a
-forward's fixed cost of thread barriers and weight streaming counted in rows).
+never waits for drafts it cannot use. Shallower trees fit more sequences into the same step,
+so the depth is chosen with them: the plan that yields the most tokens per step, each
+sequence's tree worth (1 - a^(d+1)) / (1 - a) tokens at depth d for its acceptance rate a
+(Leviathan et al., "Fast Inference from Transformers via Speculative Decoding", 2023, eq. 1).
+The cost model is the worker's own measurements: the time from answering one proposal to the
+next (the verification step), and the seconds per drafted depth level, which grow with the
+rows of the forward as `row_overhead` + rows (a forward's fixed cost of thread barriers and
+weight streaming counted in rows).
 """
 from __future__ import annotations
 
@@ -22,7 +26,10 @@ class DraftCapacity:
     cycle_s: Optional[float] = None  # from answering a proposal to the next one
     level_s: Optional[float] = None  # seconds per drafted depth level, at `level_rows` rows
     level_rows: int = 1
-    accepted: dict[int, float] = field(default_factory=dict)  # per sequence: running share of its chain accepted
+    # Per sequence: running means of the tokens accepted per chain and of the chains cut short;
+    # their ratio is the maximum-likelihood acceptance rate of a chain's geometric run.
+    accepted: dict[int, float] = field(default_factory=dict)
+    rejected: dict[int, float] = field(default_factory=dict)
 
     def _mean(self, old: Optional[float], new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
@@ -39,11 +46,25 @@ class DraftCapacity:
             self.level_s *= (self.row_overhead + rows) / (self.row_overhead + self.level_rows)
         self.level_s, self.level_rows = self._mean(self.level_s, per_level), rows
 
-    def observe_accepted(self, seq_id: int, share: float) -> None:
-        self.accepted[seq_id] = self._mean(self.accepted.get(seq_id), share)
+    def observe_accepted(self, seq_id: int, accepted: int, drafted: int) -> None:
+        """``accepted`` of a chain's ``drafted`` tokens were accepted (the verifier stopped at the
+        next one when fewer)."""
+        self.accepted[seq_id] = self._mean(self.accepted.get(seq_id), float(accepted))
+        self.rejected[seq_id] = self._mean(self.rejected.get(seq_id), float(accepted < drafted))
 
     def forget(self, seq_id: int) -> None:
         self.accepted.pop(seq_id, None)
+        self.rejected.pop(seq_id, None)
+
+    def acceptance_rate(self, seq_id: int) -> float:
+        """The chance that the sequence's next drafted token is accepted; 1 until measured."""
+        accepted, rejected = self.accepted.get(seq_id, 0.0), self.rejected.get(seq_id, 0.0)
+        return 1.0 if accepted + rejected == 0 else accepted / (accepted + rejected)
+
+    def expected_tokens(self, seq_id: int, depth: int) -> float:
+        """Tokens a step yields for the sequence with a chain of ``depth`` (the bonus token included)."""
+        rate = self.acceptance_rate(seq_id)
+        return depth + 1.0 if rate >= 1.0 else (1.0 - rate ** (depth + 1)) / (1.0 - rate)
 
     def _seconds_per_row(self) -> float:
         """The measured level time per row of the cost model (`row_overhead` + rows per level)."""
@@ -70,15 +91,23 @@ class DraftCapacity:
         if self.cycle_s is None or self.level_s is None:
             return True
         wait = depth * self._seconds_per_row() * (self.row_overhead + len(misses))
-        gain = sum(self.accepted.get(s, 1.0) for s in misses) / len(misses) * depth  # E - 1
+        gain = sum(self.expected_tokens(s, depth) for s in misses) / len(misses) - 1.0  # E - 1
         return wait < self.cycle_s * len(misses) * gain / (batch_size * (1.0 + gain))
 
-    def select(self, seq_ids: Iterable[int], depth: int) -> set[int]:
-        """The sequences to draft for: those accepted most (new ones first), as many as fit."""
+    def plan(self, seq_ids: Iterable[int], depth: int) -> tuple[set[int], int]:
+        """The sequences to draft for (those accepted most, new ones first) and the depth, at most
+        ``depth``, that together fit one step and yield the most tokens; the deepest on a tie.
+        Sequences left out regain `aging` of the benefit of the doubt."""
         seq_ids = list(seq_ids)
-        ranked = sorted(seq_ids, key=lambda s: -self.accepted.get(s, 1.0))
-        chosen = set(ranked[: self.capacity(len(seq_ids), depth)])
+        ranked = sorted(seq_ids, key=lambda s: -self.acceptance_rate(s))
+        best_tokens, count, best_depth = -1.0, len(ranked), depth
+        for trial in range(depth, 0, -1):
+            fits = self.capacity(len(ranked), trial)
+            tokens = sum(self.expected_tokens(s, trial) for s in ranked[:fits]) + len(ranked) - fits
+            if tokens > best_tokens + 1e-9:
+                best_tokens, count, best_depth = tokens, fits, trial
+        chosen = set(ranked[:count])
         for seq_id in seq_ids:
-            if seq_id not in chosen and seq_id in self.accepted:
-                self.accepted[seq_id] = min(1.0, self.accepted[seq_id] + self.aging)
-        return chosen
+            if seq_id not in chosen and seq_id in self.rejected:
+                self.rejected[seq_id] *= 1.0 - self.aging
+        return chosen, best_depth

@@ -101,6 +101,7 @@ class DraftService:
     capacity: DraftCapacity = field(default_factory=DraftCapacity)
     offered: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # per sequence: (context length, chain) last proposed
     unserved: set[int] = field(default_factory=set)  # stale sequences the last proposal answered without a tree (a prompt to prefill)
+    depth: Optional[int] = None  # the depth `DraftCapacity.plan` chose at the last proposal (None: the budget's)
 
     def apply_updates(self, arrays) -> None:
         for seq_id in arrays["released"].tolist():
@@ -121,7 +122,7 @@ class DraftService:
             offered = self.offered.pop(update.seq_id, None)
             if offered is not None and len(context) > offered[0]:  # the tree was verified: how much of its chain held
                 start, chain = offered
-                self.capacity.observe_accepted(update.seq_id, common_prefix_length(context[start:], chain) / len(chain))
+                self.capacity.observe_accepted(update.seq_id, common_prefix_length(context[start:], chain), len(chain))
 
     def needed_by(self, message: Optional[Message], seq_ids: Sequence[int]) -> bool:
         """Whether ``message`` asks for trees of exactly the contexts the drafter is drafting
@@ -153,7 +154,7 @@ class DraftService:
             return
         # A sequence answered without a tree is decoding its next token on the GPU now: draft from the guess of it.
         guessed = set(self.drafter.assume_accepted([s for s in stale if s in self.unserved]))
-        requests = [(seq_id, self.budget) for seq_id in stale]
+        requests = [(seq_id, self._planned(self.budget)) for seq_id in stale]
         trees = self.drafter.draft(requests, interrupt=self._interrupt(pending, stale))
         if trees is None:
             return
@@ -177,15 +178,16 @@ class DraftService:
         self.stale.difference_update(seq_id for seq_id, _ in batch)
         self.budget = max((max_nodes for _, max_nodes in batch), default=self.budget) or self.budget
         depth = len(tree_levels(self.budget, self.drafter.options.tree_width))
-        chosen = self.capacity.select([seq_id for seq_id, max_nodes in batch if max_nodes > 0], depth)
+        chosen, self.depth = self.capacity.plan([seq_id for seq_id, max_nodes in batch if max_nodes > 0], depth)
         for seq_id, max_nodes in batch:
             if seq_id not in chosen:
                 self.predrafted.pop(seq_id, None)
                 continue
+            max_nodes = self._planned(max_nodes)
             context = self.contexts[seq_id]
             ahead = self.predrafted.pop(seq_id, None)
-            if ahead is not None and max_nodes <= ahead.max_nodes and ahead.context == context:
-                trees[seq_id] = self.drafter.shrink_last_draft(seq_id, ahead.tree, max_nodes)
+            if ahead is not None and ahead.context == context:  # drafted ahead to another depth plan: shrunk or kept
+                trees[seq_id] = self.drafter.shrink_last_draft(seq_id, ahead.tree, min(max_nodes, len(ahead.tree)))
                 self.stats.predraft_hits += 1
                 continue
             if ahead is not None:
@@ -197,7 +199,7 @@ class DraftService:
                 prefilling.add(seq_id)
                 continue
             misses.append((seq_id, max_nodes))
-        if self.overlap and misses and not self.capacity.draft_now_pays([s for s, _ in misses], len(batch), depth):
+        if self.overlap and misses and not self.capacity.draft_now_pays([s for s, _ in misses], len(batch), self.depth):
             self.stale.update(seq_id for seq_id, _ in misses)
             self.unserved.update(seq_id for seq_id, _ in misses)
             misses = []
@@ -210,6 +212,12 @@ class DraftService:
         # left for later is an empty tree: its step is what speculation costs here.
         return [trees.get(seq_id, TokenTree.pending() if seq_id in prefilling else TokenTree.empty()) for seq_id, _ in batch]
 
+    def _planned(self, max_nodes: int) -> int:
+        """``max_nodes`` cut to the planned depth's levels."""
+        if self.depth is None:
+            return max_nodes
+        return min(max_nodes, self.depth * self.drafter.options.tree_width)
+
     def draft_ahead(self, batch: list[tuple[int, int]], pending) -> None:
         """Draft the next step assuming full acceptance (for the sequences answered without a
         tree: assuming the draft's guess of the token this step decodes), until done or a
@@ -217,7 +225,7 @@ class DraftService:
         message, or None)."""
         if not self.overlap or pending() is not None:
             return
-        budgets = dict(batch)
+        budgets = {seq_id: self._planned(max_nodes) for seq_id, max_nodes in batch}
         started = time.perf_counter()
         extended = self.drafter.assume_accepted([s for s, n in batch if n > 0 and (s in self.offered or s in self.unserved)])
         if not extended or pending() is not None and not self.needed_by(pending(), extended):

@@ -35,11 +35,43 @@ def test_the_sequences_accepted_most_are_chosen_and_the_others_regain_ground():
     capacity = DraftCapacity(aging=0.25)
     capacity.observe_cycle(0.010)
     capacity.observe_levels(0.0026, levels=1, rows=8)
-    for seq_id, share in enumerate([0.9, 0.1, 0.5, 0.8, 0.7, 0.2, 0.3]):
-        capacity.observe_accepted(seq_id, share)
-    chosen = capacity.select(range(8), depth=4)  # 7 is new: tried first
-    assert chosen == {7, 0, 3, 4, 2}
-    assert capacity.accepted[1] == 0.35 and capacity.accepted[0] == 0.9
+    for seq_id, accepted in enumerate([4, 0, 2, 3, 3, 1, 1]):  # of chains of 4 tokens
+        capacity.observe_accepted(seq_id, accepted, 4)
+    capacity.observe_accepted(4, 4, 4)  # then all 4: 3.3 accepted and 0.7 cut short per chain, a rate of 0.825
+    chosen, depth = capacity.plan(range(8), depth=4)  # 7 is new: tried first
+    assert (chosen, depth) == ({7, 0, 4, 3, 2}, 4)
+    assert capacity.acceptance_rate(0) == 1.0 and capacity.acceptance_rate(2) == 2 / 3
+    assert capacity.rejected[1] == 0.75 and capacity.acceptance_rate(1) == 0.0  # regained a quarter of its rejections
+
+
+def test_acceptance_rate_is_the_geometric_runs_maximum_likelihood():
+    capacity = DraftCapacity(smoothing=0.5)
+    capacity.observe_accepted(1, 2, 4)  # 2 accepted, then a rejection
+    capacity.observe_accepted(1, 4, 4)  # all 4 accepted: no rejection seen
+    assert capacity.acceptance_rate(1) == 3.0 / (3.0 + 0.5)
+    assert capacity.expected_tokens(1, 0) == 1.0
+    rate = capacity.acceptance_rate(1)
+    assert abs(capacity.expected_tokens(1, 3) - (1 + rate + rate ** 2 + rate ** 3)) < 1e-12
+    assert capacity.expected_tokens(2, 3) == 4.0  # unmeasured: every token accepted
+
+
+def test_shallower_trees_for_every_sequence_beat_deep_trees_for_a_few():
+    """A 10 ms step and 0.2 ms a row: depth 4 (5 levels) fits 5 of 8 sequences, depth 2 (3
+    levels) all 8. At an acceptance rate of 0.9: 5 x 4.10 + 3 = 23.5 tokens against 8 x 2.71 = 21.7,
+    and depth 3 fits 7: 7 x 3.44 + 1 = 25.1, the most."""
+    capacity = DraftCapacity(row_overhead=5.0)
+    capacity.observe_cycle(0.010)
+    capacity.observe_levels(0.0026, levels=1, rows=8)
+    for seq_id in range(8):
+        for _ in range(10):
+            capacity.observe_accepted(seq_id, 9, 10)  # 9 accepted per rejection
+    assert [capacity.capacity(8, d) for d in (4, 3, 2)] == [5, 7, 8]
+    chosen, depth = capacity.plan(range(8), depth=4)
+    assert depth == 3 and len(chosen) == 7
+    few = DraftCapacity(row_overhead=5.0)  # the same step and costs, two sequences: all fit at full depth
+    few.observe_cycle(0.010)
+    few.observe_levels(0.0026, levels=1, rows=8)
+    assert few.plan([0, 1], depth=4) == ({0, 1}, 4)
 
 
 def test_a_worker_short_of_cores_drafts_for_the_best_sequences_only(tiny_llama_dir):
@@ -52,7 +84,7 @@ def test_a_worker_short_of_cores_drafts_for_the_best_sequences_only(tiny_llama_d
     service.capacity.observe_levels(0.010, levels=1, rows=1)  # far too slow: one sequence fits
     accepted = {0: [], 1: trees[1].tokens.tolist()[:2], 2: [], 3: []}  # only sequence 1's drafts held
     service.apply_updates(update_arrays([ContextUpdate(s, len(p), accepted[s] + [7]) for s, p in prompts.items()]))
-    assert service.capacity.accepted[1] == 0.5 and service.capacity.accepted[0] == 0.0
+    assert service.capacity.acceptance_rate(1) == 2 / 3 and service.capacity.acceptance_rate(0) == 0.0
     trees = service.propose([(s, 4) for s in prompts])
     # Only sequence 1 is drafted for; its tree, too slow to wait for, follows the reply.
     assert [len(t) for t in trees] == [0, 0, 0, 0] and all(t.ready for t in trees)
@@ -68,6 +100,28 @@ def test_a_batch_waits_for_missed_trees_only_where_they_are_worth_the_wait():
     assert capacity.draft_now_pays([1], 1, depth=4)  # batch 1: 4 ms of drafting buys ~4 tokens in a 7 ms step
     assert not capacity.draft_now_pays([1], 8, depth=4)  # one miss among 8: the other 7 would wait for it
     assert not capacity.draft_now_pays(list(range(32)), 32, depth=4)  # 32 rows take far longer than the step
-    capacity.observe_accepted(1, 0.0)
+    capacity.observe_accepted(1, 0, 4)
     assert not capacity.draft_now_pays([1], 1, depth=4)  # drafts that are never accepted are not worth waiting for
     assert not capacity.draft_now_pays([], 1, depth=4)
+
+
+def test_a_worker_short_of_cores_drafts_shallower_trees_for_more_sequences(tiny_llama_dir):
+    service = DraftService(Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32)), overlap=True, budget=4)
+    prompts = {seq_id: list(range(10 + seq_id, 20 + seq_id)) for seq_id in range(4)}
+    service.apply_updates(update_arrays([ContextUpdate(s, 0, p) for s, p in prompts.items()]))
+    assert all(len(t) == 4 for t in service.propose([(s, 4) for s in prompts]))  # unmeasured: every sequence, full depth
+    service.draft_ahead([(s, 4) for s in prompts], lambda: None)
+    guessed = {s: service.predrafted[s].context[len(p):] for s, p in prompts.items()}
+    assert all(len(service.predrafted[s].tree) == 4 for s in prompts)
+    # Measured (not on this machine's clock): a 30 ms step and 1 ms a row: depth 4 fits one
+    # sequence (5 tokens + 3), depth 3 two (8 + 2), depth 2 all four (12).
+    service.capacity = DraftCapacity()
+    service.capacity.observe_cycle(0.030)
+    service.capacity.observe_levels(0.006, levels=1, rows=1)
+    service.apply_updates(update_arrays([ContextUpdate(s, len(p), guessed[s]) for s, p in prompts.items()]))  # all held
+    assert all(service.capacity.acceptance_rate(s) == 1.0 for s in prompts)
+    trees = service.propose([(s, 4) for s in prompts])
+    assert service.depth == 2 and [len(t) for t in trees] == [2, 2, 2, 2]  # the full trees drafted ahead, shrunk
+    assert service.stats.predraft_hits == 4
+    service.draft_ahead([(s, 4) for s in prompts], lambda: None)
+    assert all(len(service.predrafted[s].tree) == 2 for s in prompts)  # drafted ahead to the planned depth
