@@ -15,7 +15,7 @@ On the CPU the same copies run synchronously and a handle is None.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -64,8 +64,8 @@ class HostKVPool:
         """The copy in `slot`: [layers, 2, block_size, num_kv_heads, head_dim]."""
         return self._chunks[slot // self._blocks_per_chunk][slot % self._blocks_per_chunk]
 
-    def to_host(self, blocks: Sequence[int], slots: Sequence[int], after: Iterable[Handle] = ()) -> Handle:
-        """Queue device `blocks[i]` -> host `slots[i]`, after the compute stream's queued work and `after`."""
+    def to_host(self, blocks: Sequence[int], slots: Sequence[int]) -> Handle:
+        """Queue device `blocks[i]` -> host `slots[i]` after the compute stream's queued work."""
         def copy() -> None:
             for start, staging in self._staged(len(blocks)):
                 for i in range(len(staging)):
@@ -73,11 +73,11 @@ class HostKVPool:
                 for first, host in self._host_runs(slots[start : start + len(staging)]):
                     host.copy_(staging[first : first + len(host)], non_blocking=True)
 
-        return self._on_side_stream(self._to_host_stream, after, copy)
+        return self._on_side_stream(self._to_host_stream, copy)
 
-    def to_device(self, slots: Sequence[int], blocks: Sequence[int], after: Iterable[Handle] = ()) -> Handle:
-        """Queue host `slots[i]` -> device `blocks[i]` after the compute stream's queued work and
-        `after`; the compute stream's later work waits for it."""
+    def to_device(self, slots: Sequence[int], blocks: Sequence[int]) -> Handle:
+        """Queue host `slots[i]` -> device `blocks[i]` after the compute stream's queued work; the
+        compute stream's later work waits for it."""
         def copy() -> None:
             for start, staging in self._staged(len(blocks)):
                 for first, host in self._host_runs(slots[start : start + len(staging)]):
@@ -85,7 +85,7 @@ class HostKVPool:
                 for i in range(len(staging)):
                     self.storage[:, :, blocks[start + i]].copy_(staging[i])
 
-        handle = self._on_side_stream(self._to_device_stream, after, copy)
+        handle = self._on_side_stream(self._to_device_stream, copy)
         self.compute_waits(handle)
         return handle
 
@@ -94,14 +94,11 @@ class HostKVPool:
         if handle is not None:
             torch.cuda.current_stream(self.storage.device).wait_event(handle)
 
-    def _on_side_stream(self, stream: Optional[torch.cuda.Stream], after: Iterable[Handle], copy) -> Handle:
+    def _on_side_stream(self, stream: Optional[torch.cuda.Stream], copy) -> Handle:
         if stream is None:
             copy()
             return None
         stream.wait_stream(torch.cuda.current_stream(self.storage.device))
-        for handle in after:
-            if handle is not None:
-                stream.wait_event(handle)
         with torch.cuda.stream(stream):  # staging buffers belong to this stream: reused only in its order
             copy()
         done = torch.cuda.Event()

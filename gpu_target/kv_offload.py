@@ -8,10 +8,12 @@ later prompt whose prefix hashes to a block no longer on the device gets the cop
 back into a fresh device block instead of recomputing it, its blocks in one batch
 (TACO-LLM: `--enable-prefix-cache-offload`).
 
-Copies run asynchronously (gpu_target/kv_host_pool.py); this module orders them. A device
-block whose copy out is still in flight is reused only after it (the compute stream
-waits on it at allocation); a slot is read back only after its copy in, and overwritten
-only after the restores reading it. The pool holds copies of blocks also still on the
+Copies run asynchronously (gpu_target/kv_host_pool.py). A device block whose copy out may
+still be in flight is reused only after it: the compute stream waits for it when the block
+is allocated again. That one wait orders everything else, as every copy starts after the
+compute stream's queued work and the compute stream waits for every restore: a slot is
+read back only once its block was reused (a hash leaves the device only so), hence after
+its copy in, and a slot is refilled only after the restores queued before. The pool holds copies of blocks also still on the
 device (an inclusive tier), so it pays off when larger than the device cache; it replaces
 its least recently freed or restored entries.
 """
@@ -43,8 +45,6 @@ class PrefixCacheOffload:
         self._entries: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # hash -> (slot, uses), oldest first
         self._free_slots = list(range(host.num_blocks - 1, -1, -1))
         self._copy_out_of_block: dict[int, Handle] = {}  # device block -> its copy out, maybe in flight
-        self._copy_into_slot: dict[int, Handle] = {}  # slot -> the copy that fills it, until a restore waited on it
-        self._restore_from_slot: dict[int, Handle] = {}  # slot -> the restore reading it, until a copy in waited on it
         self.num_offloaded = 0  # blocks copied to the CPU
         self.num_restored = 0  # blocks copied back to the device
 
@@ -82,11 +82,9 @@ class PrefixCacheOffload:
         for (block_hash, _, uses), slot in reversed(list(zip(fresh, slots))):
             self._entries[block_hash] = (slot, uses)
         blocks = [block for _, block, _ in fresh]
-        after = [self._restore_from_slot.pop(slot) for slot in slots if slot in self._restore_from_slot]
-        handle = self.host.to_host(blocks, slots, after)
-        for block, slot in zip(blocks, slots):
+        handle = self.host.to_host(blocks, slots)
+        for block in blocks:
             self._copy_out_of_block[block] = handle
-            self._copy_into_slot[slot] = handle
         self.num_offloaded += len(blocks)
         return len(blocks)
 
@@ -113,10 +111,7 @@ class PrefixCacheOffload:
             self._entries[block_hash] = (slot, held_uses)
             slots.append(slot)
             uses.append(held_uses)
-        after = [self._copy_into_slot.pop(slot) for slot in set(slots) if slot in self._copy_into_slot]
-        handle = self.host.to_device(slots, blocks, after)
-        for slot in slots:
-            self._restore_from_slot[slot] = handle
+        self.host.to_device(slots, blocks)
         self.num_restored += len(blocks)
         return uses
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpu_target import kv_host_pool
+from gpu_target import kv_host_pool, kv_offload
 from gpu_target.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks, extend_block_hashes
 from gpu_target.kv_host_pool import HostKVPool
 from gpu_target.kv_offload import HitCountLog, PrefixCacheOffload
@@ -62,21 +62,20 @@ class DeferredCopies(HostKVPool):
 
     def __init__(self, kv_pool: KVCachePool, num_blocks: int):
         super().__init__(kv_pool, num_blocks)
+        for chunk in self._chunks:
+            chunk.fill_(float("nan"))  # what a slot holds before its copy lands: nothing to rely on
         self.pending: list[tuple[object, Callable[[], None]]] = []
+        self.num_waited_for = 0  # copies out run because something waited for them
 
-    def to_host(self, blocks, slots, after=()):
+    def to_host(self, blocks, slots):
         handle, blocks, slots = object(), list(blocks), list(slots)
         self.pending.append((handle, lambda: HostKVPool.to_host(self, blocks, slots)))
         return handle
 
-    def to_device(self, slots, blocks, after=()):
-        for handle in after:
-            self.compute_waits(handle)
-        return super().to_device(slots, blocks)
-
     def compute_waits(self, handle) -> None:
         while any(queued is handle for queued, _ in self.pending):
             self.pending.pop(0)[1]()
+            self.num_waited_for += 1
 
     def drain(self) -> None:
         while self.pending:
@@ -175,8 +174,8 @@ def test_blocks_are_copied_out_when_freed_and_evicting_them_copies_nothing(monke
     allocator = BlockAllocator(4, BLOCK, True, offload=offload)
     copies_out, copies_in = [], []
     to_host, to_device = offload.host.to_host, offload.host.to_device
-    monkeypatch.setattr(offload.host, "to_host", lambda blocks, slots, after=(): copies_out.append(list(blocks)) or to_host(blocks, slots, after))
-    monkeypatch.setattr(offload.host, "to_device", lambda slots, blocks, after=(): copies_in.append(list(slots)) or to_device(slots, blocks, after))
+    monkeypatch.setattr(offload.host, "to_host", lambda blocks, slots: copies_out.append(list(blocks)) or to_host(blocks, slots))
+    monkeypatch.setattr(offload.host, "to_device", lambda slots, blocks: copies_in.append(list(slots)) or to_device(slots, blocks))
     tokens = list(range(3 * BLOCK + 5))
     hashes = _hashes(tokens)
     table = [allocator.allocate() for _ in range(4)]
@@ -233,8 +232,8 @@ def test_access_threshold_counts_the_computing_sequence_and_every_hit():
 def test_a_block_reused_while_its_copy_out_is_pending_is_copied_first(monkeypatch, waits):
     """The block is evicted and overwritten by its next owner before its copy out ran: the
     allocator makes the compute stream wait for that copy. Without the wait (`waits`
-    False, the check that this test can fail) the CPU pool would file the new owner's KV
-    under the old hash, and serve it."""
+    False, the check that this test can fail) the copy would read the new owner's KV, or
+    the restore a slot the copy has not filled yet."""
     pool = _pool(2)
     host = DeferredCopies(pool, 4)
     allocator = BlockAllocator(2, BLOCK, True, offload=PrefixCacheOffload(host))
@@ -356,6 +355,20 @@ def test_outputs_are_identical_with_caching_and_offload_on_or_off_under_eviction
     assert 0 < stats["cache"].hits
     assert stats["offload"].external_hits > 0
     assert stats["offload"].hits + stats["offload"].external_hits > stats["cache"].hits  # evicted blocks came back
+
+
+def test_outputs_are_identical_with_copies_out_running_as_late_as_the_device_may(tiny_llama_dir, monkeypatch):
+    """The engine with every copy out deferred until something waits for it: blocks are
+    evicted and rewritten while their copies are pending, and outputs still match."""
+    chats = _conversations(num=6, turns=3, seed=2)
+    common = dict(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, max_num_seqs=3,
+                  kv_cache_space=_kv_blocks(tiny_llama_dir, 12))
+    plain = LLM(**common, enable_prefix_caching=False)
+    monkeypatch.setattr(kv_offload, "HostKVPool", DeferredCopies)
+    offload = LLM(**common, enable_prefix_cache_offload=True, cpu_offload_gib=_kv_blocks(tiny_llama_dir, 40))
+    assert _run_turns(offload, chats) == _run_turns(plain, chats)
+    allocator = offload.llm_engine.scheduler.allocator
+    assert allocator.stats.external_hits > 0 and allocator.offload.host.num_waited_for > 0
 
 
 def test_offload_with_speculation_and_preemption_stays_lossless(tiny_llama_dir):
