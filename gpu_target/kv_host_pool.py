@@ -27,7 +27,7 @@ from gpu_target.kv_cache import KVCachePool
 _CHUNK_BYTES = 2**28
 # A batch is staged through device memory in pieces of at most this many bytes, so that a
 # long prompt's restore does not need its whole KV twice on the device at once.
-_STAGING_BYTES = 2**26
+_STAGING_BYTES = 2**25
 
 Handle = Optional[torch.cuda.Event]  # a queued copy; None once done (the CPU's copies)
 
