@@ -10,8 +10,8 @@ the device's KV cache holds: a conversation's history is evicted from device mem
 before its next turn. Without the offload tier that history is recomputed; with it, it is
 copied back from the CPU pool (TACO-LLM's prefix cache offload).
 
-Reports, per configuration, the median time to first token (all requests, and turns after
-the first), the prompt tokens prefilled (prompt minus tokens found in the cache), where
+Reports, per configuration, the median time to first token (all requests, the first turn,
+and turns after the first), the prompt tokens prefilled (prompt minus tokens found in the cache), where
 the cached tokens came from, and whether the outputs equal the first configuration's.
 
     python -m bench.multi_turn_chat                   # on the CPU: a small random model, float32
@@ -152,6 +152,7 @@ def run_config(name: str, flags: dict, base: dict, workload: Workload, concurren
         requests=len(records),
         device_kv_blocks=engine.kv_pool.num_blocks,
         median_ttft_ms=round(1000 * statistics.median(r["ttft_s"] for r in records), 2),
+        median_ttft_first_turn_ms=round(1000 * statistics.median(r["ttft_s"] for r in records if r["turn"] == 0), 2),
         median_ttft_later_turns_ms=round(1000 * statistics.median(r["ttft_s"] for r in records if r["turn"] > 0), 2),
         p90_ttft_ms=round(1000 * _quantile([r["ttft_s"] for r in records], 0.9), 2),
         prompt_tokens=sum(r["prompt_tokens"] for r in records),
@@ -159,6 +160,7 @@ def run_config(name: str, flags: dict, base: dict, workload: Workload, concurren
         device_hit_tokens=allocator.stats.hits - stats_before[0],
         cpu_restored_tokens=allocator.stats.external_hits - stats_before[1],
         blocks_offloaded=offload.num_offloaded if offload is not None else 0,
+        blocks_restored=offload.num_restored if offload is not None else 0,
         wall_s=round(wall, 2),
     )
     tokens = {r["request"]: r["tokens"] for r in records}

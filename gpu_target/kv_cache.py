@@ -55,8 +55,9 @@ class BlockAllocator:
 
     Blocks below ``first_block`` are never handed out: the CUDA-graph runner points its
     padding tokens at block 0. With an `offload` tier (gpu_target/kv_offload.py), a cached
-    block about to be reused is first copied there, and a prefix block found there is
-    copied back instead of recomputed. `hit_count_log` counts where prompts' blocks were found.
+    block is copied there when its last user frees it (evicting it later copies nothing),
+    and a prefix's blocks found there are copied back instead of recomputed.
+    `hit_count_log` counts where prompts' blocks were found.
     """
 
     def __init__(
@@ -94,25 +95,37 @@ class BlockAllocator:
         old_hash = self._block_to_hash.pop(block, None)
         if old_hash is not None:
             del self._hash_to_block[old_hash]
-            if self.offload is not None:
-                self.offload.offload(old_hash, block, self._uses[block])
+        if self.offload is not None:
+            self.offload.before_reuse(block)
         self.ref_counts[block] = 1
         self._uses[block] = 1
         return block
 
     def free(self, block: int) -> None:
+        self._copy_out([block] if self._release(block) else [])
+
+    def free_all(self, blocks: Sequence[int]) -> None:
+        freed = [block for block in reversed(blocks) if self._release(block)]  # the tail first: evicted first
+        self._copy_out(freed[::-1])
+
+    def _release(self, block: int) -> bool:
+        """Drop one reference; whether the block became free while caching a prefix block."""
         self.ref_counts[block] -= 1
         if self.ref_counts[block] < 0:
             raise RuntimeError(f"block {block} freed more often than allocated")
-        if self.ref_counts[block] == 0:
-            self._free[block] = None
-            if block not in self._block_to_hash:
-                # Nothing to keep (a partial block, a dropped tree's): reused before any cached one.
-                self._free.move_to_end(block, last=False)
+        if self.ref_counts[block] > 0:
+            return False
+        self._free[block] = None
+        if block not in self._block_to_hash:
+            # Nothing to keep (a partial block, a dropped tree's): reused before any cached one.
+            self._free.move_to_end(block, last=False)
+            return False
+        return True
 
-    def free_all(self, blocks: Sequence[int]) -> None:
-        for block in reversed(blocks):
-            self.free(block)
+    def _copy_out(self, blocks: list[int]) -> None:
+        """Hand cached blocks just freed, in prefix order, to the offload tier: one batch."""
+        if self.offload is not None and blocks:
+            self.offload.offload([(self._block_to_hash[block], block, self._uses[block]) for block in blocks])
 
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:
@@ -125,42 +138,36 @@ class BlockAllocator:
 
         `block_hashes` are the sequence's chained block hashes (`extend_block_hashes`). Each
         block is looked up in device memory, then in the offload tier (copied back into a
-        new block). Never covers the last token: its logits must be computed, so at least
-        one token is left to prefill. Counts the lookup in `stats`, in tokens as vLLM does.
+        new block; all of a prompt's in one batch). Never covers the last token: its logits
+        must be computed, so at least one token is left to prefill. Counts the lookup in
+        `stats`, in tokens as vLLM does.
         """
         if not self.enable_prefix_caching:
             return []
         blocks: list[int] = []
-        num_restored = 0
+        restored_hashes: list[bytes] = []
+        restored_blocks: list[int] = []
         for hash_value in block_hashes[: (num_tokens - 1) // self.block_size]:
             block = self._hash_to_block.get(hash_value)
             if block is not None:
                 self._take(block)
-            elif self.offload is not None:
-                restored = self._restore(hash_value)
-                if restored is None:
+            elif self.offload is not None and hash_value in self.offload:
+                try:
+                    block = self.allocate()
+                except OutOfBlocks:
                     break
-                block = restored
-                num_restored += 1
+                self._hash_to_block[hash_value] = block
+                self._block_to_hash[block] = hash_value
+                restored_hashes.append(hash_value)
+                restored_blocks.append(block)
             else:
                 break
             blocks.append(block)
-        self._count(num_tokens, len(blocks) - num_restored, num_restored)
+        if restored_blocks:
+            for block, uses in zip(restored_blocks, self.offload.restore(restored_hashes, restored_blocks)):
+                self._uses[block] = uses + 1
+        self._count(num_tokens, len(blocks) - len(restored_blocks), len(restored_blocks))
         return blocks
-
-    def _restore(self, hash_value: bytes) -> Optional[int]:
-        """A new block holding the offload tier's copy of `hash_value`, registered; None if there is none (or no free block)."""
-        try:
-            restored = self.offload.restore(hash_value, self.allocate)
-        except OutOfBlocks:
-            return None
-        if restored is None:
-            return None
-        block, uses = restored
-        self._uses[block] = uses + 1
-        self._hash_to_block[hash_value] = block
-        self._block_to_hash[block] = hash_value
-        return block
 
     def _count(self, num_tokens: int, gpu_blocks: int, cpu_blocks: int) -> None:
         bs = self.block_size

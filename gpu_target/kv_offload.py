@@ -1,80 +1,57 @@
 """TACO-LLM's prefix cache offload: a CPU block pool under the device's prefix cache.
 
-When the block allocator evicts a cached block (its slot is about to hold other KV), the
-block's K and V of every layer are copied into a CPU pool under the block's content hash;
-a later prompt whose prefix hashes to it gets the copy written back into a fresh device
-block instead of recomputing it (TACO-LLM: `--enable-prefix-cache-offload`; vLLM V1 does
-the same through its CPU offloading connector).
+A cached block is copied to the CPU pool, under its content hash, when its last user frees
+it (write-through at free time, as vLLM V1's CPU offloading connector and LMCache store
+blocks once computed), so that evicting it later for a new allocation only drops the
+device copy: no copy sits between the scheduler and the prefill that needs the block. A
+later prompt whose prefix hashes to a block no longer on the device gets the copy written
+back into a fresh device block instead of recomputing it, its blocks in one batch
+(TACO-LLM: `--enable-prefix-cache-offload`).
 
-On CUDA the pool is pinned host memory and every copy runs on a side stream, after the
-work already queued on the compute stream and before any work queued after it: the host
-never waits, and the block's slot is overwritten, or a restored block read, only once its
-copy is done. On the CPU the copies are plain synchronous copies. The pool replaces its
-least recently used entries; an entry being restored is held out of that choice.
+Copies run asynchronously (gpu_target/kv_host_pool.py). A device block whose copy out may
+still be in flight is reused only after it: the compute stream waits for it when the block
+is allocated again. That one wait orders everything else, as every copy starts after the
+compute stream's queued work and the compute stream waits for every restore: a slot is
+read back only once its block was reused (a hash leaves the device only so), hence after
+its copy in, and a slot is refilled only after the restores queued before. The pool holds copies of blocks also still on the
+device (an inclusive tier), so it pays off when larger than the device cache; it replaces
+its least recently freed or restored entries.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import OrderedDict
-from typing import Callable, Iterator, Optional
-
-import torch
+from typing import Sequence
 
 from gpu_target.kv_cache import KVCachePool
+from gpu_target.kv_host_pool import Handle, HostKVPool
 
 logger = logging.getLogger("hetero")
 
 HIT_COUNT_INTERVAL = 100  # prompt blocks between two `[HIT CNT]` lines (TACO-LLM's)
-# The pool is allocated in chunks of at most this many bytes: PyTorch's pinned-memory
-# allocator rounds every allocation up to a power of two, which would waste up to half of
-# one big pool; only the last chunk's rounding is lost this way.
-_CHUNK_BYTES = 2**28
 
 
 class PrefixCacheOffload:
-    """`num_blocks` CPU copies of device KV blocks, each filed under its chained content hash.
+    """Copies of device KV blocks in `host`'s slots, each filed under its chained content hash.
 
     A block is taken in only once it has been used `min_access_threshold` times (computed
     once, then found by later prompts), TACO-LLM's `--apc-offload-min-access-threshold`.
     """
 
-    def __init__(self, kv_pool: KVCachePool, num_blocks: int, min_access_threshold: int = 1):
-        if num_blocks < 1:
-            raise ValueError(f"cpu_offload_gib holds no KV block (one block takes {self.block_bytes(kv_pool)} bytes)")
-        self.kv_pool = kv_pool
-        self.num_blocks = num_blocks
+    def __init__(self, host: HostKVPool, min_access_threshold: int = 1):
+        self.host = host
+        self.num_blocks = host.num_blocks
         self.min_access_threshold = min_access_threshold
-        layers, kv, _, block_size, heads, head_dim = kv_pool.storage.shape
-        device = kv_pool.storage.device
-        cuda = device.type == "cuda"
-        self._blocks_per_chunk = max(1, _CHUNK_BYTES // self.block_bytes(kv_pool))
-        self._chunks = [
-            torch.empty(
-                (min(self._blocks_per_chunk, num_blocks - first), layers, kv, block_size, heads, head_dim),
-                dtype=kv_pool.storage.dtype, pin_memory=cuda,
-            )
-            for first in range(0, num_blocks, self._blocks_per_chunk)
-        ]
-        self._stream = torch.cuda.Stream(device) if cuda else None
         self._entries: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # hash -> (slot, uses), oldest first
-        self._free_slots = list(range(num_blocks - 1, -1, -1))
+        self._free_slots = list(range(host.num_blocks - 1, -1, -1))
+        self._copy_out_of_block: dict[int, Handle] = {}  # device block -> its copy out, maybe in flight
         self.num_offloaded = 0  # blocks copied to the CPU
         self.num_restored = 0  # blocks copied back to the device
-
-    @staticmethod
-    def block_bytes(kv_pool: KVCachePool) -> int:
-        storage = kv_pool.storage
-        return storage[:, :, 0].numel() * storage.element_size()
 
     @classmethod
     def sized(cls, kv_pool: KVCachePool, gib: float, min_access_threshold: int = 1) -> "PrefixCacheOffload":
         """A pool of as many blocks as `gib` GiB of host memory holds (`--cpu-offload-gib`)."""
-        return cls(kv_pool, int(gib * 2**30 // cls.block_bytes(kv_pool)), min_access_threshold)
-
-    def host_block(self, slot: int) -> torch.Tensor:
-        """The CPU copy in `slot`: [layers, 2, block_size, num_kv_heads, head_dim]."""
-        return self._chunks[slot // self._blocks_per_chunk][slot % self._blocks_per_chunk]
+        return cls(HostKVPool(kv_pool, int(gib * 2**30 // HostKVPool.block_bytes(kv_pool))), min_access_threshold)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -82,64 +59,61 @@ class PrefixCacheOffload:
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._entries
 
-    def offload(self, block_hash: bytes, block: int, uses: int) -> bool:
-        """Keep a copy of device block `block` (about to be reused) under `block_hash`; whether one is kept.
+    def offload(self, freed: Sequence[tuple[bytes, int, int]]) -> int:
+        """Copy out blocks just freed, in prefix order, as (hash, device block, uses so far); how many
+        copies were queued.
 
-        A hash already held only becomes the most recently used: equal hashes mean equal KV.
+        A hash already held only becomes more recently used: equal hashes mean equal KV.
+        Entries enter tail first, so that a prefix's tail is replaced before its head (as the
+        device evicts), in ascending slots, so that a prefix comes back in few transfers. The
+        blocks stay cached on the device; their copies run while it goes on computing.
         """
-        if block_hash in self._entries:
+        fresh = []
+        for block_hash, block, uses in reversed(freed):
+            if block_hash in self._entries:
+                slot, held_uses = self._entries.pop(block_hash)
+                self._entries[block_hash] = (slot, max(uses, held_uses))
+            elif uses >= self.min_access_threshold:
+                fresh.append((block_hash, block, uses))
+        fresh = fresh[::-1][: self.num_blocks]  # prefix order; a prefix's head is worth more than its tail
+        if not fresh:
+            return 0
+        slots = sorted(self._take_slot() for _ in fresh)
+        for (block_hash, _, uses), slot in reversed(list(zip(fresh, slots))):
+            self._entries[block_hash] = (slot, uses)
+        blocks = [block for _, block, _ in fresh]
+        handle = self.host.to_host(blocks, slots)
+        for block in blocks:
+            self._copy_out_of_block[block] = handle
+        self.num_offloaded += len(blocks)
+        return len(blocks)
+
+    def _take_slot(self) -> int:
+        """A free slot, or the least recently used entry's."""
+        return self._free_slots.pop() if self._free_slots else self._entries.popitem(last=False)[1][0]
+
+    def before_reuse(self, block: int) -> None:
+        """Device `block` is about to hold other KV: the compute stream first waits for its copy out."""
+        handle = self._copy_out_of_block.pop(block, None)
+        if handle is not None:
+            self.host.compute_waits(handle)
+
+    def restore(self, hashes: Sequence[bytes], blocks: Sequence[int]) -> list[int]:
+        """Copy the blocks held under `hashes` into device `blocks` (just allocated), one batch;
+        each one's uses so far.
+
+        Every hash must be held. The entries stay in the pool (freeing the blocks again needs
+        no copy) as the most recently used.
+        """
+        slots, uses = [], []
+        for block_hash in hashes:
             slot, held_uses = self._entries.pop(block_hash)
-            self._entries[block_hash] = (slot, max(uses, held_uses))
-            return True
-        if uses < self.min_access_threshold:
-            return False
-        if self._free_slots:
-            slot = self._free_slots.pop()
-        elif self._entries:
-            _, (slot, _) = self._entries.popitem(last=False)
-        else:
-            return False  # every slot is held by restores in progress
-        self._copy(self.host_block(slot), self.kv_pool.storage[:, :, block])
-        self._entries[block_hash] = (slot, uses)
-        self.num_offloaded += 1
-        return True
-
-    def restore(self, block_hash: bytes, allocate_block: Callable[[], int]) -> Optional[tuple[int, int]]:
-        """Copy the block held under `block_hash` into a device block from `allocate_block()`.
-
-        Returns (device block, uses so far), or None when the hash is not held. The entry
-        stays in the pool (a later eviction of the block needs no copy) and is held out of
-        replacement while `allocate_block` evicts, so the copy it reads is still its own.
-        Whatever `allocate_block` raises propagates.
-        """
-        with self._held(block_hash) as entry:
-            if entry is None:
-                return None
-            slot, uses = entry
-            block = allocate_block()
-            self._copy(self.kv_pool.storage[:, :, block], self.host_block(slot))
-        self.num_restored += 1
-        return block, uses
-
-    @contextlib.contextmanager
-    def _held(self, block_hash: bytes) -> Iterator[Optional[tuple[int, int]]]:
-        entry = self._entries.pop(block_hash, None)
-        try:
-            yield entry
-        finally:
-            if entry is not None:
-                self._entries[block_hash] = entry  # back as the most recently used
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst <- src in the compute stream's order, without the host waiting on CUDA."""
-        if self._stream is None:
-            dst.copy_(src)
-            return
-        compute = torch.cuda.current_stream(self.kv_pool.storage.device)
-        self._stream.wait_stream(compute)  # after the kernels that wrote the block
-        with torch.cuda.stream(self._stream):
-            dst.copy_(src, non_blocking=True)
-        compute.wait_stream(self._stream)  # before the kernels that overwrite or read it
+            self._entries[block_hash] = (slot, held_uses)
+            slots.append(slot)
+            uses.append(held_uses)
+        self.host.to_device(slots, blocks)
+        self.num_restored += len(blocks)
+        return uses
 
 
 class HitCountLog:

@@ -142,7 +142,7 @@ class _SnapshotCollector:
             "external_prefix_cache_hits", "Prompt tokens whose KV was restored from the CPU offload tier.", s.external_prefix_cache_hits
         )
         yield self._counter(
-            "prefix_cache_offloaded_blocks", "KV blocks copied to the CPU offload tier on eviction.", s.prefix_cache_offloaded_blocks
+            "prefix_cache_offloaded_blocks", "KV blocks copied to the CPU offload tier (when freed).", s.prefix_cache_offloaded_blocks
         )
         yield self._counter("spec_decode_num_steps", "Verification steps (one per speculated sequence per step).", s.spec_num_steps)
         yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", s.spec_num_draft_tokens)

@@ -120,9 +120,9 @@ class EngineConfig:
     num_gpu_blocks_override: Optional[int] = None  # KV blocks, whatever memory says (vLLM's name; any device)
     block_size: int = 16
     enable_prefix_caching: bool = True  # on by default, as in vLLM V1
-    # TACO-LLM's prefix cache offload: cached blocks evicted from the device's KV memory are
-    # copied to a CPU block pool (`cpu_offload_gib` GiB) and restored on a hit instead of
-    # recomputed (gpu_target/kv_offload.py). A block is offloaded once it has been used
+    # TACO-LLM's prefix cache offload: cached blocks are copied to a CPU block pool
+    # (`cpu_offload_gib` GiB) when freed, and restored on a hit once evicted from the device's
+    # KV memory instead of recomputed (gpu_target/kv_offload.py). A block is offloaded once it has been used
     # `apc_offload_min_access_threshold` times; `apc_offload_enable_hit_cnt` logs where
     # prompts' blocks were found every 100 of them.
     enable_prefix_cache_offload: bool = False

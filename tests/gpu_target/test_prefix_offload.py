@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import Callable
 
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpu_target import kv_offload
+from gpu_target import kv_host_pool, kv_offload
 from gpu_target.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks, extend_block_hashes
+from gpu_target.kv_host_pool import HostKVPool
 from gpu_target.kv_offload import HitCountLog, PrefixCacheOffload
 from gpu_target.loader import load_config
 from gpu_target.model_config import ModelConfig
@@ -53,50 +55,86 @@ def _hashes(tokens: list[int]) -> list[bytes]:
 
 
 # --------------------------------------------------------------- the CPU pool
-def test_offload_round_trip_restores_bit_identical_kv():
-    pool = _pool(4)
+class DeferredCopies(HostKVPool):
+    """A device's latest timing, on the CPU: a copy out runs only once something waits for
+    it (and the copies queued before it first, in stream order), reading the device block
+    as it is by then; a copy in runs when queued, as the compute stream waits for it at once."""
+
+    def __init__(self, kv_pool: KVCachePool, num_blocks: int):
+        super().__init__(kv_pool, num_blocks)
+        for chunk in self._chunks:
+            chunk.fill_(float("nan"))  # what a slot holds before its copy lands: nothing to rely on
+        self.pending: list[tuple[object, Callable[[], None]]] = []
+        self.num_waited_for = 0  # copies out run because something waited for them
+
+    def to_host(self, blocks, slots):
+        handle, blocks, slots = object(), list(blocks), list(slots)
+        self.pending.append((handle, lambda: HostKVPool.to_host(self, blocks, slots)))
+        return handle
+
+    def compute_waits(self, handle) -> None:
+        while any(queued is handle for queued, _ in self.pending):
+            self.pending.pop(0)[1]()
+            self.num_waited_for += 1
+
+    def drain(self) -> None:
+        while self.pending:
+            self.pending.pop(0)[1]()
+
+
+def _offload(pool: KVCachePool, num_blocks: int, min_access_threshold: int = 1, host=HostKVPool) -> PrefixCacheOffload:
+    return PrefixCacheOffload(host(pool, num_blocks), min_access_threshold)
+
+
+def test_host_pool_round_trip_is_bit_identical_across_chunks_and_staging_pieces(monkeypatch):
+    pool = _pool(10)
+    block_bytes = HostKVPool.block_bytes(pool)
+    monkeypatch.setattr(kv_host_pool, "_CHUNK_BYTES", 3 * block_bytes)
+    monkeypatch.setattr(kv_host_pool, "_STAGING_BYTES", 2 * block_bytes)
+    host = HostKVPool(pool, 7)
+    assert [len(chunk) for chunk in host._chunks] == [3, 3, 1]
     pool.storage.normal_()
-    original = pool.storage[:, :, 2].clone()
-    offload = PrefixCacheOffload(pool, num_blocks=2)
-    assert offload.offload(b"h", 2, uses=1) and b"h" in offload
-    pool.storage[:, :, 2].normal_()  # the slot is reused by another sequence
-    block, uses = offload.restore(b"h", lambda: 3)
-    assert (block, uses) == (3, 1)
-    assert torch.equal(pool.storage[:, :, 3], original)
-    assert b"h" in offload  # still held: evicting the block again needs no copy
-    assert (offload.num_offloaded, offload.num_restored) == (1, 1)
-    assert offload.restore(b"other", lambda: pytest.fail("nothing to restore, nothing to allocate")) is None
+    original = pool.storage.clone()
+    blocks, slots = [9, 2, 5, 0, 7, 3, 1], [2, 3, 4, 6, 0, 5, 1]  # runs of slots across chunk edges
+    assert host.to_host(blocks, slots) is None  # the CPU's copies are done when queued
+    for block, slot in zip(blocks, slots):
+        assert torch.equal(host.host_block(slot), original[:, :, block])
+    pool.storage.zero_()
+    targets = [4, 5, 6, 7, 8, 9, 0]
+    host.to_device(slots, targets)
+    for block, target in zip(blocks, targets):
+        assert torch.equal(pool.storage[:, :, target], original[:, :, block])
 
 
 def test_offload_keeps_blocks_used_often_enough_and_replaces_the_least_recent():
     pool = _pool(4)
-    offload = PrefixCacheOffload(pool, num_blocks=2, min_access_threshold=2)
-    assert not offload.offload(b"once", 0, uses=1)
-    assert offload.offload(b"a", 1, uses=2) and offload.offload(b"b", 2, uses=3)
-    offload.offload(b"a", 1, uses=2)  # a again: now the most recently used, not copied twice
-    assert offload.offload(b"c", 3, uses=2)
+    pool.storage.normal_()
+    offload = _offload(pool, 2, min_access_threshold=2)
+    assert offload.offload([(b"once", 0, 1)]) == 0
+    assert offload.offload([(b"a", 1, 2), (b"b", 2, 3)]) == 2
+    assert offload.offload([(b"a", 1, 2)]) == 0  # a again: now the most recently used, not copied twice
+    assert offload.offload([(b"c", 3, 2)]) == 1
     assert [h in offload for h in (b"a", b"b", b"c", b"once")] == [True, False, True, False]
     assert offload.num_offloaded == 3
-
-
-def test_a_pool_in_several_chunks_keeps_every_block_apart(monkeypatch):
-    pool = _pool(8)
-    monkeypatch.setattr(kv_offload, "_CHUNK_BYTES", 3 * PrefixCacheOffload.block_bytes(pool))
-    offload = PrefixCacheOffload(pool, num_blocks=7)
-    assert [len(chunk) for chunk in offload._chunks] == [3, 3, 1]
-    pool.storage.normal_()
     original = pool.storage.clone()
-    for block in range(7):
-        offload.offload(bytes([block]), block, uses=1)
     pool.storage.zero_()
-    for block in range(7):
-        offload.restore(bytes([block]), lambda: block)
-    assert torch.equal(pool.storage[:, :, :7], original[:, :, :7])
+    assert offload.restore([b"a", b"c"], [0, 2]) == [2, 2]
+    assert torch.equal(pool.storage[:, :, 0], original[:, :, 1]) and torch.equal(pool.storage[:, :, 2], original[:, :, 3])
+    assert b"a" in offload and offload.num_restored == 2  # still held: freeing the block again needs no copy
+
+
+def test_a_freed_prefix_takes_adjacent_slots_and_its_tail_is_replaced_first():
+    pool = _pool(6)
+    offload = _offload(pool, 4)
+    offload.offload([(b"h0", 0, 1), (b"h1", 1, 1), (b"h2", 2, 1)])  # a prefix, head first
+    assert [offload._entries[h][0] for h in (b"h0", b"h1", b"h2")] == [0, 1, 2]
+    offload.offload([(b"x", 3, 1), (b"y", 4, 1)])  # full: the prefix's tail goes first
+    assert [h in offload for h in (b"h0", b"h1", b"h2")] == [True, True, False]
 
 
 def test_pool_size_comes_from_cpu_offload_gib():
     pool = _pool(4)
-    block_bytes = PrefixCacheOffload.block_bytes(pool)
+    block_bytes = HostKVPool.block_bytes(pool)
     assert block_bytes == KVCachePool.bytes_per_block(TINY_CONFIG, BLOCK, torch.float32)
     assert PrefixCacheOffload.sized(pool, 5.5 * block_bytes / 2**30).num_blocks == 5
     with pytest.raises(ValueError, match="cpu_offload_gib"):
@@ -105,78 +143,128 @@ def test_pool_size_comes_from_cpu_offload_gib():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the asynchronous copies are CUDA's")
 def test_cuda_copies_are_ordered_with_the_compute_stream_without_waiting_on_the_host():
-    """Blocks overwritten right after their offload is queued, and read right after their
-    restore is queued, with no synchronisation in between: the copies still see, and
-    deliver, the KV of their own moment."""
+    """Blocks freed (copied out), evicted and overwritten at once, then restored and read at
+    once, with no synchronisation in between: the copies still see, and deliver, the KV of
+    their own moment."""
     config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=1024, num_layers=32, num_heads=8,
                          num_kv_heads=8, head_dim=128, intermediate_size=32)
-    pool = KVCachePool(config, 32, BLOCK, torch.bfloat16, "cuda")  # Llama-3-8B-sized 2 MiB blocks: copies that take a while
-    offload = PrefixCacheOffload(pool, num_blocks=16)
+    pool = KVCachePool(config, 33, BLOCK, torch.bfloat16, "cuda")  # Llama-3-8B-sized 2 MiB blocks: copies that take a while
+    allocator = BlockAllocator(32, BLOCK, True, first_block=1, offload=_offload(pool, 64))
+    tokens = list(range(16 * BLOCK + 1))
+    hashes = _hashes(tokens)
+    table = [allocator.allocate() for _ in range(16)]
     pool.storage.normal_()
-    expected = pool.storage[:, :, :16].clone()
-    for block in range(16):
-        offload.offload(bytes([block]), block, uses=1)
+    expected = pool.storage[:, :, table].clone()
+    allocator.register_blocks(hashes, table)
+    allocator.free_all(table)  # copies out queued
+    others = [allocator.allocate() for _ in range(32)]  # every block, the prefix's evicted
     pool.storage.normal_()  # queued at once on the compute stream: must wait for the copies out
-    for block in range(16):
-        offload.restore(bytes([block]), lambda: 16 + block)
-    restored = pool.storage[:, :, 16:].clone()  # queued at once: must wait for the copies in
+    allocator.free_all(others)
+    restored = allocator.match_prefix(hashes, len(tokens))
+    assert allocator.stats.external_hits == 16 * BLOCK
+    kv = pool.storage[:, :, restored].clone()  # queued at once: must wait for the copies in
     torch.cuda.synchronize()
-    assert torch.equal(restored, expected)
+    assert torch.equal(kv, expected)
 
 
 # ------------------------------------------------------- the allocator's hook
+def test_blocks_are_copied_out_when_freed_and_evicting_them_copies_nothing(monkeypatch):
+    pool = _pool(4)
+    offload = _offload(pool, 8)
+    allocator = BlockAllocator(4, BLOCK, True, offload=offload)
+    copies_out, copies_in = [], []
+    to_host, to_device = offload.host.to_host, offload.host.to_device
+    monkeypatch.setattr(offload.host, "to_host", lambda blocks, slots: copies_out.append(list(blocks)) or to_host(blocks, slots))
+    monkeypatch.setattr(offload.host, "to_device", lambda slots, blocks: copies_in.append(list(slots)) or to_device(slots, blocks))
+    tokens = list(range(3 * BLOCK + 5))
+    hashes = _hashes(tokens)
+    table = [allocator.allocate() for _ in range(4)]
+    for block, block_hash in zip(table, hashes):
+        _compute(pool, block, block_hash)
+    allocator.register_blocks(hashes, table)
+    assert copies_out == []
+    allocator.free_all(table)
+    assert copies_out == [table[:3]]  # one batch at free time, the partial block not copied
+    fill = [allocator.allocate() for _ in range(4)]  # evicts the three cached blocks
+    assert not any(h in allocator._hash_to_block for h in hashes)
+    assert copies_out == [table[:3]] and offload.num_offloaded == 3  # eviction copied nothing
+    pool.storage[:, :, fill] = 0.0
+    allocator.free_all(fill)
+    restored = allocator.match_prefix(hashes, len(tokens))
+    assert copies_in == [[0, 1, 2]]  # one batch from adjacent slots
+    for block, block_hash in zip(restored, hashes):
+        assert torch.equal(pool.storage[:, :, block], _content(block_hash, pool))
+    allocator.free_all(restored)
+    assert copies_out == [table[:3]]  # held already: not copied again
+
+
 def test_blocks_that_cache_nothing_are_reused_before_cached_ones():
     """Speculative steps and run-ahead windows take blocks and hand them back every step:
     they must not wear the prefix cache (or, with offload, copy a block out every step)."""
     pool = _pool(3)
-    allocator = BlockAllocator(3, BLOCK, True, offload=PrefixCacheOffload(pool, num_blocks=2))
+    allocator = BlockAllocator(3, BLOCK, True, offload=_offload(pool, 2))
     hashes = _hashes(list(range(17)))
     cached = allocator.allocate()
     allocator.register_blocks(hashes, [cached])
     allocator.free(cached)
+    assert allocator.offload.num_offloaded == 1
     for _ in range(5):  # a tree's block, taken and dropped again
         allocator.free(allocator.allocate())
-    assert allocator.offload.num_offloaded == 0
+    assert allocator.offload.num_offloaded == 1
     assert allocator.match_prefix(hashes, 17) == [cached] and allocator.stats.hits == BLOCK
 
 
 def test_access_threshold_counts_the_computing_sequence_and_every_hit():
     pool = _pool(2)
-    allocator = BlockAllocator(1, BLOCK, True, offload=PrefixCacheOffload(pool, num_blocks=2, min_access_threshold=2))
+    allocator = BlockAllocator(1, BLOCK, True, offload=_offload(pool, 2, min_access_threshold=2))
     once, twice = _hashes(list(range(17))), _hashes(list(range(50, 67)))
     for hashes in (once, twice):
         block = allocator.allocate()
         allocator.register_blocks(hashes, [block])
         allocator.free(block)
+        assert hashes[0] not in allocator.offload  # used once
         if hashes is twice:
             allocator.free_all(allocator.match_prefix(hashes, 17))  # a second use, from the device cache
-    allocator.free(allocator.allocate())  # evicts `twice`, used twice: offloaded
     assert twice[0] in allocator.offload and once[0] not in allocator.offload
 
 
-def test_a_restore_is_never_overwritten_by_the_eviction_it_causes():
-    """One CPU slot, holding the block being restored: the block evicted to make room is not copied over it."""
-    pool = _pool(1)
-    allocator = BlockAllocator(1, BLOCK, True, offload=PrefixCacheOffload(pool, num_blocks=1))
-    a, b = _hashes(list(range(17))), _hashes(list(range(100, 117)))
-    for hashes in (a, b):  # computing b evicts a to the CPU
-        block = allocator.allocate()
-        _compute(pool, block, hashes[0])
-        allocator.register_blocks(hashes, [block])
-        allocator.free(block)
-    (restored,) = allocator.match_prefix(a, 17)  # evicts b towards the full pool, which holds a
-    assert torch.equal(pool.storage[:, :, restored], _content(a[0], pool))
-    assert allocator.stats.external_hits == BLOCK and b[0] not in allocator.offload
+@pytest.mark.parametrize("waits", [True, False])
+def test_a_block_reused_while_its_copy_out_is_pending_is_copied_first(monkeypatch, waits):
+    """The block is evicted and overwritten by its next owner before its copy out ran: the
+    allocator makes the compute stream wait for that copy. Without the wait (`waits`
+    False, the check that this test can fail) the copy would read the new owner's KV, or
+    the restore a slot the copy has not filled yet."""
+    pool = _pool(2)
+    host = DeferredCopies(pool, 4)
+    allocator = BlockAllocator(2, BLOCK, True, offload=PrefixCacheOffload(host))
+    if not waits:
+        monkeypatch.setattr(allocator.offload, "before_reuse", lambda block: None)
+    hashes = _hashes(list(range(17)))
+    block = allocator.allocate()
+    _compute(pool, block, hashes[0])
+    allocator.register_blocks(hashes, [block])
+    allocator.free(block)
+    assert len(host.pending) == 1  # queued, not run
+    others = [allocator.allocate(), allocator.allocate()]
+    assert block in others and hashes[0] not in allocator._hash_to_block
+    for other in others:
+        pool.storage[:, :, other].normal_()  # the new owners' KV
+    allocator.free_all(others)
+    (restored,) = allocator.match_prefix(hashes, 17)
+    host.drain()
+    assert torch.equal(pool.storage[:, :, restored], _content(hashes[0], pool)) == waits
 
 
+@pytest.mark.parametrize("host", [HostKVPool, DeferredCopies])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_blocks_served_under_random_eviction_pressure_are_never_stale(seed):
+def test_blocks_served_under_random_eviction_pressure_are_never_stale(seed, host):
     """The engine's use, modelled: prompts of shared prefixes come and go through a small
     device cache over a smaller CPU pool; every block the prefix cache hands out holds the
-    KV of its own hash, whether it stayed on the device or came back from the CPU."""
+    KV of its own hash, whether it stayed on the device or came back from the CPU, also
+    when copies out run as late as the device may run them."""
     rng = random.Random(seed)
     pool = _pool(9)
-    allocator = BlockAllocator(8, BLOCK, True, first_block=1, offload=PrefixCacheOffload(pool, num_blocks=5))
+    allocator = BlockAllocator(8, BLOCK, True, first_block=1, offload=_offload(pool, 5, host=host))
     stems = [[rng.randrange(1000) for _ in range(BLOCK * 3)] for _ in range(4)]
     live: list[list[int]] = []
     for _ in range(400):
@@ -194,8 +282,10 @@ def test_blocks_served_under_random_eviction_pressure_are_never_stale(seed):
             if live:
                 allocator.free_all(live.pop(0))
             continue
-        for index in range(num_cached, len(hashes)):
-            _compute(pool, table[index], hashes[index])
+        for index in range(num_cached, len(table)):
+            pool.storage[:, :, table[index]] = (
+                _content(hashes[index], pool) if index < len(hashes) else torch.randn(pool.storage[:, :, 0].shape)
+            )
         allocator.register_blocks(hashes, table[: len(hashes)])
         live.append(table)
         while len(live) > rng.randint(0, 2):
@@ -267,6 +357,20 @@ def test_outputs_are_identical_with_caching_and_offload_on_or_off_under_eviction
     assert stats["offload"].hits + stats["offload"].external_hits > stats["cache"].hits  # evicted blocks came back
 
 
+def test_outputs_are_identical_with_copies_out_running_as_late_as_the_device_may(tiny_llama_dir, monkeypatch):
+    """The engine with every copy out deferred until something waits for it: blocks are
+    evicted and rewritten while their copies are pending, and outputs still match."""
+    chats = _conversations(num=6, turns=3, seed=2)
+    common = dict(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, max_num_seqs=3,
+                  kv_cache_space=_kv_blocks(tiny_llama_dir, 12))
+    plain = LLM(**common, enable_prefix_caching=False)
+    monkeypatch.setattr(kv_offload, "HostKVPool", DeferredCopies)
+    offload = LLM(**common, enable_prefix_cache_offload=True, cpu_offload_gib=_kv_blocks(tiny_llama_dir, 40))
+    assert _run_turns(offload, chats) == _run_turns(plain, chats)
+    allocator = offload.llm_engine.scheduler.allocator
+    assert allocator.stats.external_hits > 0 and allocator.offload.host.num_waited_for > 0
+
+
 def test_offload_with_speculation_and_preemption_stays_lossless(tiny_llama_dir):
     chats = _conversations(num=5, turns=3, seed=1)
     common = dict(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, max_num_seqs=4,
@@ -305,7 +409,8 @@ def test_a_restored_prefix_is_the_kv_a_fresh_run_computes(tiny_llama_dir):
     prompt = prefix + [7, 8, 9]
     common = dict(model=str(tiny_llama_dir), dtype="float32", max_model_len=96, batch_invariant=True,
                   kv_cache_space=_kv_blocks(tiny_llama_dir, 6))
-    engine = LLMEngine(EngineConfig(**common, enable_prefix_cache_offload=True, cpu_offload_gib=_kv_blocks(tiny_llama_dir, 16)))
+    # 24 CPU blocks hold every full block computed here (3 + 3 x 5): the tier is inclusive.
+    engine = LLMEngine(EngineConfig(**common, enable_prefix_cache_offload=True, cpu_offload_gib=_kv_blocks(tiny_llama_dir, 24)))
     first = _prefill(engine, "first", prefix + [1])
     for i in range(3):  # others take every device block: the prefix's slots now hold their KV
         _prefill(engine, f"other{i}", [rng.randrange(3, 320) for _ in range(5 * BLOCK)])
@@ -323,7 +428,7 @@ def test_a_restored_prefix_is_the_kv_a_fresh_run_computes(tiny_llama_dir):
 def test_metrics_count_prefix_cache_tokens_by_tier(tiny_llama_dir):
     engine = LLMEngine(EngineConfig(
         model=str(tiny_llama_dir), dtype="float32", max_model_len=96, kv_cache_space=_kv_blocks(tiny_llama_dir, 6),
-        enable_prefix_cache_offload=True, cpu_offload_gib=_kv_blocks(tiny_llama_dir, 16),
+        enable_prefix_cache_offload=True, cpu_offload_gib=_kv_blocks(tiny_llama_dir, 24),  # every full block computed
     ))
     rng = random.Random(2)
     prefix = [rng.randrange(3, 320) for _ in range(2 * BLOCK)]
