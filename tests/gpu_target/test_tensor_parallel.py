@@ -5,9 +5,12 @@ start-up; the tests share engines where they can.
 """
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -24,6 +27,7 @@ from hetero import LLM, SamplingParams
 from tiny_models import PROMPTS, save_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+_REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -237,11 +241,15 @@ def _generate_in_thread(llm, prompts, params, errors: list) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("when", ["between steps", "mid-run"])
-def test_a_killed_rank_is_an_error_not_a_hang(tiny_llama_dir, when):
+@pytest.mark.parametrize("when, one_shot_in_use", [("between steps", False), ("mid-run", False), ("mid-run", True)],
+                         ids=["between steps", "mid-run", "mid-run, watched as the one-shot"])
+def test_a_killed_rank_is_an_error_not_a_hang(tiny_llama_dir, when, one_shot_in_use):
+    """With the one-shot all-reduce in use, a death after which rank 0's work finishes (the
+    CPU's aborted collectives) is the same RankDiedError: the watchdog ends only a stuck process."""
     llm = LLM(model=str(tiny_llama_dir), max_model_len=512, dtype="float32", device="cpu", tensor_parallel_size=2)
     engine = llm.llm_engine
     ranks = engine._ranks
+    ranks.watchdog.one_shot_in_use = one_shot_in_use
     worker = ranks.processes[0]
     assert llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)  # healthy first
     errors: list[BaseException] = []
@@ -263,6 +271,79 @@ def test_a_killed_rank_is_an_error_not_a_hang(tiny_llama_dir, when):
     del llm, engine
     ranks.close()
     assert not any(p.is_alive() for p in ranks.processes)
+
+
+_KILL_A_RANK = pathlib.Path(__file__).with_name("tp_kill_a_rank.py")
+
+
+def _kill_a_rank(model_dir, *args: str) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """Run tp_kill_a_rank.py; its output and the worker pids it printed. The bound turns a hang
+    into a failure: start-up, a healthy generation and the end take well under it."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(_KILL_A_RANK), str(model_dir), *args], capture_output=True, text=True,
+                         env=env, timeout=150)
+    started = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return run, started[0]["workers"] if started else []
+
+
+def _gone(pid: int, within_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while os.path.exists(f"/proc/{pid}") and not _is_zombie(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
+
+
+def test_a_killed_rank_with_rank_0_stuck_in_a_one_shot_all_reduce_ends_the_process(tiny_llama_dir):
+    """Rank 0's thread blocked for good, as in a one-shot kernel waiting for a dead rank: the
+    watchdog ends the process with the error naming the rank, instead of hanging."""
+    run, workers = _kill_a_rank(tiny_llama_dir, "--stuck-rank0", "--grace", "1")
+    assert run.returncode == tp_worker.STUCK_EXIT_CODE, (run.returncode, run.stdout, run.stderr[-3000:])
+    assert "tensor-parallel rank 1 (pid" in run.stderr and "exited with code -9" in run.stderr
+    assert "disable_custom_all_reduce=True" in run.stderr
+    assert workers and all(_gone(pid) for pid in workers)
+
+
+def test_end_process_kills_the_surviving_workers_first(tmp_path):
+    """os._exit skips multiprocessing's atexit stop of daemonic children: without the kill, a
+    rank stuck on its GPU would outlive the engine."""
+    script = tmp_path / "end.py"
+    script.write_text(
+        "import multiprocessing, sys, time\n"
+        "from gpu_target import tp_worker\n"
+        "if __name__ == '__main__':\n"
+        "    context = multiprocessing.get_context('spawn')\n"
+        "    workers = [context.Process(target=time.sleep, args=(600,), daemon=True) for _ in range(2)]\n"
+        "    for w in workers: w.start()\n"
+        "    print(' '.join(str(w.pid) for w in workers), flush=True)\n"
+        "    tp_worker.end_process('rank 1 died; the test ends the process', workers)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == tp_worker.STUCK_EXIT_CODE, run.stderr
+    assert "rank 1 died; the test ends the process" in run.stderr
+    pids = [int(pid) for pid in run.stdout.split()]
+    assert len(pids) == 2 and all(_gone(pid) for pid in pids)
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("disable_custom_all_reduce", [True, False], ids=["nccl", "one-shot"])
+def test_a_rank_killed_on_two_gpus_ends_cleanly(tiny_llama_dir, disable_custom_all_reduce):
+    """Rank 1 stopped mid-generation, so that rank 0 waits for it in a collective, then killed.
+    NCCL: the abort frees rank 0, the engine raises RankDiedError and tears down. The one-shot
+    all-reduce: RankDiedError if rank 0's work still finished, else the watchdog's end of the
+    process; either way within the bound, naming rank 1, and no worker left."""
+    args = ["--device", "cuda"] + (["--disable-custom-all-reduce"] if disable_custom_all_reduce else [])
+    run, workers = _kill_a_rank(tiny_llama_dir, *args)
+    print(run.stdout, run.stderr[-3000:], sep="\n")  # the outcome, shown with -s
+    if disable_custom_all_reduce:
+        assert run.returncode == 3 and "RankDiedError: tensor-parallel rank 1" in run.stdout
+    else:
+        assert '"one_shot_in_use": true' in run.stdout
+        assert (run.returncode == tp_worker.STUCK_EXIT_CODE and "tensor-parallel rank 1 (pid" in run.stderr) or (
+            run.returncode == 3 and "RankDiedError: tensor-parallel rank 1" in run.stdout), (run.returncode, run.stdout)
+    if run.returncode == 3:
+        assert "teardown returned" in run.stdout
+    assert workers and all(_gone(pid) for pid in workers)
 
 
 def test_engine_release_stops_the_workers(tiny_llama_dir, monkeypatch):
