@@ -21,7 +21,8 @@ start-up every rank reports the phase it enters (loading weights, compiling kern
 each CUDA graph) in the group's store, and the watchdog also ends a start-up in which no rank
 has made progress for `STALL_TIMEOUT_S` (a deadlock, or a rank waiting for a message that never
 comes): the engine raises `RankStalledError`, naming each
-rank's last phase. A worker whose pipe closes (the coordinator is gone) exits; workers are
+rank's last phase. A worker whose pipe closes (the coordinator is gone) exits, and a thread of
+its own ends it when the coordinator's process is gone while it is stuck on its GPU; workers are
 daemonic and stopped by a finalizer, so none outlives the engine. At that stop each rank frees
 its CUDA graphs before its process group (graphs that captured NCCL collectives keep the
 communicator busy), then shuts the group down while its peers do (`release`). Gloo and NCCL
@@ -112,6 +113,7 @@ def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, group_nam
               num_threads: Optional[int], conn) -> None:
     """A worker's life: build the rank, then replay the coordinator's calls until told to stop.
     Its start-up takes the same steps, with the same collectives, as rank 0's in `RankGroup` and the engine."""
+    exit_with_parent()
     try:
         if cpus:
             os.sched_setaffinity(0, cpus)
@@ -154,6 +156,21 @@ def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, group_nam
         except OSError:
             pass
         raise SystemExit(1)
+
+
+def exit_with_parent() -> None:
+    """End this process as soon as the one that spawned it (the engine's) is gone, from a thread
+    of its own: a worker whose thread is stuck on its GPU (in a one-shot all-reduce waiting for
+    a rank 0 that was killed) never reads its pipe's end, and no one else would stop it."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="hetero-tp-parent-watch").start()
 
 
 def _replay(runner: ModelRunner, tp: TensorParallel, call: str, args: tuple) -> None:

@@ -11,6 +11,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -276,21 +277,39 @@ def test_a_killed_rank_is_an_error_not_a_hang(tiny_llama_dir, when, one_shot_in_
 _KILL_A_RANK = pathlib.Path(__file__).with_name("tp_kill_a_rank.py")
 
 
-def _kill_a_rank(model_dir, *args: str) -> tuple[subprocess.CompletedProcess, list[int]]:
-    """Run tp_kill_a_rank.py; its output and the worker pids it printed. The bound turns a hang
-    into a failure: start-up, a healthy generation and the end take well under it."""
+def _run_child(path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    """Run a Python script with this checkout first on its path. Its output goes through files,
+    not pipes, so that a grandchild left alive (what these tests look for) cannot hold the run
+    open; the bound turns a hang into a failure."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(_KILL_A_RANK), str(model_dir), *args], capture_output=True, text=True,
-                         env=env, timeout=150)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        code = subprocess.run([sys.executable, str(path), *args], stdout=out, stderr=err, env=env, timeout=timeout).returncode
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(path, code, out.read(), err.read())
+
+
+def _kill_a_rank(model_dir, *args: str) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """Run tp_kill_a_rank.py: its output and the worker pids it printed. Start-up, a healthy
+    generation and the end take well under the bound."""
+    run = _run_child(_KILL_A_RANK, str(model_dir), *args)
     started = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     return run, started[0]["workers"] if started else []
 
 
-def _gone(pid: int, within_s: float = 30.0) -> bool:
+def _all_gone(pids: list[int], within_s: float = 30.0) -> bool:
+    """Whether every process of `pids` has ended (zombies count) within `within_s`; any left are
+    then killed, so that a failing test leaves none behind."""
+    def alive(pid: int) -> bool:
+        return os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)
+
     deadline = time.monotonic() + within_s
-    while os.path.exists(f"/proc/{pid}") and not _is_zombie(pid) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
+    left = [pid for pid in pids if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return bool(pids) and not left
 
 
 def test_a_killed_rank_with_rank_0_stuck_in_a_one_shot_all_reduce_ends_the_process(tiny_llama_dir):
@@ -300,7 +319,7 @@ def test_a_killed_rank_with_rank_0_stuck_in_a_one_shot_all_reduce_ends_the_proce
     assert run.returncode == tp_worker.STUCK_EXIT_CODE, (run.returncode, run.stdout, run.stderr[-3000:])
     assert "tensor-parallel rank 1 (pid" in run.stderr and "exited with code -9" in run.stderr
     assert "disable_custom_all_reduce=True" in run.stderr
-    assert workers and all(_gone(pid) for pid in workers)
+    assert _all_gone(workers)
 
 
 def test_end_process_kills_the_surviving_workers_first(tmp_path):
@@ -317,12 +336,33 @@ def test_end_process_kills_the_surviving_workers_first(tmp_path):
         "    print(' '.join(str(w.pid) for w in workers), flush=True)\n"
         "    tp_worker.end_process('rank 1 died; the test ends the process', workers)\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    run = _run_child(script)
     assert run.returncode == tp_worker.STUCK_EXIT_CODE, run.stderr
     assert "rank 1 died; the test ends the process" in run.stderr
     pids = [int(pid) for pid in run.stdout.split()]
-    assert len(pids) == 2 and all(_gone(pid) for pid in pids)
+    assert len(pids) == 2 and _all_gone(pids)
+
+
+def test_a_worker_stuck_on_its_device_ends_with_the_engines_process(tmp_path):
+    """A worker whose thread never returns (as on a GPU spinning for a rank 0 that was killed)
+    exits once its parent is gone, instead of outliving it."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import multiprocessing, os, signal, time\n"
+        "from gpu_target import tp_worker\n"
+        "def stuck():\n"
+        "    tp_worker.exit_with_parent()\n"
+        "    time.sleep(600)\n"
+        "if __name__ == '__main__':\n"
+        "    worker = multiprocessing.get_context('spawn').Process(target=stuck, daemon=True)\n"
+        "    worker.start()\n"
+        "    print(worker.pid, flush=True)\n"
+        "    time.sleep(3)  # the worker's watch is up\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    run = _run_child(script)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    assert _all_gone([int(pid) for pid in run.stdout.split()])
 
 
 @TWO_GPUS
@@ -343,7 +383,7 @@ def test_a_rank_killed_on_two_gpus_ends_cleanly(tiny_llama_dir, disable_custom_a
             run.returncode == 3 and "RankDiedError: tensor-parallel rank 1" in run.stdout), (run.returncode, run.stdout)
     if run.returncode == 3:
         assert "teardown returned" in run.stdout
-    assert workers and all(_gone(pid) for pid in workers)
+    assert _all_gone(workers)
 
 
 def test_engine_release_stops_the_workers(tiny_llama_dir, monkeypatch):
