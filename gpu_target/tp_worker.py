@@ -15,8 +15,8 @@ all-reduces that fit go through the one-shot kernel instead (gpu_target/custom_a
 A worker that dies is seen through its process sentinel: before each call, and by a watchdog
 thread that aborts the group so that rank 0 is not left waiting in a collective; the engine
 then raises `RankDiedError`. The one-shot all-reduce's kernels cannot be aborted: when rank 0's
-device has not finished its work with the dead rank within `STUCK_GRACE_S`, the watchdog ends
-the process with `STUCK_EXIT_CODE` and an error naming the rank (see `Watchdog`). During
+device has not finished its work with the dead rank within `STUCK_GRACE_S` of the death, the
+watchdog ends the process with `STUCK_EXIT_CODE` and an error naming the rank (`Watchdog`). During
 start-up every rank reports the phase it enters (loading weights, compiling kernels, capturing
 each CUDA graph) in the group's store, and the watchdog also ends a start-up in which no rank
 has made progress for `STALL_TIMEOUT_S` (a deadlock, or a rank waiting for a message that never
@@ -65,7 +65,7 @@ _WATCH_PERIOD_S = 0.5
 _STOP_TIMEOUT_S = 10.0
 _DEATH_GRACE_S = 5.0
 # After a worker's death, how long rank 0's device may take to finish the work it was given
-# before it counts as stuck in a one-shot all-reduce waiting for the dead rank.
+# before it counts as stuck in a collective waiting for the dead rank (a one-shot all-reduce).
 STUCK_GRACE_S = 10.0
 STUCK_EXIT_CODE = 70  # the process's exit code then (BSD sysexits' EX_SOFTWARE)
 
@@ -357,14 +357,14 @@ class Watchdog:
     the workers are killed, since a live but stalled peer keeps gloo waiting despite the abort.
     Steps are not timed: a worker's death is what ends one (vLLM's rule too).
 
-    The abort reaches NCCL's kernels, not the one-shot all-reduce's: those spin on the device
-    until the dead rank's signal arrives, and rank 0's thread, waiting for the step's outputs,
-    with them. So with the one-shot all-reduce in use (`one_shot_in_use`), a death is followed
-    by a look at rank 0's latest `DeviceWork`: if the device has not finished it within
-    `STUCK_GRACE_S`, nothing can free the device or the thread, and the watchdog ends the process
-    (`end_process`), as vLLM's executor shuts the engine down when a worker dies
-    (vllm/v1/executor/multiproc_executor.py). Work that finishes means no kernel waits for the
-    dead rank: the engine then raises RankDiedError as with NCCL, and the process lives on."""
+    The abort reaches NCCL's kernels, not the one-shot all-reduce's (`one_shot_in_use`): those
+    spin on the device until the dead rank's signal arrives, and rank 0's thread, waiting for
+    the step's outputs, with them. So a death is also followed by a look at rank 0's latest
+    `DeviceWork`: if the device has not finished it within `STUCK_GRACE_S`, nothing will free
+    the device or the thread, and the watchdog ends the process (`end_process`), as vLLM's
+    executor shuts the engine down when a worker dies (vllm/v1/executor/multiproc_executor.py).
+    Work that finishes means no kernel waits for the dead rank: the engine raises RankDiedError
+    and the process lives on."""
 
     def __init__(self, processes: list, port: int, world_size: int, resources: "RankResources"):
         self.processes = processes
@@ -408,9 +408,10 @@ class Watchdog:
                         process.join(_DEATH_GRACE_S)  # its pipes close before it can be reaped
                 died = [(rank, p) for rank, p in enumerate(self.processes, start=1) if p.exitcode not in (0, None)]
                 if died:
+                    # Watched from a thread of its own: an abort can itself hang (NCCL's, with graphs alive).
+                    threading.Thread(target=self._end_process_if_stuck, args=died[0], daemon=True,
+                                     name="hetero-tp-stuck-watch").start()
                     self._abort()
-                    if self.one_shot_in_use:
-                        self._end_process_if_stuck(*died[0])
                 return
             busy = self._busy
             if busy is None or self._closed.is_set():
@@ -448,12 +449,13 @@ class Watchdog:
             if time.monotonic() > deadline:
                 break
             time.sleep(_WATCH_PERIOD_S)
+        why = (" (the one-shot all-reduce cannot be aborted; disable_custom_all_reduce=True keeps every all-reduce on "
+               "NCCL, whose collectives can)" if self.one_shot_in_use else "")
         end_process(
             f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode} while rank 0's "
-            f"device was {work.what}, which it has not finished {STUCK_GRACE_S:.0f} s later: its one-shot all-reduce "
-            f"waits for the dead rank, and unlike NCCL's collectives it cannot be aborted, so neither the device nor "
-            f"the engine's thread would ever be free again. Ending the process (exit code {STUCK_EXIT_CODE}); "
-            f"disable_custom_all_reduce=True keeps every all-reduce on NCCL, whose collectives are aborted instead.",
+            f"device was {work.what}, which it has not finished {STUCK_GRACE_S:.0f} s later: its collectives wait for "
+            f"the dead rank and the abort did not free them{why}, so neither the device nor the engine's thread would "
+            f"be free again. Ending the process (exit code {STUCK_EXIT_CODE}).",
             self.processes)
 
 
