@@ -16,9 +16,13 @@ than bfloat16 and float32, more bytes than the buffer, sizes not a multiple of 1
 everything where the one-shot path could not be set up on every rank (the CPU and gloo, no
 peer-to-peer access, a PyTorch without the operator), which the ranks agree on by a vote.
 
-The kernel waits for its peers at its barriers, so a rank that dies mid-step leaves the others'
-kernels spinning: the coordinator's watchdog sees the death, but the GPU work of the surviving
-ranks ends only with their processes (NCCL's collectives, by contrast, are aborted).
+The kernel waits for its peers at its barriers (a compare-and-swap loop on the signal pads,
+with no timeout or abort flag, unlike NCCL's kernels), so a rank that dies mid-step leaves the
+others' kernels spinning until their processes end. Releasing them by writing the dead rank's
+signals from another stream is not sound: nothing guarantees such a kernel a place beside the
+spinning ones, each later all-reduce of the step would need the same, and the step's outputs
+are garbage anyway. So the tensor-parallel watchdog ends the engine's process when rank 0's
+device stays stuck after a death (gpu_target/tp_worker.Watchdog).
 """
 from __future__ import annotations
 

@@ -10,15 +10,19 @@ in the engine process).
 
 Control goes over multiprocessing pipes, tensors over a torch.distributed process group made
 from a TCPStore without touching torch's global default group: ProcessGroupNCCL on CUDA
-(graph-capturable), ProcessGroupGloo on the CPU; with `disable_custom_all_reduce=False`, the
+(graph-capturable), ProcessGroupGloo on the CPU; unless `disable_custom_all_reduce`, the
 all-reduces that fit go through the one-shot kernel instead (gpu_target/custom_all_reduce.py).
 A worker that dies is seen through its process sentinel: before each call, and by a watchdog
 thread that aborts the group so that rank 0 is not left waiting in a collective; the engine
-then raises `RankDiedError`. During start-up every rank reports the phase it enters (loading
-weights, compiling kernels, capturing each CUDA graph) in the group's store, and the watchdog
-also ends a start-up in which no rank has made progress for `STALL_TIMEOUT_S` (a deadlock, or a
-rank waiting for a message that never comes): the engine raises `RankStalledError`, naming each
-rank's last phase. A worker whose pipe closes (the coordinator is gone) exits; workers are
+then raises `RankDiedError`. The one-shot all-reduce's kernels cannot be aborted: when rank 0's
+device has not finished its work with the dead rank within `STUCK_GRACE_S` of the death, the
+watchdog ends the process with `STUCK_EXIT_CODE` and an error naming the rank (`Watchdog`). During
+start-up every rank reports the phase it enters (loading weights, compiling kernels, capturing
+each CUDA graph) in the group's store, and the watchdog also ends a start-up in which no rank
+has made progress for `STALL_TIMEOUT_S` (a deadlock, or a rank waiting for a message that never
+comes): the engine raises `RankStalledError`, naming each
+rank's last phase. A worker whose pipe closes (the coordinator is gone) exits, and a thread of
+its own ends it when the coordinator's process is gone while it is stuck on its GPU; workers are
 daemonic and stopped by a finalizer, so none outlives the engine. At that stop each rank frees
 its CUDA graphs before its process group (graphs that captured NCCL collectives keep the
 communicator busy), then shuts the group down while its peers do (`release`). Gloo and NCCL
@@ -36,6 +40,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -59,6 +64,10 @@ STALL_TIMEOUT_S = 600.0  # start-up: no rank reported a new phase for this long 
 _WATCH_PERIOD_S = 0.5
 _STOP_TIMEOUT_S = 10.0
 _DEATH_GRACE_S = 5.0
+# After a worker's death, how long rank 0's device may take to finish the work it was given
+# before it counts as stuck in a collective waiting for the dead rank (a one-shot all-reduce).
+STUCK_GRACE_S = 10.0
+STUCK_EXIT_CODE = 70  # the process's exit code then (BSD sysexits' EX_SOFTWARE)
 
 
 class RankDiedError(RuntimeError):
@@ -104,6 +113,7 @@ def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, group_nam
               num_threads: Optional[int], conn) -> None:
     """A worker's life: build the rank, then replay the coordinator's calls until told to stop.
     Its start-up takes the same steps, with the same collectives, as rank 0's in `RankGroup` and the engine."""
+    exit_with_parent()
     try:
         if cpus:
             os.sched_setaffinity(0, cpus)
@@ -146,6 +156,21 @@ def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, group_nam
         except OSError:
             pass
         raise SystemExit(1)
+
+
+def exit_with_parent() -> None:
+    """End this process as soon as the one that spawned it (the engine's) is gone, from a thread
+    of its own: a worker whose thread is stuck on its GPU (in a one-shot all-reduce waiting for
+    a rank 0 that was killed) never reads its pipe's end, and no one else would stop it."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="hetero-tp-parent-watch").start()
 
 
 def _replay(runner: ModelRunner, tp: TensorParallel, call: str, args: tuple) -> None:
@@ -202,10 +227,11 @@ class RankGroup:
         try:
             with self.running("joining the process group"):
                 self.resources.group = make_group(_backend(spec), self.store, 0, world_size)
-            device = rank_device(spec, TensorParallel(0, world_size))
+            self.device = rank_device(spec, TensorParallel(0, world_size))
             with self.running("setting up the all-reduce"):
                 self.resources.one_shot = set_up_one_shot(spec.custom_all_reduce, self.resources.group, self.store,
-                                                      group_name, 0, world_size, device, spec.dtype)
+                                                          group_name, 0, world_size, self.device, spec.dtype)
+            self.watchdog.one_shot_in_use = self.resources.one_shot is not None
             self.tp = TensorParallel(0, world_size, self.resources.group, self.resources.one_shot)
         except BaseException:
             self.close()
@@ -216,13 +242,15 @@ class RankGroup:
         report_phase(self.store, 0, phase)
 
     @contextlib.contextmanager
-    def running(self, phase: str):
+    def running(self, phase: str, collectives: bool = False):
         """Rank 0 runs start-up `phase` (its collectives pair with the workers'), watched: a
-        worker's death or a stall ends it with RankDiedError / RankStalledError, not a hang."""
+        worker's death or a stall ends it with RankDiedError / RankStalledError, not a hang.
+        `collectives`: the phase runs the model's collectives on the device (warm-up, capture)."""
         self.report(phase)
         self.watchdog.busy(phase)
         try:
-            yield
+            with self.on_device(phase) if collectives else contextlib.nullcontext():
+                yield
         except RuntimeError as error:  # a collective's failure: say which rank caused it
             if not isinstance(error, RankDiedError):
                 self.check_alive(grace_s=_DEATH_GRACE_S)
@@ -230,6 +258,17 @@ class RankGroup:
         finally:
             self.watchdog.idle()
         self.check_alive()  # an aborted collective may have returned without an error
+
+    @contextlib.contextmanager
+    def on_device(self, what: str):
+        """Rank 0 gives its device `what`, work with the ranks' collectives in it, until the block
+        ends; the watchdog tells from it whether the device is stuck after a worker's death."""
+        work = DeviceWork(what, self.device)
+        self.watchdog.work = work
+        try:
+            yield
+        finally:
+            work.end()
 
     def wait_for(self, state: str) -> None:
         """Block until every worker reports `state` ("loaded", "built"); RankDiedError if one fails
@@ -316,7 +355,16 @@ class Watchdog:
     exits with an error, or no progress for `STALL_TIMEOUT_S` while busy, aborts the process
     group so that rank 0 leaves a collective it waits in; a stall is described in `stalled`, and
     the workers are killed, since a live but stalled peer keeps gloo waiting despite the abort.
-    Steps are not timed: a worker's death is what ends one (vLLM's rule too)."""
+    Steps are not timed: a worker's death is what ends one (vLLM's rule too).
+
+    The abort reaches NCCL's kernels, not the one-shot all-reduce's (`one_shot_in_use`): those
+    spin on the device until the dead rank's signal arrives, and rank 0's thread, waiting for
+    the step's outputs, with them. So a death is also followed by a look at rank 0's latest
+    `DeviceWork`: if the device has not finished it within `STUCK_GRACE_S`, nothing will free
+    the device or the thread, and the watchdog ends the process (`end_process`), as vLLM's
+    executor shuts the engine down when a worker dies (vllm/v1/executor/multiproc_executor.py).
+    Work that finishes means no kernel waits for the dead rank: the engine raises RankDiedError
+    and the process lives on."""
 
     def __init__(self, processes: list, port: int, world_size: int, resources: "RankResources"):
         self.processes = processes
@@ -327,6 +375,8 @@ class Watchdog:
                                    wait_for_workers=False)
         self.world_size = world_size
         self.stalled: Optional[str] = None
+        self.one_shot_in_use = False
+        self.work: Optional[DeviceWork] = None  # rank 0's latest work with collectives on its device
         self._busy: Optional[tuple[str, float]] = None  # (phase, since)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="hetero-tp-watchdog")
@@ -351,8 +401,16 @@ class Watchdog:
         seen: Optional[dict[int, str]] = None
         progressed = time.monotonic()
         while not self._closed.is_set():
-            if multiprocessing.connection.wait(sentinels, _WATCH_PERIOD_S):
-                if any(p.exitcode not in (0, None) for p in self.processes):
+            exited = multiprocessing.connection.wait(sentinels, _WATCH_PERIOD_S)
+            if exited:
+                for process in self.processes:
+                    if process.sentinel in exited:
+                        process.join(_DEATH_GRACE_S)  # its pipes close before it can be reaped
+                died = [(rank, p) for rank, p in enumerate(self.processes, start=1) if p.exitcode not in (0, None)]
+                if died:
+                    # Watched from a thread of its own: an abort can itself hang (NCCL's, with graphs alive).
+                    threading.Thread(target=self._end_process_if_stuck, args=died[0], daemon=True,
+                                     name="hetero-tp-stuck-watch").start()
                     self._abort()
                 return
             busy = self._busy
@@ -378,6 +436,74 @@ class Watchdog:
 
     def _abort(self) -> None:
         _abort(self.resources.group)
+
+    def _end_process_if_stuck(self, rank: int, process) -> None:
+        """End the process if rank 0's latest device work does not finish within `STUCK_GRACE_S`
+        of `process` (tensor-parallel rank `rank`) dying. Not cut short by the engine's close:
+        its teardown would wait for the stuck device too."""
+        deadline = time.monotonic() + STUCK_GRACE_S
+        while True:
+            work = self.work
+            if work is None or work.finished():
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(_WATCH_PERIOD_S)
+        why = (" (the one-shot all-reduce cannot be aborted; disable_custom_all_reduce=True keeps every all-reduce on "
+               "NCCL, whose collectives can)" if self.one_shot_in_use else "")
+        end_process(
+            f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode} while rank 0's "
+            f"device was {work.what}, which it has not finished {STUCK_GRACE_S:.0f} s later: its collectives wait for "
+            f"the dead rank and the abort did not free them{why}, so neither the device nor the engine's thread would "
+            f"be free again. Ending the process (exit code {STUCK_EXIT_CODE}).",
+            self.processes)
+
+
+class DeviceWork:
+    """Work rank 0 gave its device with the ranks' collectives in it (a step, a start-up phase
+    that warms up and captures graphs), and whether the device has finished it: on CUDA, once
+    it ran everything queued on rank 0's stream up to `end` (an event, which any thread may
+    query without waiting); on the CPU, where collectives run on the calling thread, at `end`."""
+
+    def __init__(self, what: str, device: torch.device):
+        self.what = what
+        self.device = device
+        self._ended = False
+        self._event: Optional[torch.cuda.Event] = None
+
+    def end(self) -> None:
+        """The work is all queued (or its call failed): it finishes once the device has run it."""
+        if self.device.type == "cuda":
+            try:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+                self._event = event
+            except RuntimeError:  # a device already in error runs nothing more: no kernel is left waiting
+                pass
+        self._ended = True
+
+    def finished(self) -> bool:
+        if not self._ended:
+            return False
+        try:
+            return self._event is None or self._event.query()
+        except RuntimeError:  # the device failed meanwhile: its kernels are gone
+            return True
+
+
+def end_process(message: str, processes: Sequence) -> None:
+    """Log `message`, kill the surviving workers (their GPUs are stuck as rank 0's, and no
+    atexit handler runs to stop them) and end this process with `STUCK_EXIT_CODE`, skipping
+    the teardown that would wait for the device."""
+    logger.critical(message)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    logging.shutdown()  # flushes every handler
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(STUCK_EXIT_CODE)
 
 
 @dataclasses.dataclass
@@ -452,13 +578,16 @@ class DrivingRunner:
         ranks.resources.graph_runner = runner.graph_runner  # freed before rank 0's group at teardown
 
     def forward(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
-        self.ranks.send("forward", (list(chunks),))
-        return self._guarded(lambda: self.runner.forward(chunks))
+        with self.ranks.on_device("running a forward step"):
+            self.ranks.send("forward", (list(chunks),))
+            return self._guarded(lambda: self.runner.forward(chunks))
 
     def decode_steps(self, chunks: Sequence[SequenceChunk], num_steps: int, pick: PickTokens) -> list[list[int]]:
-        self.ranks.send("decode_steps", (list(chunks), num_steps))
         tp = self.ranks.tp
-        return self._guarded(lambda: self.runner.decode_steps(chunks, num_steps, lambda logits: tp.broadcast(pick(logits))))
+        with self.ranks.on_device(f"running {num_steps} decode steps"):
+            self.ranks.send("decode_steps", (list(chunks), num_steps))
+            return self._guarded(lambda: self.runner.decode_steps(chunks, num_steps,
+                                                                  lambda logits: tp.broadcast(pick(logits))))
 
     def copy_kv_slots(self, moves) -> None:
         if moves:

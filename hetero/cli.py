@@ -105,8 +105,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("async_scheduling", "Launch the next step on the device before the last one's outputs are built "
          "and streamed (vLLM V1's async scheduling).", None),
     Flag("tensor_parallel_size", "GPUs the target model is split across (1, 2, 4 or 8; tensor parallelism).", int),
-    Flag("disable_custom_all_reduce", "Keep every tensor-parallel all-reduce on NCCL; --no-disable-custom-all-reduce "
-         "sends those of up to 1 MiB through the one-shot all-reduce over NVLink peer-to-peer memory.", None),
+    Flag("disable_custom_all_reduce", "Keep every tensor-parallel all-reduce on NCCL (default: those of up to 1 MiB "
+         "go through the one-shot all-reduce over NVLink peer-to-peer memory, NCCL being the fallback).", None),
     Flag("device", "Where the target runs: auto, cpu, cuda or cuda:N."),
     Flag("batch_invariant", "Each token's KV and logits bit-identical whatever the batch "
          "(slower; also $HETERO_BATCH_INVARIANT=1).", None),

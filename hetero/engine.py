@@ -56,7 +56,7 @@ logger = logging.getLogger("hetero")
 _DEFAULT_TREE_NODES = 16
 
 
-def _unwatched(phase: str) -> contextlib.AbstractContextManager:
+def _unwatched(phase: str, collectives: bool = False) -> contextlib.AbstractContextManager:
     """One GPU: a start-up phase with no other rank to wait for."""
     return contextlib.nullcontext()
 
@@ -155,7 +155,7 @@ class LLMEngine:
                            self.max_model_len, step_tokens)
         if self._ranks is not None:
             self._ranks.build(shape)  # the workers capture their graphs alongside rank 0: the collectives pair up
-        with rank0_phase("building the runner"):
+        with rank0_phase("building the runner", collectives=True):  # warm-up and capture run the collectives
             self.runner = build_runner(spec, self.model, self.kv_pool, tp, shape,
                                        self._ranks.report if self._ranks is not None else _unreported)
         graph_runner = self.runner.graph_runner

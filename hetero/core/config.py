@@ -139,10 +139,10 @@ class EngineConfig:
     async_scheduling: bool = True
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
-    # vLLM's name: True keeps every tensor-parallel all-reduce on NCCL; False sends decode-sized
-    # ones through the one-shot all-reduce over NVLink (gpu_target/custom_all_reduce.py), NCCL
-    # still taking what it cannot. Default True until bench/tp_decode.py shows the one-shot faster.
-    disable_custom_all_reduce: bool = True
+    # vLLM's name and default: False sends decode-sized tensor-parallel all-reduces through the
+    # one-shot all-reduce over NVLink (gpu_target/custom_all_reduce.py), NCCL taking the rest and
+    # everything where the ranks cannot set it up; True keeps every all-reduce on NCCL.
+    disable_custom_all_reduce: bool = False
     device: str = "auto"
     load_format: str = "auto"  # "dummy": random weights in the checkpoint's shapes (vLLM's name), for timing
     # Target weights: "fp8", "int4" (quantised at load) or a "gptq" / "awq" checkpoint (gpu_target/quantization).

@@ -106,8 +106,8 @@ def test_set_up_falls_back_to_nccl_unless_every_rank_has_the_one_shot(monkeypatc
 
 
 def test_disable_custom_all_reduce_is_a_checked_bool():
-    assert EngineConfig(model="m").disable_custom_all_reduce is True
-    assert EngineConfig(model="m", disable_custom_all_reduce=False).disable_custom_all_reduce is False
+    assert EngineConfig(model="m").disable_custom_all_reduce is False  # vLLM's default: the one-shot where it can
+    assert EngineConfig(model="m", disable_custom_all_reduce=True).disable_custom_all_reduce is True
     with pytest.raises(ValueError, match="disable_custom_all_reduce"):
         EngineConfig(model="m", disable_custom_all_reduce="no")
 

@@ -5,9 +5,13 @@ start-up; the tests share engines where they can.
 """
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -24,6 +28,7 @@ from hetero import LLM, SamplingParams
 from tiny_models import PROMPTS, save_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+_REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +244,8 @@ def _generate_in_thread(llm, prompts, params, errors: list) -> threading.Thread:
 
 @pytest.mark.parametrize("when", ["between steps", "mid-run"])
 def test_a_killed_rank_is_an_error_not_a_hang(tiny_llama_dir, when):
+    """Rank 0's work finishes once the group is aborted, so the watchdog, which ends the process
+    only when rank 0's device stays stuck, leaves the engine to raise RankDiedError."""
     llm = LLM(model=str(tiny_llama_dir), max_model_len=512, dtype="float32", device="cpu", tensor_parallel_size=2)
     engine = llm.llm_engine
     ranks = engine._ranks
@@ -263,6 +270,118 @@ def test_a_killed_rank_is_an_error_not_a_hang(tiny_llama_dir, when):
     del llm, engine
     ranks.close()
     assert not any(p.is_alive() for p in ranks.processes)
+
+
+_KILL_A_RANK = pathlib.Path(__file__).with_name("tp_kill_a_rank.py")
+
+
+def _run_child(path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    """Run a Python script with this checkout first on its path. Its output goes through files,
+    not pipes, so that a grandchild left alive (what these tests look for) cannot hold the run
+    open; the bound turns a hang into a failure."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]))
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        code = subprocess.run([sys.executable, str(path), *args], stdout=out, stderr=err, env=env, timeout=timeout).returncode
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(path, code, out.read(), err.read())
+
+
+def _kill_a_rank(model_dir, *args: str) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """Run tp_kill_a_rank.py: its output and the worker pids it printed. Start-up, a healthy
+    generation and the end take well under the bound."""
+    run = _run_child(_KILL_A_RANK, str(model_dir), *args)
+    started = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return run, started[0]["workers"] if started else []
+
+
+def _all_gone(pids: list[int], within_s: float = 30.0) -> bool:
+    """Whether every process of `pids` has ended (zombies count) within `within_s`; any left are
+    then killed, so that a failing test leaves none behind."""
+    def alive(pid: int) -> bool:
+        return os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)
+
+    deadline = time.monotonic() + within_s
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in pids if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return bool(pids) and not left
+
+
+def test_a_killed_rank_with_rank_0_stuck_in_a_one_shot_all_reduce_ends_the_process(tiny_llama_dir):
+    """Rank 0's thread blocked for good, as in a one-shot kernel waiting for a dead rank: the
+    watchdog ends the process with the error naming the rank, instead of hanging."""
+    run, workers = _kill_a_rank(tiny_llama_dir, "--stuck-rank0", "--grace", "1")
+    assert run.returncode == tp_worker.STUCK_EXIT_CODE, (run.returncode, run.stdout, run.stderr[-3000:])
+    assert "tensor-parallel rank 1 (pid" in run.stderr and "exited with code -9" in run.stderr
+    assert "disable_custom_all_reduce=True" in run.stderr
+    assert _all_gone(workers)
+
+
+def test_end_process_kills_the_surviving_workers_first(tmp_path):
+    """os._exit skips multiprocessing's atexit stop of daemonic children: without the kill, a
+    rank stuck on its GPU would outlive the engine."""
+    script = tmp_path / "end.py"
+    script.write_text(
+        "import multiprocessing, sys, time\n"
+        "from gpu_target import tp_worker\n"
+        "if __name__ == '__main__':\n"
+        "    context = multiprocessing.get_context('spawn')\n"
+        "    workers = [context.Process(target=time.sleep, args=(600,), daemon=True) for _ in range(2)]\n"
+        "    for w in workers: w.start()\n"
+        "    print(' '.join(str(w.pid) for w in workers), flush=True)\n"
+        "    tp_worker.end_process('rank 1 died; the test ends the process', workers)\n"
+    )
+    run = _run_child(script)
+    assert run.returncode == tp_worker.STUCK_EXIT_CODE, run.stderr
+    assert "rank 1 died; the test ends the process" in run.stderr
+    pids = [int(pid) for pid in run.stdout.split()]
+    assert len(pids) == 2 and _all_gone(pids)
+
+
+def test_a_worker_stuck_on_its_device_ends_with_the_engines_process(tmp_path):
+    """A worker whose thread never returns (as on a GPU spinning for a rank 0 that was killed)
+    exits once its parent is gone, instead of outliving it."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import multiprocessing, os, signal, time\n"
+        "from gpu_target import tp_worker\n"
+        "def stuck():\n"
+        "    tp_worker.exit_with_parent()\n"
+        "    time.sleep(600)\n"
+        "if __name__ == '__main__':\n"
+        "    worker = multiprocessing.get_context('spawn').Process(target=stuck, daemon=True)\n"
+        "    worker.start()\n"
+        "    print(worker.pid, flush=True)\n"
+        "    time.sleep(3)  # the worker's watch is up\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    run = _run_child(script)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    assert _all_gone([int(pid) for pid in run.stdout.split()])
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("disable_custom_all_reduce", [True, False], ids=["nccl", "one-shot"])
+def test_a_rank_killed_on_two_gpus_ends_cleanly(tiny_llama_dir, disable_custom_all_reduce):
+    """Rank 1 stopped mid-generation, so that rank 0 waits for it in a collective, then killed.
+    NCCL: the abort frees rank 0, the engine raises RankDiedError and tears down. The one-shot
+    all-reduce: RankDiedError if rank 0's work still finished, else the watchdog's end of the
+    process; either way within the bound, naming rank 1, and no worker left."""
+    args = ["--device", "cuda"] + (["--disable-custom-all-reduce"] if disable_custom_all_reduce else [])
+    run, workers = _kill_a_rank(tiny_llama_dir, *args)
+    print(run.stdout, run.stderr[-3000:], sep="\n")  # the outcome, shown with -s
+    if disable_custom_all_reduce:
+        assert run.returncode == 3 and "RankDiedError: tensor-parallel rank 1" in run.stdout
+    else:
+        assert '"one_shot_in_use": true' in run.stdout
+        assert (run.returncode == tp_worker.STUCK_EXIT_CODE and "tensor-parallel rank 1 (pid" in run.stderr) or (
+            run.returncode == 3 and "RankDiedError: tensor-parallel rank 1" in run.stdout), (run.returncode, run.stdout)
+    if run.returncode == 3:
+        assert "teardown returned" in run.stdout
+    assert _all_gone(workers)
 
 
 def test_engine_release_stops_the_workers(tiny_llama_dir, monkeypatch):
