@@ -436,7 +436,6 @@ def test_a_stalled_rank_at_start_up_is_an_error_naming_each_ranks_phase(tiny_lla
     """A worker that stops answering (SIGSTOP: alive, never reaching the collective) while rank 0
     waits in a collective, then while it waits for the workers' report: the watchdog aborts the
     group and both waits end in RankStalledError with every rank's last phase, not a hang."""
-    monkeypatch.setattr(tp_worker, "STALL_TIMEOUT_S", 2.0)
     config = load_config(tiny_llama_dir)
     spec = TargetSpec(str(tiny_llama_dir), config, torch.float32, "cpu", True, 0, None, False, 16, True)
     ranks = RankGroup(spec, 2, num_threads=1)
@@ -444,6 +443,8 @@ def test_a_stalled_rank_at_start_up_is_an_error_naming_each_ranks_phase(tiny_lla
     try:
         load_model(spec, ranks.tp, torch.device("cpu"))
         ranks.wait_for("loaded")
+        # Short only from here: a loaded machine may take longer than that to spawn and join.
+        monkeypatch.setattr(tp_worker, "STALL_TIMEOUT_S", 2.0)
         os.kill(worker.pid, signal.SIGSTOP)
         errors: list[BaseException] = []
 
