@@ -207,7 +207,12 @@ class Scheduler:
         return behind[-1] if behind else None
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free the sequence's KV and requeue it at the front; its tokens are recomputed later."""
+        """Free the sequence's KV and requeue it at the front; its tokens are recomputed later.
+
+        Its filled blocks are registered first (the engine may not have done so yet for the
+        last step's tokens), so that the prefix cache can give them back at its re-admission.
+        """
+        self.register_blocks(seq)
         self.allocator.free_all(seq.block_table)
         seq.block_table = []
         seq.num_computed = seq.num_registered_blocks = 0
