@@ -307,15 +307,8 @@ class LLMEngine:
         Sequences finished since the step was launched (aborted under async scheduling) are skipped.
         """
         scheduled, layout, logits = plan.scheduled, plan.layout, plan.result
-        prompt_slices, _, _ = row_offsets(layout)
-        for item, rows, (start, stop) in zip(scheduled, layout, prompt_slices):
-            if item.seq.is_finished:
-                continue
-            if rows.num_prompt_rows:
-                self.outputs.record_prompt_logprobs(item.seq, logits[start:stop])
-            if not rows.num_sample_rows:
-                item.seq.num_computed += item.num_new_tokens
-                self.scheduler.register_blocks(item.seq)
+        if not plan.decode_only:  # prompt rows to score, prefill chunks that sample nothing
+            self._consume_prompt_rows(scheduled, layout, logits)
         result = self.verifier.sample_and_verify(scheduled, layout, logits)
         if result.verdicts:
             # One call for the step, before the tokens are appended: a stop among them
@@ -326,6 +319,18 @@ class LLMEngine:
         self.spec_control.record_acceptance(result.tree_sizes, result.accepted_counts)
         plan.verified = (result.tree_sizes, result.accepted_counts)
         return touched
+
+    def _consume_prompt_rows(self, scheduled: list[ScheduledSeq], layout: list[ChunkRows], logits: torch.Tensor) -> None:
+        """Score the prompt tokens asked for, and count the computed KV of prefill chunks that sample nothing."""
+        prompt_slices, _, _ = row_offsets(layout)
+        for item, rows, (start, stop) in zip(scheduled, layout, prompt_slices):
+            if item.seq.is_finished:
+                continue
+            if rows.num_prompt_rows:
+                self.outputs.record_prompt_logprobs(item.seq, logits[start:stop])
+            if not rows.num_sample_rows:
+                item.seq.num_computed += item.num_new_tokens
+                self.scheduler.register_blocks(item.seq)
 
     def _append(self, plan: _StepPlan, appends, logits: Optional[torch.Tensor]) -> list[SequenceGroup]:
         """Append each sequence's new tokens (finishing those that stop); the groups touched, in order.
