@@ -445,10 +445,11 @@ class LLMEngine:
         gated = not self.spec_control.always_speculate
         requests = []
         granted = withheld = 0
+        max_model_len = self.max_model_len
         for item in decoding:
             seq = item.seq
             length = len(seq.token_ids)
-            room = min(self.max_model_len - length, seq.group.max_tokens - (length - seq.num_prompt_tokens) - 1)
+            room = min(max_model_len - length, seq.group.max_tokens - (length - seq.num_prompt_tokens) - 1)
             budget = max(0, min(per_seq, room))
             if budget and gated and not seq.draft_backoff.grants_tree():
                 budget = 0
@@ -464,19 +465,21 @@ class LLMEngine:
         self._proposer_pending = any(not tree.ready for tree in trees)
         vocab = self.model_config.vocab_size
         # One range check over every node of the step; per tree only when something is out.
-        nonempty = [tree.tokens for tree in trees if len(tree)]
+        nonempty = [tree.tokens for tree in trees if tree.token_list]
         every = np.concatenate(nonempty) if nonempty else None
         all_in_vocab = every is None or (every.min() >= 0 and every.max() < vocab)
         for item, request, tree in zip(decoding, requests, trees):
-            if len(tree) == 0 or len(tree) > request.max_nodes:
+            num_nodes = len(tree.token_list)
+            if num_nodes == 0 or num_nodes > request.max_nodes:
                 continue
             if not all_in_vocab and (tree.tokens.min() < 0 or tree.tokens.max() >= vocab):
                 logger.warning("dropping a proposed tree with token ids outside the vocabulary [0, %d)", vocab)
                 continue
-            if self.scheduler.try_extend(item.seq, item.seq.num_computed + 1 + len(tree)):
+            seq = item.seq
+            if self.scheduler.try_extend(seq, seq.num_computed + 1 + num_nodes):
                 item.tree = tree
             else:
-                self.scheduler.trim_blocks(item.seq, item.seq.num_computed + 1)
+                self.scheduler.trim_blocks(seq, seq.num_computed + 1)
         return per_seq
 
     def _draining_batch(self, decoding: list[ScheduledSeq]) -> Optional[DrainingBatch]:

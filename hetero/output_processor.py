@@ -27,6 +27,7 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int, scheduler: Scheduler):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self._eos_set = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.scheduler = scheduler
         self.num_generation_tokens = 0
@@ -78,14 +79,15 @@ class OutputProcessor:
         Only a stop token, EOS or a length limit can stop such a sequence, so `_check_stop` is
         asked at those tokens alone and the rest are appended a run at a time.
         """
-        params = seq.params
-        stop_ids = params.stop_token_ids or ()
-        eos = () if params.ignore_eos else self.eos_token_ids
-        length_left = min(seq.group.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids))
-        if len(new_tokens) < length_left and not any(t in new_tokens for t in stop_ids) and not any(t in new_tokens for t in eos):
-            seq.token_ids.extend(new_tokens)  # no token can stop it: one run (a scan per stop id, not per token)
+        params, group = seq.params, seq.group
+        length_left = min(group.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids))
+        if (len(new_tokens) < length_left and group.stop_token_set.isdisjoint(new_tokens)
+                and (params.ignore_eos or self._eos_set.isdisjoint(new_tokens))):
+            seq.token_ids.extend(new_tokens)  # no token can stop it: one run
             self.num_generation_tokens += len(new_tokens)
             return False
+        stop_ids = params.stop_token_ids or ()
+        eos = () if params.ignore_eos else self.eos_token_ids
         appended = 0
         for i, token in enumerate(new_tokens):
             if i + 1 >= length_left or token in stop_ids or token in eos:

@@ -96,6 +96,7 @@ class SequenceGroup:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.plain_greedy = is_plain_greedy(params)  # read for every sequence of every step
+        self.stop_token_set = frozenset(params.stop_token_ids or ())  # checked against every step's new tokens
         self.seqs: list[Sequence] = []
         self.num_running = 0  # of its sequences, kept by the scheduler for fair admission
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
