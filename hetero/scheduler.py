@@ -123,15 +123,12 @@ class ScheduledSeq:
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int):
         self.allocator = allocator
+        self.block_size = allocator.block_size  # read for every sequence of every step
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-
-    @property
-    def block_size(self) -> int:
-        return self.allocator.block_size
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

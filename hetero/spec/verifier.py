@@ -104,12 +104,16 @@ class BatchVerifier:
             plain_tokens = {}
         trees = [b for b in sampling if scheduled[b].tree is not None]
         greedy_best = self._accept_greedy(scheduled, trees, sample_starts, argmax) if argmax is not None and trees else {}
+        # Looked up once: the loop below runs for every sequence of every step, between the
+        # device finishing the step and the host launching the next one.
+        appends, verdicts, tree_sizes, accepted_counts = result.appends, result.verdicts, result.tree_sizes, result.accepted_counts
+        trim_blocks = self.scheduler.trim_blocks
         for b in sampling:
             item, first = scheduled[b], sample_starts[b]
             seq = item.seq
             if item.tree is None:
                 seq.num_computed += item.num_new_tokens
-                result.appends.append((seq, [plain_tokens[b]], [first]))
+                appends.append((seq, [plain_tokens[b]], [first]))
                 continue
             tree = item.tree
             if argmax is not None:
@@ -124,16 +128,16 @@ class BatchVerifier:
             if tree.is_chain:  # the path is a prefix: its rows follow the root's, its KV is in place
                 accepted_tokens, rows = tree_tokens[:num_accepted], list(range(first, first + num_accepted + 1))
                 seq.num_computed += 1 + num_accepted
-                self.scheduler.trim_blocks(seq, seq.num_computed)
+                trim_blocks(seq, seq.num_computed)
             else:
                 accepted_tokens, rows = [tree_tokens[i] for i in accepted], [first] + [first + i + 1 for i in accepted]
                 self._keep_accepted_kv(item, accepted, result.kv_moves)
             seq.spec.record(num_nodes, num_accepted)
-            result.tree_sizes.append(num_nodes)
-            result.accepted_counts.append(num_accepted)
+            tree_sizes.append(num_nodes)
+            accepted_counts.append(num_accepted)
             seq.draft_backoff.record(num_accepted)
-            result.verdicts.append(Verdict(seq.seq_key, accepted_tokens, bonus, num_nodes))
-            result.appends.append((seq, accepted_tokens + [bonus], rows))
+            verdicts.append(Verdict(seq.seq_key, accepted_tokens, bonus, num_nodes))
+            appends.append((seq, accepted_tokens + [bonus], rows))
         return result
 
     @staticmethod
