@@ -94,6 +94,8 @@ class _StepPlan:
     tokens_before: int = 0  # generated tokens before the step, to count what it emitted
     layout: Optional[list[ChunkRows]] = None  # the logits rows each sequence gets (a single step)
     result: Optional[torch.Tensor] = None  # launched: the rows' logits, or the window's tokens [B, num_steps]
+    verified: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # verified: the trees' node counts and accepted drafts
+    filled: list[Sequence] = field(default_factory=list)  # verified: sequences that took tokens and go on
 
 
 class LLMEngine:
@@ -241,12 +243,18 @@ class LLMEngine:
         touched = self._verify(plan)
         if self.async_scheduling:
             self._in_flight = self._launch()
+        self._register_filled(plan)
+        self.spec_stats.record_batch(*plan.verified)
         outputs = self._outputs(touched)
         self._record_step(plan, started)
         return outputs
 
     def _launch(self) -> Optional[_StepPlan]:
-        """Schedule -> propose -> run: a step whose device work is queued (None: nothing to run)."""
+        """Schedule -> propose -> run: a step whose device work is queued (None: nothing to run).
+
+        Only what the device's work needs comes before the runner call; the step's own
+        bookkeeping (the sequences' length rooms, for the controller) follows it.
+        """
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return None
@@ -256,6 +264,8 @@ class LLMEngine:
             plan.layout, plan.result = None, self._decode_ahead(chunks, scheduled, plan.num_steps)
         else:
             plan.result = self.runner.forward(chunks)
+        if plan.decode_only and self.proposer is not None:
+            plan.rooms = [self._length_room(item.seq) for item in scheduled]
         return plan
 
     def _propose(self, scheduled: list[ScheduledSeq]) -> _StepPlan:
@@ -271,27 +281,47 @@ class LLMEngine:
         plan.nodes_per_seq = self._attach_trees(decoding, measured=plan.decode_only) if decoding else 0
         plan.unready = bool(plan.nodes_per_seq) and self._proposer_pending and all(item.tree is None for item in decoding)
         plan.tokens_before = self.num_generation_tokens_total
-        if plan.decode_only and self.proposer is not None:
-            plan.rooms = [self._length_room(item.seq) for item in scheduled]
         if plan.decode_only and not plan.nodes_per_seq:
             plan.num_steps = self.scheduler.reserve_run_ahead(scheduled, self.num_scheduler_steps, self.max_model_len)
         return plan
 
     def _verify(self, plan: _StepPlan) -> list[SequenceGroup]:
         """Turn a launched step's results into tokens (the host waits for the device here) and
-        append them; tell a drafting-ahead proposer of a step without trees."""
+        append them; tell a drafting-ahead proposer of a step without trees.
+
+        Under async scheduling the device idles from here to the next launch: only what
+        that launch depends on is done here (the tokens, stops and finished sequences, the
+        proposer's verdicts, KV moves, the controller's acceptance); the prefix cache's new
+        blocks, the engine's totals, the outputs and the step's timing come after it (`step`).
+        """
         if plan.layout is None:
-            touched = self._append_window(plan.scheduled, plan.result.tolist(), plan.num_steps)
+            touched = self._append_window(plan, plan.result.tolist())
         else:
-            touched = self._verify_logits(plan.scheduled, plan.layout, plan.result)
+            touched = self._verify_logits(plan)
         self._observe(plan)
         return touched
 
-    def _verify_logits(self, scheduled: list[ScheduledSeq], layout: list[ChunkRows], logits: torch.Tensor) -> list[SequenceGroup]:
+    def _verify_logits(self, plan: _StepPlan) -> list[SequenceGroup]:
         """Score prompt tokens, sample and verify, tell the proposer, append the tokens, compact the KV.
 
         Sequences finished since the step was launched (aborted under async scheduling) are skipped.
         """
+        scheduled, layout, logits = plan.scheduled, plan.layout, plan.result
+        if not plan.decode_only:  # prompt rows to score, prefill chunks that sample nothing
+            self._consume_prompt_rows(scheduled, layout, logits)
+        result = self.verifier.sample_and_verify(scheduled, layout, logits)
+        if result.verdicts:
+            # One call for the step, before the tokens are appended: a stop among them
+            # releases its sequence, and the proposer should still learn this last step.
+            self.proposer.commit(result.verdicts)
+        touched = self._append(plan, result.appends, result.sample_logits)
+        self.runner.copy_kv_slots(result.kv_moves)
+        self.spec_control.record_acceptance(result.tree_sizes, result.accepted_counts)
+        plan.verified = (result.tree_sizes, result.accepted_counts)
+        return touched
+
+    def _consume_prompt_rows(self, scheduled: list[ScheduledSeq], layout: list[ChunkRows], logits: torch.Tensor) -> None:
+        """Score the prompt tokens asked for, and count the computed KV of prefill chunks that sample nothing."""
         prompt_slices, _, _ = row_offsets(layout)
         for item, rows, (start, stop) in zip(scheduled, layout, prompt_slices):
             if item.seq.is_finished:
@@ -301,26 +331,39 @@ class LLMEngine:
             if not rows.num_sample_rows:
                 item.seq.num_computed += item.num_new_tokens
                 self.scheduler.register_blocks(item.seq)
-        result = self.verifier.sample_and_verify(scheduled, layout, logits)
-        if result.verdicts:
-            # One call for the step, before the tokens are appended: a stop among them
-            # releases its sequence, and the proposer should still learn this last step.
-            self.proposer.commit(result.verdicts)
-        touched = self._append(result.appends, result.sample_logits)
-        self.runner.copy_kv_slots(result.kv_moves)
-        self.spec_stats.record_batch(result.tree_sizes, result.accepted_counts)
-        self.spec_control.record_acceptance(result.tree_sizes, result.accepted_counts)
-        return touched
 
-    def _append(self, appends, logits: Optional[torch.Tensor]) -> list[SequenceGroup]:
-        """Append each sequence's new tokens (finishing those that stop); the groups touched, in order."""
+    def _append(self, plan: _StepPlan, appends, logits: Optional[torch.Tensor]) -> list[SequenceGroup]:
+        """Append each sequence's new tokens (finishing those that stop); the groups touched, in order.
+
+        A sequence that goes on and whose prompt is all in registered blocks is kept in
+        `plan.filled`: the blocks its output filled enter the prefix cache after the next
+        launch (`_register_filled`). Prompt blocks are registered at once: a request admitted
+        by that launch may share them (a common system prompt).
+        """
         now = time.time()
         touched: dict[str, SequenceGroup] = {}
+        block_size = self.scheduler.block_size
         for seq, new_tokens, token_rows in appends:
             if self.outputs.append_tokens(seq, new_tokens, logits, token_rows, now):
                 self._finish(seq)
+            elif seq.num_registered_blocks * block_size < seq.num_prompt_tokens:
+                self.scheduler.register_blocks(seq)
+            else:
+                plan.filled.append(seq)
             touched[seq.group.request_id] = seq.group
         return list(touched.values())
+
+    def _register_filled(self, plan: _StepPlan) -> None:
+        """Put the blocks the step filled in the prefix cache.
+
+        Under async scheduling this follows the next launch, so that launch's admissions can
+        match output blocks only up to the step before (prompt blocks are registered at once,
+        `_append`); a sequence preempted by that launch registered its blocks before freeing
+        them (`Scheduler._preempt`).
+        """
+        for seq in plan.filled:
+            if not seq.is_finished:
+                self.scheduler.register_blocks(seq)
 
     def _observe(self, plan: _StepPlan) -> None:
         """Tell a drafting-ahead proposer the tokens of a step without trees."""
@@ -402,10 +445,11 @@ class LLMEngine:
         gated = not self.spec_control.always_speculate
         requests = []
         granted = withheld = 0
+        max_model_len = self.max_model_len
         for item in decoding:
             seq = item.seq
             length = len(seq.token_ids)
-            room = min(self.max_model_len - length, seq.group.max_tokens - (length - seq.num_prompt_tokens) - 1)
+            room = min(max_model_len - length, seq.group.max_tokens - (length - seq.num_prompt_tokens) - 1)
             budget = max(0, min(per_seq, room))
             if budget and gated and not seq.draft_backoff.grants_tree():
                 budget = 0
@@ -421,19 +465,21 @@ class LLMEngine:
         self._proposer_pending = any(not tree.ready for tree in trees)
         vocab = self.model_config.vocab_size
         # One range check over every node of the step; per tree only when something is out.
-        nonempty = [tree.tokens for tree in trees if len(tree)]
+        nonempty = [tree.tokens for tree in trees if tree.token_list]
         every = np.concatenate(nonempty) if nonempty else None
         all_in_vocab = every is None or (every.min() >= 0 and every.max() < vocab)
         for item, request, tree in zip(decoding, requests, trees):
-            if len(tree) == 0 or len(tree) > request.max_nodes:
+            num_nodes = len(tree.token_list)
+            if num_nodes == 0 or num_nodes > request.max_nodes:
                 continue
             if not all_in_vocab and (tree.tokens.min() < 0 or tree.tokens.max() >= vocab):
                 logger.warning("dropping a proposed tree with token ids outside the vocabulary [0, %d)", vocab)
                 continue
-            if self.scheduler.try_extend(item.seq, item.seq.num_computed + 1 + len(tree)):
+            seq = item.seq
+            if self.scheduler.try_extend(seq, seq.num_computed + 1 + num_nodes):
                 item.tree = tree
             else:
-                self.scheduler.trim_blocks(item.seq, item.seq.num_computed + 1)
+                self.scheduler.trim_blocks(seq, seq.num_computed + 1)
         return per_seq
 
     def _draining_batch(self, decoding: list[ScheduledSeq]) -> Optional[DrainingBatch]:
@@ -457,12 +503,12 @@ class LLMEngine:
         rows = [self.verifier.row_context(SampleRow(item.seq, [])) for item in decoding]
         return self.runner.decode_steps(chunks, num_steps, lambda logits: sample(target_probs(logits, rows), rows))
 
-    def _append_window(self, decoding: list[ScheduledSeq], tokens: list[list[int]], num_steps: int) -> list[SequenceGroup]:
+    def _append_window(self, plan: _StepPlan, tokens: list[list[int]]) -> list[SequenceGroup]:
         """Append each sequence's tokens of a run-ahead window up to its stop (aborted ones skipped)."""
-        live = [(item.seq, seq_tokens) for item, seq_tokens in zip(decoding, tokens) if not item.seq.is_finished]
+        live = [(item.seq, seq_tokens) for item, seq_tokens in zip(plan.scheduled, tokens) if not item.seq.is_finished]
         for seq, _ in live:
-            seq.num_computed += num_steps
-        return self._append([(seq, seq_tokens, []) for seq, seq_tokens in live], None)
+            seq.num_computed += plan.num_steps
+        return self._append(plan, [(seq, seq_tokens, []) for seq, seq_tokens in live], None)
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

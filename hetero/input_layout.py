@@ -15,7 +15,7 @@ from itertools import accumulate
 from typing import Optional
 
 from gpu_target.runner import SequenceChunk
-from hetero.core.protocols import TokenTree, tree_row_layout
+from hetero.core.protocols import MAX_TREE_NODES, TokenTree, tree_row_layout
 from hetero.scheduler import ScheduledSeq, Sequence
 
 
@@ -69,6 +69,12 @@ def tree_layout(parents: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, .
     return depths, tuple(_as_int64(list(masks)))
 
 
+@functools.lru_cache(maxsize=MAX_TREE_NODES + 1)
+def chain_layout(num_nodes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`tree_layout` of a chain of `num_nodes` nodes, looked up by its length alone."""
+    return tree_layout(tuple(range(-1, num_nodes - 1)))
+
+
 def build_chunks(scheduled: list[ScheduledSeq]) -> tuple[list[SequenceChunk], list[ChunkRows]]:
     """The runner's chunks for a scheduled batch, and the logits rows each sequence gets back, in order."""
     chunks, layout = [], []
@@ -86,9 +92,14 @@ def build_chunks(scheduled: list[ScheduledSeq]) -> tuple[list[SequenceChunk], li
             layout.append(ChunkRows(seq, num_prompt_rows, int(item.samples)))
         else:
             # Row 0 is the root (the last known token), row i + 1 is node i.
-            depths, masks = tree_layout(tuple(item.tree.parent_list))
-            tokens = [seq.token_ids[-1]] + item.tree.token_list
-            positions = [start + depth for depth in depths]
+            tree = item.tree
+            tokens = [seq.token_ids[-1]] + tree.token_list
+            if tree.is_chain:
+                _, masks = chain_layout(len(tree.token_list))
+                positions = list(range(start, start + len(tokens)))
+            else:
+                depths, masks = tree_layout(tuple(tree.parent_list))
+                positions = [start + depth for depth in depths]
             chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, list(range(len(tokens))), masks))
             layout.append(ChunkRows(seq, 0, len(tokens), item.tree))
     return chunks, layout

@@ -27,6 +27,7 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int, scheduler: Scheduler):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self._eos_set = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.scheduler = scheduler
         self.num_generation_tokens = 0
@@ -34,11 +35,13 @@ class OutputProcessor:
     def append_tokens(
         self, seq: Sequence, new_tokens: list[int], logits: Optional[torch.Tensor], token_rows: list[int], now: float
     ) -> bool:
-        """Append tokens up to the first stop and register the filled blocks; whether the sequence stopped.
+        """Append tokens up to the first stop; whether the sequence stopped.
 
         `logits` rows `token_rows` score the tokens; they are read only for logprobs. `now`
         is the step's time, for the request's token timestamps. A stopped sequence has its
-        finish_reason set; the caller finishes it.
+        finish_reason set and its filled blocks registered in the prefix cache; the caller
+        finishes it. A sequence that goes on has its blocks registered by the caller
+        (`Scheduler.register_blocks`), which can do it after launching the next step.
         """
         params = seq.params
         want = params.logprobs
@@ -51,9 +54,10 @@ class OutputProcessor:
             metrics.first_token_time = now
         metrics.last_token_time = now
         if want is None and not ranks_samples and seq.grammar is None and not (params.detokenize and params.stop):
-            stopped = self._append_unwatched(seq, new_tokens)
-            self.scheduler.register_blocks(seq)
-            return stopped
+            if self._append_unwatched(seq, new_tokens):
+                self.scheduler.register_blocks(seq)
+                return True
+            return False
         for i, token in enumerate(new_tokens):
             seq.token_ids.append(token)
             if seq.grammar is not None:
@@ -66,7 +70,6 @@ class OutputProcessor:
             if self._check_stop(seq, token):
                 self.scheduler.register_blocks(seq)
                 return True
-        self.scheduler.register_blocks(seq)
         return False
 
     def _append_unwatched(self, seq: Sequence, new_tokens: list[int]) -> bool:
@@ -76,10 +79,15 @@ class OutputProcessor:
         Only a stop token, EOS or a length limit can stop such a sequence, so `_check_stop` is
         asked at those tokens alone and the rest are appended a run at a time.
         """
-        params = seq.params
+        params, group = seq.params, seq.group
+        length_left = min(group.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids))
+        if (len(new_tokens) < length_left and group.stop_token_set.isdisjoint(new_tokens)
+                and (params.ignore_eos or self._eos_set.isdisjoint(new_tokens))):
+            seq.token_ids.extend(new_tokens)  # no token can stop it: one run
+            self.num_generation_tokens += len(new_tokens)
+            return False
         stop_ids = params.stop_token_ids or ()
         eos = () if params.ignore_eos else self.eos_token_ids
-        length_left = min(seq.group.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids))
         appended = 0
         for i, token in enumerate(new_tokens):
             if i + 1 >= length_left or token in stop_ids or token in eos:

@@ -96,6 +96,7 @@ class SequenceGroup:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.plain_greedy = is_plain_greedy(params)  # read for every sequence of every step
+        self.stop_token_set = frozenset(params.stop_token_ids or ())  # checked against every step's new tokens
         self.seqs: list[Sequence] = []
         self.num_running = 0  # of its sequences, kept by the scheduler for fair admission
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
@@ -122,15 +123,12 @@ class ScheduledSeq:
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int):
         self.allocator = allocator
+        self.block_size = allocator.block_size  # read for every sequence of every step
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-
-    @property
-    def block_size(self) -> int:
-        return self.allocator.block_size
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -207,7 +205,12 @@ class Scheduler:
         return behind[-1] if behind else None
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free the sequence's KV and requeue it at the front; its tokens are recomputed later."""
+        """Free the sequence's KV and requeue it at the front; its tokens are recomputed later.
+
+        Its filled blocks are registered first (the engine may not have done so yet for the
+        last step's tokens), so that the prefix cache can give them back at its re-admission.
+        """
+        self.register_blocks(seq)
         self.allocator.free_all(seq.block_table)
         seq.block_table = []
         seq.num_computed = seq.num_registered_blocks = 0

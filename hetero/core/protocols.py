@@ -46,8 +46,10 @@ class TokenTree:
         # two numpy reductions.
         self.token_list: list[int] = self.tokens.tolist()
         self.parent_list: list[int] = self.parents.tolist()
-        # A chain (every proposer's most common shape) is checked by one list comparison.
-        if n and self.parent_list != _chain_parents(n) and not all(-1 <= parent < i for i, parent in enumerate(self.parent_list)):
+        # A chain (every proposer's most common shape) is checked by one list comparison; its
+        # paths are prefixes, which verification takes without walking them.
+        self.is_chain = self.parent_list == _chain_parents(n)
+        if not self.is_chain and not all(-1 <= parent < i for i, parent in enumerate(self.parent_list)):
             raise ValueError("TokenTree parents must precede their children (-1 <= parents[i] < i)")
 
     def __len__(self) -> int:
@@ -81,6 +83,8 @@ class TokenTree:
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` inclusive."""
+        if self.is_chain:
+            return list(range(node + 1))
         parents = self.parent_list
         path = []
         while node >= 0:
@@ -145,7 +149,7 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     sum_squared_accepted: int = 0  # of each tree's accepted tokens: with the sum, their variance
-    accepted_per_position: list[int] = field(default_factory=list)
+    accepted_length_counts: list[int] = field(default_factory=list)  # [n]: trees that accepted exactly n drafts
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         """One verified tree: its node count and accepted tokens (every sequence, every step)."""
@@ -153,7 +157,10 @@ class SpecStats:
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
         self.sum_squared_accepted += num_accepted * num_accepted
-        self._count_positions(num_accepted)
+        counts = self.accepted_length_counts
+        if num_accepted >= len(counts):
+            counts.extend([0] * (num_accepted + 1 - len(counts)))
+        counts[num_accepted] += 1
 
     def record_batch(self, num_draft: Sequence[int], num_accepted: Sequence[int]) -> None:
         """Several verified trees at once (a step's, for the engine's totals): node counts and accepted tokens."""
@@ -161,15 +168,20 @@ class SpecStats:
         self.num_draft_tokens += sum(num_draft)
         self.num_accepted_tokens += sum(num_accepted)
         self.sum_squared_accepted += sum(accepted * accepted for accepted in num_accepted)
+        counts = self.accepted_length_counts
         for accepted in num_accepted:
-            self._count_positions(accepted)
+            if accepted >= len(counts):
+                counts.extend([0] * (accepted + 1 - len(counts)))
+            counts[accepted] += 1
 
-    def _count_positions(self, num_accepted: int) -> None:
-        per_position = self.accepted_per_position
-        if num_accepted > len(per_position):
-            per_position.extend([0] * (num_accepted - len(per_position)))
-        for i in range(num_accepted):
-            per_position[i] += 1
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """[i]: trees whose accepted path reached draft position i (0-based), i.e. accepted more than i drafts."""
+        per_position, reached = [], 0
+        for count in reversed(self.accepted_length_counts[1:]):
+            reached += count
+            per_position.append(reached)
+        return per_position[::-1]
 
     @property
     def mean_accepted_length(self) -> float:

@@ -104,28 +104,40 @@ class BatchVerifier:
             plain_tokens = {}
         trees = [b for b in sampling if scheduled[b].tree is not None]
         greedy_best = self._accept_greedy(scheduled, trees, sample_starts, argmax) if argmax is not None and trees else {}
+        # Looked up once: the loop below runs for every sequence of every step, between the
+        # device finishing the step and the host launching the next one.
+        appends, verdicts, tree_sizes, accepted_counts = result.appends, result.verdicts, result.tree_sizes, result.accepted_counts
+        trim_blocks = self.scheduler.trim_blocks
         for b in sampling:
             item, first = scheduled[b], sample_starts[b]
             seq = item.seq
             if item.tree is None:
                 seq.num_computed += item.num_new_tokens
-                result.appends.append((seq, [plain_tokens[b]], [first]))
+                appends.append((seq, [plain_tokens[b]], [first]))
                 continue
+            tree = item.tree
             if argmax is not None:
                 best = greedy_best[b]
-                accepted, bonus = item.tree.path_to(best), greedy_tokens[first + best + 1]
+                accepted, bonus = None if tree.is_chain else tree.path_to(best), greedy_tokens[first + best + 1]
+                num_accepted = best + 1 if tree.is_chain else len(accepted)
             else:
                 end = first + layout[b].num_sample_rows
-                accepted, bonus = verify_tree(probs[first:end], item.tree, seq.params.is_greedy, seq.generator)
-            tree_tokens = item.tree.token_list
-            accepted_tokens = [tree_tokens[i] for i in accepted]
-            self._keep_accepted_kv(item, accepted, result.kv_moves)
-            seq.spec.record(len(tree_tokens), len(accepted))
-            result.tree_sizes.append(len(tree_tokens))
-            result.accepted_counts.append(len(accepted))
-            seq.draft_backoff.record(len(accepted))
-            result.verdicts.append(Verdict(seq.seq_key, accepted_tokens, bonus, len(tree_tokens)))
-            result.appends.append((seq, accepted_tokens + [bonus], [first] + [first + i + 1 for i in accepted]))
+                accepted, bonus = verify_tree(probs[first:end], tree, seq.params.is_greedy, seq.generator)
+                num_accepted = len(accepted)
+            tree_tokens, num_nodes = tree.token_list, len(tree.token_list)
+            if tree.is_chain:  # the path is a prefix: its rows follow the root's, its KV is in place
+                accepted_tokens, rows = tree_tokens[:num_accepted], list(range(first, first + num_accepted + 1))
+                seq.num_computed += 1 + num_accepted
+                trim_blocks(seq, seq.num_computed)
+            else:
+                accepted_tokens, rows = [tree_tokens[i] for i in accepted], [first] + [first + i + 1 for i in accepted]
+                self._keep_accepted_kv(item, accepted, result.kv_moves)
+            seq.spec.record(num_nodes, num_accepted)
+            tree_sizes.append(num_nodes)
+            accepted_counts.append(num_accepted)
+            seq.draft_backoff.record(num_accepted)
+            verdicts.append(Verdict(seq.seq_key, accepted_tokens, bonus, num_nodes))
+            appends.append((seq, accepted_tokens + [bonus], rows))
         return result
 
     @staticmethod

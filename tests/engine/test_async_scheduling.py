@@ -3,7 +3,10 @@ every output and stream chunk is the same as with synchronous steps."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from gpu_target.kv_cache import KVCachePool
+from gpu_target.loader import load_config
 from hetero.core.config import EngineConfig
 from hetero.core.sampling_params import RequestOutputKind, SamplingParams
 from hetero.engine import LLMEngine
@@ -142,3 +145,63 @@ def test_async_scheduling_is_a_checked_engine_argument(tiny_llama_dir):
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(model=str(tiny_llama_dir), async_scheduling="yes")
     assert EngineConfig(model=str(tiny_llama_dir)).async_scheduling is True
+
+
+def test_speculative_steps_with_shared_prompt_prefixes_are_the_same_with_async_scheduling(tiny_llama_dir):
+    """Requests admitted while others decode reuse their prompt blocks (a common system prompt)
+    as with synchronous steps: prompt blocks are registered before the next launch, only the
+    blocks of generated tokens after it."""
+    shared = [(7 * i + 3) % 200 + 10 for i in range(40)]  # two and a half blocks of 16
+    requests = [(f"r{i}", {"prompt_token_ids": shared + [300 + i, 301 + i]},
+                 SamplingParams(temperature=0.0, max_tokens=10 + 2 * i, ignore_eos=True, output_kind=STREAM))
+                for i in range(5)]
+    # About one prompt's worth of tokens a step: a request's prefill ends a step before the next one's starts.
+    engines = {mode: _engine(tiny_llama_dir, mode, spec=True, max_num_seqs=3, max_num_batched_tokens=48) for mode in (False, True)}
+    streams = {mode: _stream(engine, requests) for mode, engine in engines.items()}
+    assert streams[True] == streams[False]
+    hits = {mode: engine.scheduler.allocator.stats.hits for mode, engine in engines.items()}
+    assert hits[True] == hits[False] >= 3 * 32  # the requests admitted after the first two found the two shared blocks
+    assert engines[True].spec_stats.num_steps > 0
+
+
+def test_blocks_filled_by_generated_tokens_are_registered_after_the_next_launch(tiny_llama_dir):
+    """The prefix cache's bookkeeping of a speculative step's tokens is off the device's idle
+    path: within a step call, the next step is launched before they are registered."""
+    engine = _engine(tiny_llama_dir, True, spec=True, max_num_seqs=2)
+    calls: list[list[str]] = []
+    forward, register = engine.runner.forward, engine.scheduler.register_blocks
+    engine.runner.forward = lambda chunks: (calls[-1].append("run"), forward(chunks))[1]
+    engine.scheduler.register_blocks = lambda seq: (calls[-1].append("register"), register(seq))[1]
+    prompt = list(range(20, 36))  # one whole block: registered with the prefill
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for request_id in ("a", "b"):
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        calls.append([])
+        outputs.update((out.request_id, out) for out in engine.step())
+    decoding = [call for call in calls[2:] if "run" in call]
+    assert len(decoding) > 3 and engine.spec_stats.num_steps > 0
+    assert all(call.index("run") < call.index("register") for call in decoding if "register" in call)
+    # ... and registered they are: a prompt that continues "a" finds its generated blocks too.
+    engine.add_request("c", {"prompt_token_ids": prompt + list(outputs["a"].outputs[0].token_ids)}, SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        outputs.update((out.request_id, out) for out in engine.step())
+    assert outputs["c"].num_cached_tokens >= 3 * 16
+
+
+def test_preemption_under_kv_pressure_finds_the_same_cached_blocks_with_async_scheduling(tiny_llama_dir):
+    """A sequence preempted by a launch that came before its last blocks were registered
+    registers them as it is preempted: its re-admission finds as much KV as with synchronous steps."""
+    config = load_config(tiny_llama_dir)
+    block_bytes = KVCachePool.bytes_per_block(config, 16, torch.float32)
+    greedy = lambda i: SamplingParams(temperature=0.0, max_tokens=60 + 8 * i, ignore_eos=True, output_kind=STREAM)
+    requests = [(f"r{i}", {"prompt_token_ids": [(11 * i + 5 * j) % 250 + 3 for j in range(20)]}, greedy(i)) for i in range(4)]
+    # 16 blocks of 16 (max_model_len 256): four sequences of up to 20 + 84 tokens do not fit
+    engines = {mode: _engine(tiny_llama_dir, mode, spec=True, max_num_seqs=4, kv_cache_space=16 * block_bytes / 2**30)
+               for mode in (False, True)}
+    streams = {mode: _stream(engine, requests) for mode, engine in engines.items()}
+    assert streams[True] == streams[False]
+    assert engines[True].scheduler.num_preemptions == engines[False].scheduler.num_preemptions > 0
+    hits = {mode: engine.scheduler.allocator.stats.hits for mode, engine in engines.items()}
+    assert hits[True] == hits[False] > 0
