@@ -14,6 +14,7 @@ reference row: what the target's own dtype already costs.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -80,24 +81,29 @@ def compare(reference: torch.Tensor, quantized: torch.Tensor) -> tuple[torch.Ten
 
 
 def run(model: str, formats: list[str], new_tokens: int, num_prompts: int) -> list[dict]:
+    """One model in memory at a time (a 1.5B target in float32 is 6+ GB): the full-precision
+    logits are kept, then each format is built, compared and freed in turn."""
     options = dict(model=model, dtype="float32", max_model_len=1024, kv_cache_space=0.5, seed=0)
     full = LLM(**options)
     prompts = (default_prompts() * (1 + num_prompts // 64))[:num_prompts]
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    sequences = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in full.generate(prompts, greedy, use_tqdm=False)]
-    quantized = {fmt: LLM(**options, quantization=None if fmt == "bf16" else fmt) for fmt in formats}
-    for fmt, llm in quantized.items():
-        (round_to_bf16 if fmt == "bf16" else dequantize_once)(llm.llm_engine.model)
+    sequences = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids))
+                 for o in full.generate(prompts, greedy, use_tqdm=False)]
+    references = [teacher_forced_logits(full, prompt + continuation, len(prompt)) for prompt, continuation in sequences]
+    del full
+    gc.collect()
     agree: dict[str, list[torch.Tensor]] = {fmt: [] for fmt in formats}
     kls: dict[str, list[torch.Tensor]] = {fmt: [] for fmt in formats}
-    for number, (prompt, continuation) in enumerate(sequences):
-        tokens = list(prompt) + list(continuation)
-        reference = teacher_forced_logits(full, tokens, len(prompt))
-        for fmt, llm in quantized.items():
-            same, kl = compare(reference, teacher_forced_logits(llm, tokens, len(prompt)))
+    for fmt in formats:
+        llm = LLM(**options, quantization=None if fmt == "bf16" else fmt)
+        (round_to_bf16 if fmt == "bf16" else dequantize_once)(llm.llm_engine.model)
+        for number, ((prompt, continuation), reference) in enumerate(zip(sequences, references)):
+            same, kl = compare(reference, teacher_forced_logits(llm, prompt + continuation, len(prompt)))
             agree[fmt].append(same)
             kls[fmt].append(kl)
-        print(f"prompt {number + 1}/{len(sequences)}", file=sys.stderr, flush=True)
+            print(f"{fmt}: prompt {number + 1}/{len(sequences)}", file=sys.stderr, flush=True)
+        del llm
+        gc.collect()
     rows = []
     for fmt in formats:
         agree_all, kl_all = torch.cat(agree[fmt]).float(), torch.cat(kls[fmt])
