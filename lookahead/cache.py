@@ -233,18 +233,26 @@ class LookaheadCache(Proposer):
             self._learn(state, token_ids[skip_end:])
 
     def _learn(self, state: _Request, tokens: Sequence[int]) -> None:
-        """Append to a request's history, stopping for good when memory runs out."""
+        """Append to a request's history, stopping for good when memory runs out.
+
+        Each token needs room for its worst case (``depth`` new nodes); when the budget
+        holds that for all of them they are learned at once, else one at a time, so the
+        stop comes at the same token either way."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            return
         trie = state.trie
         room_per_token = trie.depth * NODE_BYTES + TOKEN_BYTES
-        for token in tokens:
-            if not self._has_room(room_per_token):
+        fits_all = self.memory_bytes() + len(tokens) * room_per_token <= self.memory_budget_bytes
+        for chunk in [tokens] if fits_all else [[token] for token in tokens]:
+            if not fits_all and not self._has_room(room_per_token):
                 _stop_learning(state)
                 return
             before = trie.size
-            state.appender.append(int(token), len(state.history))
-            state.history.append(int(token))
+            state.appender.extend(chunk, len(state.history))
+            state.history.extend(chunk)
             self._request_nodes += trie.size - before
-            self._history_tokens += 1
+            self._history_tokens += len(chunk)
 
     def _insert_global(self, tokens: Sequence[int]) -> None:
         depth = self.global_trie.depth

@@ -1,0 +1,205 @@
+"""Host cost of the lookahead cache: microseconds per learned token and per proposal.
+
+The cache runs on the engine's thread, so at large batches its learning (each step's
+accepted and bonus tokens go into the request's trie) and proposing (a token tree per
+request) is time the GPU waits for. This drives ``LookaheadCache`` with no model: each
+request has a prompt and a "true" continuation (copies of prompt spans between stretches
+of Zipf-distributed tokens, as in rewrites, code edits and RAG answers); every step proposes
+for the batch, accepts the longest tree path the true continuation follows, and commits
+that plus the bonus token. Before timing, a few finished requests fill the global cache.
+
+``--baseline REV`` also runs the ``lookahead`` package of git revision ``REV`` side by side
+(each implementation in its own subprocess, interleaved, best of ``--repeats``), and checks
+that both proposed the same trees.
+
+    python -m bench.lookahead_host --baseline main --out bench/results
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import io
+import tempfile
+import time
+
+import numpy as np
+
+VOCAB = 32_000
+
+
+def zipf_tokens(rng: np.random.Generator, n: int) -> list[int]:
+    return [int(t) % VOCAB for t in rng.zipf(1.2, n)]
+
+
+def make_stream(rng: np.random.Generator, prompt_len: int, output_len: int) -> tuple[list[int], list[int]]:
+    """A prompt and its true continuation: copied prompt spans between fresh Zipf stretches."""
+    prompt = zipf_tokens(rng, prompt_len)
+    output: list[int] = []
+    while len(output) < output_len:
+        span = int(rng.integers(8, 33))
+        if rng.random() < 0.5:
+            start = int(rng.integers(0, prompt_len - span))
+            output.extend(prompt[start:start + span])
+        else:
+            output.extend(zipf_tokens(rng, span))
+    return prompt, output[:output_len]
+
+
+def accepted_path(tree, truth: list[int]) -> list[int]:
+    """The longest root path of ``tree`` that ``truth`` follows."""
+    accepted, parent = [], -1
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    while len(accepted) < len(truth):
+        nxt = next((i for i, p in enumerate(parents) if p == parent and tokens[i] == truth[len(accepted)]), None)
+        if nxt is None:
+            break
+        accepted.append(tokens[nxt])
+        parent = nxt
+    return accepted
+
+
+def drive(cache, streams, prefix: str, steps: int, max_nodes: int):
+    """Run a batch for ``steps`` steps after its first (which learns the prompts, untimed);
+    returns (propose s, commit s, proposals, learned tokens, digest of all trees)."""
+    from hetero.core.protocols import ProposalRequest, Verdict
+
+    histories = {f"{prefix}{i}": list(prompt) for i, (prompt, _) in enumerate(streams)}
+    truths = {f"{prefix}{i}": (len(prompt), output) for i, (prompt, output) in enumerate(streams)}
+    produced = dict.fromkeys(histories, 0)
+    propose_s = commit_s = 0.0
+    proposals = learned = 0
+    digest = hashlib.sha256()
+    for step in range(steps + 1):
+        live = [rid for rid in histories if produced[rid] < len(truths[rid][1]) - 1]
+        if not live:
+            break
+        batch = [ProposalRequest(rid, histories[rid], truths[rid][0], max_nodes) for rid in live]
+        start = time.perf_counter()
+        trees = cache.propose(batch)
+        propose_time = time.perf_counter() - start
+        verdicts = []
+        for rid, tree in zip(live, trees):
+            digest.update(tree.tokens.tobytes() + tree.parents.tobytes() + (b"" if tree.scores is None else tree.scores.tobytes()))
+            truth = truths[rid][1][produced[rid]:]
+            accepted = accepted_path(tree, truth[:-1])
+            verdicts.append(Verdict(rid, accepted, truth[len(accepted)], len(tree)))
+            histories[rid] = histories[rid] + truth[:len(accepted) + 1]
+            produced[rid] += len(accepted) + 1
+        start = time.perf_counter()
+        cache.commit(verdicts)
+        commit_time = time.perf_counter() - start
+        if step:
+            propose_s, commit_s = propose_s + propose_time, commit_s + commit_time
+            proposals += len(live)
+            learned += sum(len(v.accepted_tokens) + 1 for v in verdicts)
+    return propose_s, commit_s, proposals, learned, digest.hexdigest()
+
+
+def measure(batch: int, args) -> dict:
+    """One implementation (whichever ``lookahead`` is importable), one batch size."""
+    from lookahead import LookaheadCache, LookaheadConfig
+
+    rng = np.random.default_rng(args.seed + batch)
+    cache = LookaheadCache(LookaheadConfig(is_debug=False), memory_budget_bytes=8 << 30)
+    warm = [make_stream(rng, args.prompt_len, args.output_len) for _ in range(args.warm_requests)]
+    drive(cache, warm, "warm", args.output_len, 16)
+    for i in range(len(warm)):
+        cache.release(f"warm{i}")
+    streams = [make_stream(rng, args.prompt_len, args.output_len) for _ in range(batch)]
+    max_nodes = min(63, max(8, cache.target_parallelism // batch))
+    propose_s, commit_s, proposals, learned, digest = drive(cache, streams, "r", args.steps, max_nodes)
+    return dict(batch=batch, us_per_proposal=propose_s / proposals * 1e6, us_per_learned_token=commit_s / learned * 1e6,
+                tokens_per_step=learned / proposals, digest=digest)
+
+
+def extract(rev: str, into: str) -> str:
+    """The ``lookahead`` package of git revision ``rev``, unpacked under ``into``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    archive = subprocess.run(["git", "-C", root, "archive", rev, "lookahead"], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", rev], capture_output=True, text=True, check=True)
+    return commit.stdout.strip()
+
+
+def child(args) -> None:
+    print(json.dumps([measure(b, args) for b in args.batches]))
+
+
+def run_child(argv: list[str], pythonpath: str | None) -> list[dict]:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-m", "bench.lookahead_host", "--child", *argv], env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=48, help="timed steps per batch size")
+    parser.add_argument("--warm-requests", type=int, default=16, help="finished requests in the global cache")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per implementation (best is kept)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline", help="git revision whose lookahead package runs side by side")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(args)
+    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--child"]
+    child_argv = _child_args(args)
+    with tempfile.TemporaryDirectory(prefix="lookahead-baseline-") as tmp:
+        impls = {"current": None}
+        if args.baseline:
+            impls = {f"baseline {extract(args.baseline, tmp)}": tmp, "current": None}
+        best: dict[str, dict[int, dict]] = {name: {} for name in impls}
+        for _ in range(args.repeats):
+            for name, path in impls.items():
+                for row in run_child(child_argv, path):
+                    kept = best[name].get(row["batch"])
+                    if kept is None or row["us_per_learned_token"] + row["us_per_proposal"] < (
+                            kept["us_per_learned_token"] + kept["us_per_proposal"]):
+                        best[name][row["batch"]] = row
+    rows = []
+    names = list(impls)
+    for batch in args.batches:
+        for name in names:
+            row = best[name][batch]
+            rows.append(dict(implementation=name, batch=batch, us_per_learned_token=round(row["us_per_learned_token"], 2),
+                             us_per_proposal=round(row["us_per_proposal"], 2),
+                             tokens_per_step=round(row["tokens_per_step"], 2),
+                             same_trees_as_first=row["digest"] == best[names[0]][batch]["digest"]))
+    write(args, passed, rows)
+
+
+def _child_args(args) -> list[str]:
+    return ["--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--output-len",
+            str(args.output_len), "--steps", str(args.steps), "--warm-requests", str(args.warm_requests),
+            "--seed", str(args.seed)]
+
+
+def write(args, passed: list[str], rows: list[dict]) -> None:
+    from bench._machine import describe_machine
+    from bench._report import markdown_table, write_markdown_and_json
+
+    info = describe_machine()
+    command = "python -m bench.lookahead_host " + " ".join(passed)
+    body = ["Steady-state steps after each request's prompt was learned; best of the repeats, implementations",
+            "interleaved. `us_per_learned_token`: commit time per accepted + bonus token; `us_per_proposal`: propose",
+            "time per request tree; `same_trees_as_first`: every tree equal to the first implementation's.", "",
+            *markdown_table(rows)]
+    print(write_markdown_and_json(os.path.join(args.out, f"lookahead_host-{info['hostname']}"),
+                                  "Lookahead cache host cost (learning and proposing), no model", command, info, rows, body))
+
+
+if __name__ == "__main__":
+    main()
