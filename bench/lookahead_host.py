@@ -8,9 +8,9 @@ of Zipf-distributed tokens, as in rewrites, code edits and RAG answers); every s
 for the batch, accepts the longest tree path the true continuation follows, and commits
 that plus the bonus token. Before timing, a few finished requests fill the global cache.
 
-``--baseline REV`` also runs the ``lookahead`` package of git revision ``REV`` side by side
-(each implementation in its own subprocess, interleaved, best of ``--repeats``), and checks
-that both proposed the same trees.
+``--baseline REV ...`` also runs the ``lookahead`` package of each git revision side by side
+(each implementation in its own subprocess, interleaved; each step's least CPU time over
+``--repeats`` runs), and checks that all proposed the same trees.
 
     python -m bench.lookahead_host --baseline main --out bench/results
 """
@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 VOCAB = 32_000
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def zipf_tokens(rng: np.random.Generator, n: int) -> list[int]:
@@ -65,13 +66,14 @@ def accepted_path(tree, truth: list[int]) -> list[int]:
 
 def drive(cache, streams, prefix: str, steps: int, max_nodes: int):
     """Run a batch for ``steps`` steps after its first (which learns the prompts, untimed);
-    returns (propose s, commit s, proposals, learned tokens, digest of all trees)."""
+    returns (propose s per step, commit s per step, proposals, learned tokens, digest of all trees)."""
     from hetero.core.protocols import ProposalRequest, Verdict
 
     histories = {f"{prefix}{i}": list(prompt) for i, (prompt, _) in enumerate(streams)}
     truths = {f"{prefix}{i}": (len(prompt), output) for i, (prompt, output) in enumerate(streams)}
     produced = dict.fromkeys(histories, 0)
-    propose_s = commit_s = 0.0
+    propose_s: list[float] = []
+    commit_s: list[float] = []
     proposals = learned = 0
     digest = hashlib.sha256()
     for step in range(steps + 1):
@@ -79,9 +81,9 @@ def drive(cache, streams, prefix: str, steps: int, max_nodes: int):
         if not live:
             break
         batch = [ProposalRequest(rid, histories[rid], truths[rid][0], max_nodes) for rid in live]
-        start = time.perf_counter()
+        start = time.process_time()
         trees = cache.propose(batch)
-        propose_time = time.perf_counter() - start
+        propose_time = time.process_time() - start
         verdicts = []
         for rid, tree in zip(live, trees):
             digest.update(tree.tokens.tobytes() + tree.parents.tobytes() + (b"" if tree.scores is None else tree.scores.tobytes()))
@@ -90,11 +92,12 @@ def drive(cache, streams, prefix: str, steps: int, max_nodes: int):
             verdicts.append(Verdict(rid, accepted, truth[len(accepted)], len(tree)))
             histories[rid] = histories[rid] + truth[:len(accepted) + 1]
             produced[rid] += len(accepted) + 1
-        start = time.perf_counter()
+        start = time.process_time()
         cache.commit(verdicts)
-        commit_time = time.perf_counter() - start
+        commit_time = time.process_time() - start
         if step:
-            propose_s, commit_s = propose_s + propose_time, commit_s + commit_time
+            propose_s.append(propose_time)
+            commit_s.append(commit_time)
             proposals += len(live)
             learned += sum(len(v.accepted_tokens) + 1 for v in verdicts)
     return propose_s, commit_s, proposals, learned, digest.hexdigest()
@@ -113,13 +116,12 @@ def measure(batch: int, args) -> dict:
     streams = [make_stream(rng, args.prompt_len, args.output_len) for _ in range(batch)]
     max_nodes = min(63, max(8, cache.target_parallelism // batch))
     propose_s, commit_s, proposals, learned, digest = drive(cache, streams, "r", args.steps, max_nodes)
-    return dict(batch=batch, us_per_proposal=propose_s / proposals * 1e6, us_per_learned_token=commit_s / learned * 1e6,
-                tokens_per_step=learned / proposals, digest=digest)
+    return dict(batch=batch, propose_s=propose_s, commit_s=commit_s, proposals=proposals, learned=learned, digest=digest)
 
 
 def extract(rev: str, into: str) -> str:
     """The ``lookahead`` package of git revision ``rev``, unpacked under ``into``."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO_ROOT
     archive = subprocess.run(["git", "-C", root, "archive", rev, "lookahead"], capture_output=True, check=True).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(into, filter="data")
@@ -128,14 +130,17 @@ def extract(rev: str, into: str) -> str:
 
 
 def child(args) -> None:
-    print(json.dumps([measure(b, args) for b in args.batches]))
+    if args.package_root:  # ahead of the working tree, which ``-m`` puts first on the path
+        sys.path.insert(0, args.package_root)
+    import lookahead
+
+    rows = [measure(b, args) for b in args.batches]
+    print(json.dumps([dict(row, package=os.path.dirname(os.path.dirname(lookahead.__file__))) for row in rows]))
 
 
-def run_child(argv: list[str], pythonpath: str | None) -> list[dict]:
-    env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-m", "bench.lookahead_host", "--child", *argv], env=env,
+def run_child(argv: list[str], package_root: str | None) -> list[dict]:
+    extra = ["--package-root", package_root] if package_root else []
+    out = subprocess.run([sys.executable, "-m", "bench.lookahead_host", "--child", *extra, *argv],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -147,37 +152,45 @@ def main(argv=None) -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=48, help="timed steps per batch size")
     parser.add_argument("--warm-requests", type=int, default=16, help="finished requests in the global cache")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per implementation (best is kept)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per implementation (each step's least time is kept)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--baseline", help="git revision whose lookahead package runs side by side")
+    parser.add_argument("--baseline", nargs="*", default=[], help="git revisions whose lookahead package runs side by side")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--package-root", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
     passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--child"]
     child_argv = _child_args(args)
     with tempfile.TemporaryDirectory(prefix="lookahead-baseline-") as tmp:
-        impls = {"current": None}
-        if args.baseline:
-            impls = {f"baseline {extract(args.baseline, tmp)}": tmp, "current": None}
-        best: dict[str, dict[int, dict]] = {name: {} for name in impls}
+        impls: dict[str, str | None] = {}
+        for i, rev in enumerate(args.baseline):
+            into = os.path.join(tmp, str(i))
+            impls[f"{rev} ({extract(rev, into)})"] = into
+        impls["working tree"] = None
+        runs: dict[str, dict[int, list[dict]]] = {name: {b: [] for b in args.batches} for name in impls}
         for _ in range(args.repeats):
             for name, path in impls.items():
                 for row in run_child(child_argv, path):
-                    kept = best[name].get(row["batch"])
-                    if kept is None or row["us_per_learned_token"] + row["us_per_proposal"] < (
-                            kept["us_per_learned_token"] + kept["us_per_proposal"]):
-                        best[name][row["batch"]] = row
+                    if os.path.realpath(row["package"]) != os.path.realpath(path or REPO_ROOT):
+                        raise RuntimeError(f"{name}: imported lookahead from {row['package']}")
+                    runs[name][row["batch"]].append(row)
     rows = []
     names = list(impls)
     for batch in args.batches:
         for name in names:
-            row = best[name][batch]
-            rows.append(dict(implementation=name, batch=batch, us_per_learned_token=round(row["us_per_learned_token"], 2),
-                             us_per_proposal=round(row["us_per_proposal"], 2),
-                             tokens_per_step=round(row["tokens_per_step"], 2),
-                             same_trees_as_first=row["digest"] == best[names[0]][batch]["digest"]))
+            # Every repeat runs the same steps: each step's least time over the repeats is
+            # its cost with the least interference from other processes.
+            first = runs[name][batch][0]
+            propose_s = np.min([r["propose_s"] for r in runs[name][batch]], axis=0).sum()
+            commit_s = np.min([r["commit_s"] for r in runs[name][batch]], axis=0).sum()
+            rows.append(dict(implementation=name, batch=batch,
+                             us_per_learned_token=round(commit_s / first["learned"] * 1e6, 2),
+                             us_per_proposal=round(propose_s / first["proposals"] * 1e6, 2),
+                             tokens_per_step=round(first["learned"] / first["proposals"], 2),
+                             same_trees_as_first=all(r["digest"] == runs[names[0]][batch][0]["digest"]
+                                                     for n in names for r in runs[n][batch])))
     write(args, passed, rows)
 
 
@@ -193,8 +206,8 @@ def write(args, passed: list[str], rows: list[dict]) -> None:
 
     info = describe_machine()
     command = "python -m bench.lookahead_host " + " ".join(passed)
-    body = ["Steady-state steps after each request's prompt was learned; best of the repeats, implementations",
-            "interleaved. `us_per_learned_token`: commit time per accepted + bonus token; `us_per_proposal`: propose",
+    body = ["Steady-state steps after each request's prompt was learned; CPU time of each step, the least over the",
+            "repeats (implementations interleaved, each in its own process). `us_per_learned_token`: commit time per accepted + bonus token; `us_per_proposal`: propose",
             "time per request tree; `same_trees_as_first`: every tree equal to the first implementation's.", "",
             *markdown_table(rows)]
     print(write_markdown_and_json(os.path.join(args.out, f"lookahead_host-{info['hostname']}"),

@@ -92,8 +92,27 @@ class Draft:
         return rejected
 
 
+def _rank(entry: tuple) -> tuple[float, int]:
+    return -entry[0], -entry[1]
+
+
 def _merged_children(groups: Sequence[Match], top_k_in_cell: int) -> list[tuple[float, int, int, list[Match]]]:
     """(score, latest tick, token, child matches) per distinct child token, best first."""
+    if len(groups) == 1:  # nothing to merge: the usual case below the first level
+        trie, node, weight = groups[0]
+        kids = trie.children[node]
+        if not kids:
+            return []
+        freq, last_used = trie.freq, trie.last_used
+        if len(kids) == 1:
+            ((token, child),) = kids.items()
+            return [(freq[child] * weight, last_used[child], token, [(trie, child, weight)])]
+        items = kids.items()
+        if len(kids) > top_k_in_cell:
+            items = heapq.nlargest(top_k_in_cell, items, key=lambda kv: freq[kv[1]])
+        ranked = [(freq[child] * weight, last_used[child], token, [(trie, child, weight)]) for token, child in items]
+        ranked.sort(key=_rank)
+        return ranked[:top_k_in_cell]
     merged: dict[int, list] = {}
     for trie, node, weight in groups:
         kids = trie.children[node]
@@ -111,7 +130,7 @@ def _merged_children(groups: Sequence[Match], top_k_in_cell: int) -> list[tuple[
                 entry[0] += freq[child] * weight
                 entry[1] = max(entry[1], last_used[child])
                 entry[2].append((trie, child, weight))
-    ranked = sorted(((s, t, tok, g) for tok, (s, t, g) in merged.items()), key=lambda e: (-e[0], -e[1]))
+    ranked = sorted(((s, t, tok, g) for tok, (s, t, g) in merged.items()), key=_rank)
     return ranked[:top_k_in_cell]
 
 
@@ -128,24 +147,22 @@ def frequency_tree(
     if budget <= 0 or not matches:
         return draft
     heap: list = []
+    push, pop = heapq.heappush, heapq.heappop
     order = 0
-
-    def enqueue(groups: Sequence[Match], parent: int, depth: int) -> None:
-        nonlocal order
+    groups, parent, depth = matches, -1, 1
+    while True:
         for score, tick, token, group in _merged_children(groups, top_k_in_cell):
             if score < threshold:
                 break
-            heapq.heappush(heap, (-score, -tick, order, token, parent, depth, group))
+            push(heap, (-score, -tick, order, token, parent, depth, group))
             order += 1
-
-    enqueue(matches, -1, 1)
-    while heap and len(draft) < budget:
-        neg_score, _, _, token, parent, depth, group = heapq.heappop(heap)
-        sources = [(trie, node, trie.born[node]) for trie, node, _ in group]
-        index = draft.add(token, parent, -neg_score, sources)
-        if depth < max_depth and token != eos_token_id:
-            enqueue(group, index, depth + 1)
-    return draft
+        if not heap or len(draft) >= budget:
+            return draft
+        neg_score, _, _, token, parent, depth, groups = pop(heap)
+        parent = draft.add(token, parent, -neg_score, [(trie, node, trie.born[node]) for trie, node, _ in groups])
+        if depth >= max_depth or token == eos_token_id:
+            groups = ()
+        depth += 1
 
 
 def recent_copies(

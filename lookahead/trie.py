@@ -94,19 +94,25 @@ class Trie:
             self.freq[node] += weight
             self.last_used[node] = tick
 
-    def match(self, context: Sequence[int], min_len: int, max_len: int, limit: int) -> list[int]:
+    def match(
+        self, context: Sequence[int], min_len: int, max_len: int, limit: int, known: Optional[dict[int, int]] = None
+    ) -> list[int]:
         """Nodes reached by the longest suffixes of ``context`` (``max_len`` down to
-        ``min_len`` tokens) that have a continuation; at most ``limit``, longest first."""
+        ``min_len`` tokens) that have a continuation; at most ``limit``, longest first.
+        ``known``: nodes of some suffixes, by length, found without walking (see
+        ``HistoryAppender.suffix_nodes``)."""
         found: list[int] = []
         children = self.children
         n = len(context)
         for m in range(min(max_len, n, self.depth - 1), min_len - 1, -1):
-            node: Optional[int] = ROOT
-            for token in context[n - m:]:
-                kids = children[node]
-                node = kids.get(token) if kids else None
-                if node is None:
-                    break
+            node: Optional[int] = known.get(m) if known else None
+            if node is None:
+                node = ROOT
+                for token in context[n - m:]:
+                    kids = children[node]
+                    node = kids.get(token) if kids else None
+                    if node is None:
+                        break
             if node is not None and children[node]:
                 found.append(node)
                 if len(found) >= limit:
@@ -147,71 +153,57 @@ class Trie:
 
 
 class HistoryAppender:
-    """Grows a trie as a request's history grows, a step's tokens at a time.
+    """Grows a trie one token at a time, as a request's history grows.
 
-    Keeps the open path of each of the last ``depth - 1`` start positions, so new tokens
-    extend all of them and open their own: ``depth`` updates per token, and the whole
+    Keeps the open path of each of the last ``depth - 1`` start positions, so a new token
+    extends all of them and opens its own: ``depth`` updates per token, and the whole
     history is stored exactly once per position. Nodes are stamped with the token's
     position, so the most recent continuation of a context is its child with the largest
-    ``last_used``. The trie must never evict (no ``max_children``): an open path must stay.
-
-    ``extend`` walks one path at a time, oldest start first. A node of depth d is reached
-    by the path starting d positions before its token, so older paths reach any node
-    first, as they would token by token: the same nodes are created, children enter each
-    node's dict in the same order, and frequencies and stamps end equal. Once a path has
-    made a new node, the rest of its tokens this step are new nodes too (nothing older
-    can have reached below it), so they are made as one chain without lookups.
+    ``last_used``. The trie must have no ``max_children`` and never be evicted from (an open
+    path must not be evicted), so new nodes are simply appended.
     """
 
     def __init__(self, trie: Trie) -> None:
         if trie.max_children is not None:
             raise ValueError("HistoryAppender needs a trie without max_children")
         self.trie = trie
-        self._open: list[tuple[int, int]] = []  # (node, its depth), oldest start first
+        self._open: list[tuple[int, int]] = []
 
     def restart(self) -> None:
         """Close the open paths: the next token follows a gap in the history, not its last token."""
         self._open = []
 
-    def extend(self, tokens: Sequence[int], first_tick: int) -> None:
-        """Append ``tokens``, stamped with positions ``first_tick, first_tick + 1, ...``."""
+    def append(self, token: int, tick: int) -> None:
         trie = self.trie
-        children, freq, last_used, born, depth = trie.children, trie.freq, trie.last_used, trie.born, trie.depth
-        n = len(tokens)
+        children, freq, last_used, born = trie.children, trie.freq, trie.last_used, trie.born
+        depth_limit, serial = trie.depth - 1, trie._serial
+        paths = self._open
+        paths.append((ROOT, 0))
         still_open = []
-        paths = [(node, level, 0) for node, level in self._open]
-        paths.extend((ROOT, 0, i) for i in range(n))
-        for node, level, i in paths:
-            end = min(n, i + depth - level)
-            level += end - i
-            while i < end:
-                kids = children[node]
-                child = kids.get(tokens[i]) if kids is not None else None
-                if child is None:
-                    break
-                freq[child] += 1.0
-                last_used[child] = first_tick + i
-                node = child
-                i += 1
-            if i < end:
-                first = len(children)
-                kids = children[node]
+        for node, depth in paths:
+            kids = children[node]
+            child = kids.get(token) if kids is not None else None
+            if child is None:  # a new node, made here rather than by ``Trie.child``: this trie never evicts
+                child = len(children)
                 if kids is None:
-                    children[node] = {tokens[i]: first}
+                    children[node] = {token: child}
                 else:
-                    kids[tokens[i]] = first
-                children.extend([{tokens[k]: first + k - i} for k in range(i + 1, end)])
+                    kids[token] = child
                 children.append(None)
-                made = end - i
-                freq.extend(_ONES[:made] if made <= len(_ONES) else array("d", [1.0]) * made)
-                last_used.extend(range(first_tick + i, first_tick + end))
-                born.extend(range(trie._serial + 1, trie._serial + made + 1))
-                trie._serial += made
-                trie.size += made
-                node = first + made - 1
-            if level < depth:
-                still_open.append((node, level))
+                freq.append(1.0)
+                last_used.append(tick)
+                serial += 1
+                born.append(serial)
+            else:
+                freq[child] += 1.0
+                last_used[child] = tick
+            if depth < depth_limit:
+                still_open.append((child, depth + 1))
+        trie.size += serial - trie._serial
+        trie._serial = serial
         self._open = still_open
 
-
-_ONES = array("d", [1.0]) * 64
+    def suffix_nodes(self) -> dict[int, int]:
+        """``{m: node}`` for the last ``m`` tokens appended since the last ``restart``
+        (``m < depth``): the node a walk from the root over them would reach."""
+        return {depth: node for node, depth in self._open}
