@@ -147,8 +147,8 @@ def frequency_tree(
     if budget <= 0 or not matches:
         return draft
     heap: list = []
-    push, pop = heapq.heappush, heapq.heappop
-    order = 0
+    push, pop, add = heapq.heappush, heapq.heappop, draft.add
+    order = size = 0
     groups, parent, depth = matches, -1, 1
     while True:
         for score, tick, token, group in _merged_children(groups, top_k_in_cell):
@@ -156,10 +156,11 @@ def frequency_tree(
                 break
             push(heap, (-score, -tick, order, token, parent, depth, group))
             order += 1
-        if not heap or len(draft) >= budget:
+        if not heap or size >= budget:
             return draft
         neg_score, _, _, token, parent, depth, groups = pop(heap)
-        parent = draft.add(token, parent, -neg_score, [(trie, node, trie.born[node]) for trie, node, _ in groups])
+        parent = add(token, parent, -neg_score, [(trie, node, trie.born[node]) for trie, node, _ in groups])
+        size += 1
         if depth >= max_depth or token == eos_token_id:
             groups = ()
         depth += 1

@@ -167,7 +167,8 @@ class HistoryAppender:
         if trie.max_children is not None:
             raise ValueError("HistoryAppender needs a trie without max_children")
         self.trie = trie
-        self._open: list[tuple[int, int]] = []
+        # The open paths' current nodes, oldest start first: the i-th of k is at depth k - i.
+        self._open: list[int] = []
 
     def restart(self) -> None:
         """Close the open paths: the next token follows a gap in the history, not its last token."""
@@ -176,11 +177,11 @@ class HistoryAppender:
     def append(self, token: int, tick: int) -> None:
         trie = self.trie
         children, freq, last_used, born = trie.children, trie.freq, trie.last_used, trie.born
-        depth_limit, serial = trie.depth - 1, trie._serial
+        serial = trie._serial
         paths = self._open
-        paths.append((ROOT, 0))
-        still_open = []
-        for node, depth in paths:
+        paths.append(ROOT)
+        reached = []
+        for node in paths:
             kids = children[node]
             child = kids.get(token) if kids is not None else None
             if child is None:  # a new node, made here rather than by ``Trie.child``: this trie never evicts
@@ -197,13 +198,15 @@ class HistoryAppender:
             else:
                 freq[child] += 1.0
                 last_used[child] = tick
-            if depth < depth_limit:
-                still_open.append((child, depth + 1))
+            reached.append(child)
+        if len(reached) == trie.depth:  # the oldest path is complete
+            del reached[0]
         trie.size += serial - trie._serial
         trie._serial = serial
-        self._open = still_open
+        self._open = reached
 
     def suffix_nodes(self) -> dict[int, int]:
         """``{m: node}`` for the last ``m`` tokens appended since the last ``restart``
         (``m < depth``): the node a walk from the root over them would reach."""
-        return {depth: node for node, depth in self._open}
+        paths = self._open
+        return {len(paths) - i: node for i, node in enumerate(paths)}
