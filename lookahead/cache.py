@@ -156,13 +156,13 @@ class LookaheadCache(Proposer):
         state.last_draft = draft
         return draft.to_tree()
 
-    def _histories(self, state: _Request, context: list[int]) -> list[tuple[Trie, float, Optional[dict[int, int]]]]:
+    def _histories(self, state: _Request, context: list[int]) -> list[tuple[Trie, float, Sequence[int]]]:
         """(trie, weight, nodes of the context's suffixes known without walking) per history."""
         # The request's trie was just grown by the context's own tokens unless it stopped learning.
-        known = state.appender.suffix_nodes() if state.history[-len(context):] == context else None
+        known = state.appender.suffix_nodes() if state.history[-len(context):] == context else ()
         histories = [(state.trie, self.config.start_freq, known)]
         if self.config.global_cache_switch:
-            histories.append((self.global_trie, 1.0, None))
+            histories.append((self.global_trie, 1.0, ()))
         return histories
 
     def _draft(self, state: _Request, context: list[int], budget: int) -> Draft:

@@ -95,18 +95,19 @@ class Trie:
             self.last_used[node] = tick
 
     def match(
-        self, context: Sequence[int], min_len: int, max_len: int, limit: int, known: Optional[dict[int, int]] = None
+        self, context: Sequence[int], min_len: int, max_len: int, limit: int, known: Sequence[int] = ()
     ) -> list[int]:
         """Nodes reached by the longest suffixes of ``context`` (``max_len`` down to
         ``min_len`` tokens) that have a continuation; at most ``limit``, longest first.
-        ``known``: nodes of some suffixes, by length, found without walking (see
-        ``HistoryAppender.suffix_nodes``)."""
+        ``known[-m]``, where given, is the node of the suffix of ``m`` tokens, found
+        without walking (see ``HistoryAppender.suffix_nodes``)."""
         found: list[int] = []
         children = self.children
-        n = len(context)
+        n, num_known = len(context), len(known)
         for m in range(min(max_len, n, self.depth - 1), min_len - 1, -1):
-            node: Optional[int] = known.get(m) if known else None
-            if node is None:
+            if m <= num_known:
+                node: Optional[int] = known[-m]
+            else:
                 node = ROOT
                 for token in context[n - m:]:
                     kids = children[node]
@@ -205,8 +206,7 @@ class HistoryAppender:
         trie._serial = serial
         self._open = reached
 
-    def suffix_nodes(self) -> dict[int, int]:
-        """``{m: node}`` for the last ``m`` tokens appended since the last ``restart``
-        (``m < depth``): the node a walk from the root over them would reach."""
-        paths = self._open
-        return {len(paths) - i: node for i, node in enumerate(paths)}
+    def suffix_nodes(self) -> list[int]:
+        """``[-m]``: for the last ``m`` tokens appended since the last ``restart``, the node a
+        walk from the root over them would reach (as far as ``depth - 1`` tokens back)."""
+        return self._open
