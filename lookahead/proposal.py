@@ -128,9 +128,13 @@ def _merged_children(groups: Sequence[Match], top_k_in_cell: int) -> list[tuple[
                 merged[token] = [freq[child] * weight, last_used[child], [(trie, child, weight)]]
             else:
                 entry[0] += freq[child] * weight
-                entry[1] = max(entry[1], last_used[child])
+                tick = last_used[child]
+                if tick > entry[1]:
+                    entry[1] = tick
                 entry[2].append((trie, child, weight))
-    ranked = sorted(((s, t, tok, g) for tok, (s, t, g) in merged.items()), key=_rank)
+    ranked = [(score, tick, token, group) for token, (score, tick, group) in merged.items()]
+    if len(ranked) > 1:
+        ranked.sort(key=_rank)
     return ranked[:top_k_in_cell]
 
 
@@ -183,7 +187,8 @@ def recent_copies(
     chosen: set[int] = set()
     for trie, node, weight in matches:
         last_used = trie.last_used
-        for token, child in sorted(trie.children[node].items(), key=lambda kv: -last_used[kv[1]]):
+        kids = trie.children[node]
+        for token, child in sorted(kids.items(), key=lambda kv: -last_used[kv[1]]) if len(kids) > 1 else kids.items():
             if len(starts) >= top_k:
                 break
             if token not in chosen:
@@ -196,8 +201,13 @@ def recent_copies(
             break
         children, freq, last_used, born = trie.children, trie.freq, trie.last_used, trie.born
         chain = [(token, freq[node] * weight, (trie, node, born[node]))]
-        while len(chain) < min(max_depth, remaining) and children[node] and token != eos_token_id:
-            token, node = max(children[node].items(), key=lambda kv: last_used[kv[1]])
+        length = min(max_depth, remaining)
+        while len(chain) < length and children[node] and token != eos_token_id:
+            kids = children[node]
+            if len(kids) == 1:
+                ((token, node),) = kids.items()
+            else:
+                token, node = max(kids.items(), key=lambda kv: last_used[kv[1]])
             chain.append((token, freq[node] * weight, (trie, node, born[node])))
         remaining -= len(chain)
         chains.append(chain)
