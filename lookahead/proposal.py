@@ -98,6 +98,8 @@ def _rank(entry: tuple) -> tuple[float, int]:
 
 def _merged_children(groups: Sequence[Match], top_k_in_cell: int) -> list[tuple[float, int, int, list[Match]]]:
     """(score, latest tick, token, child matches) per distinct child token, best first."""
+    if not groups:
+        return []
     if len(groups) == 1:  # nothing to merge: the usual case below the first level
         trie, node, weight = groups[0]
         kids = trie.children[node]
@@ -160,11 +162,13 @@ def frequency_tree(
                 break
             push(heap, (-score, -tick, order, token, parent, depth, group))
             order += 1
-        if not heap or size >= budget:
+        if not heap:
             return draft
         neg_score, _, _, token, parent, depth, groups = pop(heap)
         parent = add(token, parent, -neg_score, [(trie, node, trie.born[node]) for trie, node, _ in groups])
         size += 1
+        if size >= budget:  # full: the last node's children could not be added
+            return draft
         if depth >= max_depth or token == eos_token_id:
             groups = ()
         depth += 1
