@@ -9,8 +9,8 @@ for the batch, accepts the longest tree path the true continuation follows, and 
 that plus the bonus token. Before timing, a few finished requests fill the global cache.
 
 ``--baseline REV ...`` also runs the ``lookahead`` package of each git revision side by side
-(each implementation in its own subprocess, interleaved; each step's least CPU time over
-``--repeats`` runs), and checks that all proposed the same trees.
+(a fresh subprocess per implementation and batch size, interleaved; each step's least CPU
+time over ``--repeats`` runs), and checks that all proposed the same trees.
 
     python -m bench.lookahead_host --baseline main --out bench/results
 """
@@ -173,12 +173,14 @@ def main(argv=None) -> None:
             impls[f"{rev} ({extract(rev, into)})"] = into
         impls["working tree"] = None
         runs: dict[str, dict[int, list[dict]]] = {name: {b: [] for b in args.batches} for name in impls}
+        # A fresh process per batch size: a heap left fragmented by a larger run slows the next one.
         for _ in range(args.repeats):
-            for name, path in impls.items():
-                for row in run_child(child_argv, path):
+            for batch in args.batches:
+                for name, path in impls.items():
+                    (row,) = run_child(["--batches", str(batch), *child_argv], path)
                     if os.path.realpath(row["package"]) != os.path.realpath(path or REPO_ROOT):
                         raise RuntimeError(f"{name}: imported lookahead from {row['package']}")
-                    runs[name][row["batch"]].append(row)
+                    runs[name][batch].append(row)
     rows = []
     names = list(impls)
     for batch in args.batches:
@@ -198,7 +200,7 @@ def main(argv=None) -> None:
 
 
 def _child_args(args) -> list[str]:
-    return ["--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--output-len",
+    return ["--prompt-len", str(args.prompt_len), "--output-len",
             str(args.output_len), "--steps", str(args.steps), "--warm-requests", str(args.warm_requests),
             "--seed", str(args.seed)]
 

@@ -240,23 +240,21 @@ class LookaheadCache(Proposer):
 
     def _learn(self, state: _Request, tokens: Sequence[int]) -> None:
         """Append to a request's history, stopping for good when memory runs out."""
-        trie, history, append = state.trie, state.history, state.appender.append
+        trie, history = state.trie, state.history
+        tokens = [int(token) for token in tokens]
         room_per_token = trie.depth * NODE_BYTES + TOKEN_BYTES
-        # A token adds at most ``room_per_token``: when all of them fit, no check can fail or evict.
+        # A token adds at most ``room_per_token``: when all of them fit, no check can fail or evict,
+        # and they are learned at once; else one at a time, each checked.
         fits_all = self.memory_bytes() + len(tokens) * room_per_token <= self.memory_budget_bytes
-        before = trie.size
-        for token in tokens:
-            if not fits_all:
-                self._request_nodes += trie.size - before
-                before = trie.size
-                if not self._has_room(room_per_token):
-                    _stop_learning(state)
-                    return
-            token = int(token)
-            append(token, len(history))
-            history.append(token)
-            self._history_tokens += 1
-        self._request_nodes += trie.size - before
+        for chunk in [tokens] if fits_all else [[token] for token in tokens]:
+            if not fits_all and not self._has_room(room_per_token):
+                _stop_learning(state)
+                return
+            before = trie.size
+            state.appender.extend(chunk, len(history))
+            history.extend(chunk)
+            self._request_nodes += trie.size - before
+            self._history_tokens += len(chunk)
 
     def _insert_global(self, tokens: Sequence[int]) -> None:
         depth = self.global_trie.depth

@@ -154,7 +154,7 @@ class Trie:
 
 
 class HistoryAppender:
-    """Grows a trie one token at a time, as a request's history grows.
+    """Grows a trie as a request's history grows.
 
     Keeps the open path of each of the last ``depth - 1`` start positions, so a new token
     extends all of them and opens its own: ``depth`` updates per token, and the whole
@@ -175,36 +175,40 @@ class HistoryAppender:
         """Close the open paths: the next token follows a gap in the history, not its last token."""
         self._open = []
 
-    def append(self, token: int, tick: int) -> None:
+    def extend(self, tokens: Sequence[int], tick: int) -> None:
+        """Append ``tokens``, stamped with positions ``tick, tick + 1, ...``."""
         trie = self.trie
-        children, freq, last_used, born = trie.children, trie.freq, trie.last_used, trie.born
+        children, freq, last_used, born, depth = trie.children, trie.freq, trie.last_used, trie.born, trie.depth
         serial = trie._serial
         paths = self._open
-        paths.append(ROOT)
-        reached = []
-        for node in paths:
-            kids = children[node]
-            child = kids.get(token) if kids is not None else None
-            if child is None:  # a new node, made here rather than by ``Trie.child``: this trie never evicts
-                child = len(children)
-                if kids is None:
-                    children[node] = {token: child}
+        for token in tokens:
+            paths.append(ROOT)
+            reached = []
+            for node in paths:
+                kids = children[node]
+                child = kids.get(token) if kids is not None else None
+                if child is None:  # a new node, made here rather than by ``Trie.child``: this trie never evicts
+                    child = len(children)
+                    if kids is None:
+                        children[node] = {token: child}
+                    else:
+                        kids[token] = child
+                    children.append(None)
+                    freq.append(1.0)
+                    last_used.append(tick)
+                    serial += 1
+                    born.append(serial)
                 else:
-                    kids[token] = child
-                children.append(None)
-                freq.append(1.0)
-                last_used.append(tick)
-                serial += 1
-                born.append(serial)
-            else:
-                freq[child] += 1.0
-                last_used[child] = tick
-            reached.append(child)
-        if len(reached) == trie.depth:  # the oldest path is complete
-            del reached[0]
+                    freq[child] += 1.0
+                    last_used[child] = tick
+                reached.append(child)
+            if len(reached) == depth:  # the oldest path is complete
+                del reached[0]
+            paths = reached
+            tick += 1
         trie.size += serial - trie._serial
         trie._serial = serial
-        self._open = reached
+        self._open = paths
 
     def suffix_nodes(self) -> list[int]:
         """``[-m]``: for the last ``m`` tokens appended since the last ``restart``, the node a
