@@ -184,7 +184,9 @@ class LookaheadCache(Proposer):
             draft = self._raw_draft(histories, context, budget, draft)
         return draft
 
-    def _raw_draft(self, histories, context: list[int], budget: int, draft: Draft) -> Draft:
+    def _raw_draft(
+        self, histories: list[tuple[Trie, float, Sequence[int]]], context: list[int], budget: int, draft: Draft
+    ) -> Draft:
         config = self.config
         matches: list[Match] = [
             (trie, node, weight)

@@ -2,8 +2,8 @@
 reference its replacement must match: the same trees, in the same order, with the same
 scores, and the same learning, decay, catch-up and memory-budget stops.
 
-Token-by-token trie growth (``HistoryAppender.append``), one node object-slot per stored
-token and depth, exactly as the library did; only imports differ.
+Token-by-token trie growth (``HistoryAppender.append``, ``depth`` updates per token) and
+the proposal builders exactly as the library had them; only imports and names differ.
 """
 from __future__ import annotations
 
