@@ -156,34 +156,42 @@ class LookaheadCache(Proposer):
         state.last_draft = draft
         return draft.to_tree()
 
-    def _histories(self, state: _Request) -> list[tuple[Trie, float]]:
-        histories = [(state.trie, self.config.start_freq)]
+    def _histories(self, state: _Request, context: list[int]) -> list[tuple[Trie, float, Sequence[int]]]:
+        """(trie, weight, nodes of the context's suffixes known without walking) per history."""
+        # The request's trie was just grown by the context's own tokens unless it stopped learning.
+        known = state.appender.suffix_nodes() if state.history[-len(context):] == context else ()
+        histories = [(state.trie, self.config.start_freq, known)]
         if self.config.global_cache_switch:
-            histories.append((self.global_trie, 1.0))
+            histories.append((self.global_trie, 1.0, ()))
         return histories
 
     def _draft(self, state: _Request, context: list[int], budget: int) -> Draft:
         config = self.config
+        histories = self._histories(state, context)
         if config.cache_mode == 0:
-            return self._raw_draft(state, context, budget, Draft())
+            return self._raw_draft(histories, context, budget, Draft())
         matches: list[Match] = [
             (trie, node, weight)
-            for trie, weight in self._histories(state)
-            for node in trie.match(context, config.min_match_length, config.turbo_match_length, config.token_paths_top_k)
+            for trie, weight, known in histories
+            for node in trie.match(
+                context, config.min_match_length, config.turbo_match_length, config.token_paths_top_k, known
+            )
         ]
         draft = frequency_tree(
             matches, budget, config.copy_length, config.threshold, config.top_k_in_cell, config.eos_token_id
         )
         if config.cache_mode == 2 and (not len(draft) or (config.is_hybrid and len(draft) < budget)):
-            draft = self._raw_draft(state, context, budget, draft)
+            draft = self._raw_draft(histories, context, budget, draft)
         return draft
 
-    def _raw_draft(self, state: _Request, context: list[int], budget: int, draft: Draft) -> Draft:
+    def _raw_draft(
+        self, histories: list[tuple[Trie, float, Sequence[int]]], context: list[int], budget: int, draft: Draft
+    ) -> Draft:
         config = self.config
         matches: list[Match] = [
             (trie, node, weight)
-            for trie, weight in self._histories(state)
-            for node in trie.match(context, config.min_match_length, config.match_length, 1)
+            for trie, weight, known in histories
+            for node in trie.match(context, config.min_match_length, config.match_length, 1, known)
         ]
         for chain in recent_copies(matches, budget, config.copy_length, config.top_k, config.eos_token_id):
             draft.add_chain(chain, budget)
@@ -234,17 +242,21 @@ class LookaheadCache(Proposer):
 
     def _learn(self, state: _Request, tokens: Sequence[int]) -> None:
         """Append to a request's history, stopping for good when memory runs out."""
-        trie = state.trie
+        trie, history = state.trie, state.history
+        tokens = [int(token) for token in tokens]
         room_per_token = trie.depth * NODE_BYTES + TOKEN_BYTES
-        for token in tokens:
-            if not self._has_room(room_per_token):
+        # A token adds at most ``room_per_token``: when all of them fit, no check can fail or evict,
+        # and they are learned at once; else one at a time, each checked.
+        fits_all = self.memory_bytes() + len(tokens) * room_per_token <= self.memory_budget_bytes
+        for chunk in [tokens] if fits_all else [[token] for token in tokens]:
+            if not fits_all and not self._has_room(room_per_token):
                 _stop_learning(state)
                 return
             before = trie.size
-            state.appender.append(int(token), len(state.history))
-            state.history.append(int(token))
+            state.appender.extend(chunk, len(history))
+            history.extend(chunk)
             self._request_nodes += trie.size - before
-            self._history_tokens += 1
+            self._history_tokens += len(chunk)
 
     def _insert_global(self, tokens: Sequence[int]) -> None:
         depth = self.global_trie.depth

@@ -92,8 +92,29 @@ class Draft:
         return rejected
 
 
+def _rank(entry: tuple) -> tuple[float, int]:
+    return -entry[0], -entry[1]
+
+
 def _merged_children(groups: Sequence[Match], top_k_in_cell: int) -> list[tuple[float, int, int, list[Match]]]:
     """(score, latest tick, token, child matches) per distinct child token, best first."""
+    if not groups:
+        return []
+    if len(groups) == 1:  # nothing to merge: the usual case below the first level
+        trie, node, weight = groups[0]
+        kids = trie.children[node]
+        if not kids:
+            return []
+        freq, last_used = trie.freq, trie.last_used
+        if len(kids) == 1:
+            ((token, child),) = kids.items()
+            return [(freq[child] * weight, last_used[child], token, [(trie, child, weight)])]
+        items = kids.items()
+        if len(kids) > top_k_in_cell:
+            items = heapq.nlargest(top_k_in_cell, items, key=lambda kv: freq[kv[1]])
+        ranked = [(freq[child] * weight, last_used[child], token, [(trie, child, weight)]) for token, child in items]
+        ranked.sort(key=_rank)
+        return ranked[:top_k_in_cell]
     merged: dict[int, list] = {}
     for trie, node, weight in groups:
         kids = trie.children[node]
@@ -109,9 +130,13 @@ def _merged_children(groups: Sequence[Match], top_k_in_cell: int) -> list[tuple[
                 merged[token] = [freq[child] * weight, last_used[child], [(trie, child, weight)]]
             else:
                 entry[0] += freq[child] * weight
-                entry[1] = max(entry[1], last_used[child])
+                tick = last_used[child]
+                if tick > entry[1]:
+                    entry[1] = tick
                 entry[2].append((trie, child, weight))
-    ranked = sorted(((s, t, tok, g) for tok, (s, t, g) in merged.items()), key=lambda e: (-e[0], -e[1]))
+    ranked = [(score, tick, token, group) for token, (score, tick, group) in merged.items()]
+    if len(ranked) > 1:
+        ranked.sort(key=_rank)
     return ranked[:top_k_in_cell]
 
 
@@ -128,24 +153,25 @@ def frequency_tree(
     if budget <= 0 or not matches:
         return draft
     heap: list = []
-    order = 0
-
-    def enqueue(groups: Sequence[Match], parent: int, depth: int) -> None:
-        nonlocal order
+    push, pop, add = heapq.heappush, heapq.heappop, draft.add
+    order = size = 0
+    groups, parent, depth = matches, -1, 1
+    while True:
         for score, tick, token, group in _merged_children(groups, top_k_in_cell):
             if score < threshold:
                 break
-            heapq.heappush(heap, (-score, -tick, order, token, parent, depth, group))
+            push(heap, (-score, -tick, order, token, parent, depth, group))
             order += 1
-
-    enqueue(matches, -1, 1)
-    while heap and len(draft) < budget:
-        neg_score, _, _, token, parent, depth, group = heapq.heappop(heap)
-        sources = [(trie, node, trie.born[node]) for trie, node, _ in group]
-        index = draft.add(token, parent, -neg_score, sources)
-        if depth < max_depth and token != eos_token_id:
-            enqueue(group, index, depth + 1)
-    return draft
+        if not heap:
+            return draft
+        neg_score, _, _, token, parent, depth, groups = pop(heap)
+        parent = add(token, parent, -neg_score, [(trie, node, trie.born[node]) for trie, node, _ in groups])
+        size += 1
+        if size >= budget:  # full: the last node's children could not be added
+            return draft
+        if depth >= max_depth or token == eos_token_id:
+            groups = ()
+        depth += 1
 
 
 def recent_copies(
@@ -165,7 +191,8 @@ def recent_copies(
     chosen: set[int] = set()
     for trie, node, weight in matches:
         last_used = trie.last_used
-        for token, child in sorted(trie.children[node].items(), key=lambda kv: -last_used[kv[1]]):
+        kids = trie.children[node]
+        for token, child in sorted(kids.items(), key=lambda kv: -last_used[kv[1]]) if len(kids) > 1 else kids.items():
             if len(starts) >= top_k:
                 break
             if token not in chosen:
@@ -178,8 +205,13 @@ def recent_copies(
             break
         children, freq, last_used, born = trie.children, trie.freq, trie.last_used, trie.born
         chain = [(token, freq[node] * weight, (trie, node, born[node]))]
-        while len(chain) < min(max_depth, remaining) and children[node] and token != eos_token_id:
-            token, node = max(children[node].items(), key=lambda kv: last_used[kv[1]])
+        length = min(max_depth, remaining)
+        while len(chain) < length and children[node] and token != eos_token_id:
+            kids = children[node]
+            if len(kids) == 1:
+                ((token, node),) = kids.items()
+            else:
+                token, node = max(kids.items(), key=lambda kv: last_used[kv[1]])
             chain.append((token, freq[node] * weight, (trie, node, born[node])))
         remaining -= len(chain)
         chains.append(chain)

@@ -94,19 +94,26 @@ class Trie:
             self.freq[node] += weight
             self.last_used[node] = tick
 
-    def match(self, context: Sequence[int], min_len: int, max_len: int, limit: int) -> list[int]:
+    def match(
+        self, context: Sequence[int], min_len: int, max_len: int, limit: int, known: Sequence[int] = ()
+    ) -> list[int]:
         """Nodes reached by the longest suffixes of ``context`` (``max_len`` down to
-        ``min_len`` tokens) that have a continuation; at most ``limit``, longest first."""
+        ``min_len`` tokens) that have a continuation; at most ``limit``, longest first.
+        ``known[-m]``, where given, is the node of the suffix of ``m`` tokens, found
+        without walking (see ``HistoryAppender.suffix_nodes``)."""
         found: list[int] = []
         children = self.children
-        n = len(context)
+        n, num_known = len(context), len(known)
         for m in range(min(max_len, n, self.depth - 1), min_len - 1, -1):
-            node: Optional[int] = ROOT
-            for token in context[n - m:]:
-                kids = children[node]
-                node = kids.get(token) if kids else None
-                if node is None:
-                    break
+            if m <= num_known:
+                node: Optional[int] = known[-m]
+            else:
+                node = ROOT
+                for token in context[n - m:]:
+                    kids = children[node]
+                    node = kids.get(token) if kids else None
+                    if node is None:
+                        break
             if node is not None and children[node]:
                 found.append(node)
                 if len(found) >= limit:
@@ -147,36 +154,63 @@ class Trie:
 
 
 class HistoryAppender:
-    """Grows a trie one token at a time, as a request's history grows.
+    """Grows a trie as a request's history grows.
 
     Keeps the open path of each of the last ``depth - 1`` start positions, so a new token
     extends all of them and opens its own: ``depth`` updates per token, and the whole
     history is stored exactly once per position. Nodes are stamped with the token's
     position, so the most recent continuation of a context is its child with the largest
-    ``last_used``. The trie must have no ``max_children`` (an open path must not be evicted).
+    ``last_used``. The trie must have no ``max_children`` and never be evicted from (an open
+    path must not be evicted), so new nodes are simply appended.
     """
 
     def __init__(self, trie: Trie) -> None:
         if trie.max_children is not None:
             raise ValueError("HistoryAppender needs a trie without max_children")
         self.trie = trie
-        self._open: list[tuple[int, int]] = []
+        # The open paths' current nodes, oldest start first: the i-th of k is at depth k - i.
+        self._open: list[int] = []
 
     def restart(self) -> None:
         """Close the open paths: the next token follows a gap in the history, not its last token."""
         self._open = []
 
-    def append(self, token: int, tick: int) -> None:
+    def extend(self, tokens: Sequence[int], tick: int) -> None:
+        """Append ``tokens``, stamped with positions ``tick, tick + 1, ...``."""
         trie = self.trie
-        children, freq, last_used, depth_limit = trie.children, trie.freq, trie.last_used, trie.depth - 1
-        still_open = []
-        for node, depth in self._open + [(ROOT, 0)]:
-            kids = children[node]
-            child = kids.get(token) if kids is not None else None
-            if child is None:
-                child = trie.child(node, token, tick)
-            freq[child] += 1.0
-            last_used[child] = tick
-            if depth < depth_limit:
-                still_open.append((child, depth + 1))
-        self._open = still_open
+        children, freq, last_used, born, depth = trie.children, trie.freq, trie.last_used, trie.born, trie.depth
+        serial = trie._serial
+        paths = self._open
+        for token in tokens:
+            paths.append(ROOT)
+            reached = []
+            for node in paths:
+                kids = children[node]
+                child = kids.get(token) if kids is not None else None
+                if child is None:  # a new node, made here rather than by ``Trie.child``: this trie never evicts
+                    child = len(children)
+                    if kids is None:
+                        children[node] = {token: child}
+                    else:
+                        kids[token] = child
+                    children.append(None)
+                    freq.append(1.0)
+                    last_used.append(tick)
+                    serial += 1
+                    born.append(serial)
+                else:
+                    freq[child] += 1.0
+                    last_used[child] = tick
+                reached.append(child)
+            if len(reached) == depth:  # the oldest path is complete
+                del reached[0]
+            paths = reached
+            tick += 1
+        trie.size += serial - trie._serial
+        trie._serial = serial
+        self._open = paths
+
+    def suffix_nodes(self) -> list[int]:
+        """``[-m]``: for the last ``m`` tokens appended since the last ``restart``, the node a
+        walk from the root over them would reach (as far as ``depth - 1`` tokens back)."""
+        return self._open

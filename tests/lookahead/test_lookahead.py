@@ -272,9 +272,11 @@ def test_node_bytes_bounds_the_real_allocation():
             before = tracemalloc.get_traced_memory()[0]
             trie = Trie(14, None if appender else 16)
             if appender:
-                grow = HistoryAppender(trie)
-                for i, token in enumerate(tokens):
-                    grow.append(token, i)
+                grow, i = HistoryAppender(trie), 0
+                while i < len(tokens):  # a verdict's tokens at a time
+                    step = rnd.randint(1, 6)
+                    grow.extend(tokens[i:i + step], i)
+                    i += step
             else:
                 for i in range(len(tokens)):
                     trie.insert(tokens[i:i + 14], 1.0, i + 1)
