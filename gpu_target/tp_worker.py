@@ -12,22 +12,16 @@ Control goes over multiprocessing pipes, tensors over a torch.distributed proces
 from a TCPStore without touching torch's global default group: ProcessGroupNCCL on CUDA
 (graph-capturable), ProcessGroupGloo on the CPU; unless `disable_custom_all_reduce`, the
 all-reduces that fit go through the one-shot kernel instead (gpu_target/custom_all_reduce.py).
-A worker that dies is seen through its process sentinel: before each call, and by a watchdog
-thread that aborts the group so that rank 0 is not left waiting in a collective; the engine
-then raises `RankDiedError`. The one-shot all-reduce's kernels cannot be aborted: when rank 0's
-device has not finished its work with the dead rank within `STUCK_GRACE_S` of the death, the
-watchdog ends the process with `STUCK_EXIT_CODE` and an error naming the rank (`Watchdog`). During
-start-up every rank reports the phase it enters (loading weights, compiling kernels, capturing
-each CUDA graph) in the group's store, and the watchdog also ends a start-up in which no rank
-has made progress for `STALL_TIMEOUT_S` (a deadlock, or a rank waiting for a message that never
-comes): the engine raises `RankStalledError`, naming each
-rank's last phase. A worker whose pipe closes (the coordinator is gone) exits, and a thread of
-its own ends it when the coordinator's process is gone while it is stuck on its GPU; workers are
-daemonic and stopped by a finalizer, so none outlives the engine. At that stop each rank frees
-its CUDA graphs before its process group (graphs that captured NCCL collectives keep the
-communicator busy), then shuts the group down while its peers do (`release`). Gloo and NCCL
-here use TCP and CUDA IPC, the one-shot all-reduce cuMem handles passed over Unix sockets: no
-named shared-memory segments of hetero's.
+A worker that dies or a start-up that stalls ends rank 0's waits through the watchdog
+(gpu_target/tp_watchdog.py): the engine raises `RankDiedError` or `RankStalledError`, naming
+each rank's last start-up phase, or, when rank 0's device is stuck in a collective no abort
+reaches, the process ends with an error naming the dead rank. A worker whose pipe closes
+(the coordinator is gone) exits, as it does when stuck on its GPU once the coordinator's
+process is gone; workers are daemonic and stopped by a finalizer, so none outlives the engine.
+At that stop each rank frees its CUDA graphs before its process group (graphs that captured
+NCCL collectives keep the communicator busy), then shuts the group down while its peers do
+(`release`). Gloo and NCCL here use TCP and CUDA IPC, the one-shot all-reduce cuMem handles
+passed over Unix sockets: no named shared-memory segments of hetero's.
 """
 from __future__ import annotations
 
@@ -40,9 +34,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import socket
-import sys
-import threading
-import time
 import traceback
 import uuid
 import weakref
@@ -56,18 +47,13 @@ from gpu_target.custom_all_reduce import OneShotAllReduce, set_up_one_shot
 from gpu_target.runner import ModelRunner, PickTokens, SequenceChunk
 from gpu_target.target import CacheShape, TargetSpec, build_runner, load_model, make_kv_pool, rank_device
 from gpu_target.tensor_parallel import TensorParallel, check_divisible
+from gpu_target.tp_watchdog import (DEATH_GRACE_S, WATCH_PERIOD_S, DeviceWork, Watchdog, abort_group, exit_with_parent,
+                                    report_phase)
 
 logger = logging.getLogger("hetero")
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-STALL_TIMEOUT_S = 600.0  # start-up: no rank reported a new phase for this long (one phase is one graph, one shard)
-_WATCH_PERIOD_S = 0.5
 _STOP_TIMEOUT_S = 10.0
-_DEATH_GRACE_S = 5.0
-# After a worker's death, how long rank 0's device may take to finish the work it was given
-# before it counts as stuck in a collective waiting for the dead rank (a one-shot all-reduce).
-STUCK_GRACE_S = 10.0
-STUCK_EXIT_CODE = 70  # the process's exit code then (BSD sysexits' EX_SOFTWARE)
 
 
 class RankDiedError(RuntimeError):
@@ -92,15 +78,6 @@ def make_group(backend: str, store: dist.Store, rank: int, world_size: int,
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, world_size, options)
-
-
-def report_phase(store: dist.Store, rank: int, phase: str) -> None:
-    """Publish the start-up phase `rank` enters, for the watchdog's progress check and its error."""
-    store.set(_phase_key(rank), phase)
-
-
-def _phase_key(rank: int) -> str:
-    return f"hetero/phase/{rank}"
 
 
 def free_port() -> int:
@@ -158,21 +135,6 @@ def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, group_nam
         raise SystemExit(1)
 
 
-def exit_with_parent() -> None:
-    """End this process as soon as the one that spawned it (the engine's) is gone, from a thread
-    of its own: a worker whose thread is stuck on its GPU (in a one-shot all-reduce waiting for
-    a rank 0 that was killed) never reads its pipe's end, and no one else would stop it."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="hetero-tp-parent-watch").start()
-
-
 def _replay(runner: ModelRunner, tp: TensorParallel, call: str, args: tuple) -> None:
     if call == "forward":
         runner.forward(*args)
@@ -221,7 +183,8 @@ class RankGroup:
             self.conns.append(ours)
             self.processes.append(process)
         self.resources = RankResources()
-        self.watchdog = Watchdog(list(self.processes), port, world_size, self.resources)
+        resources = self.resources  # not `self`: the watchdog's thread would keep the group alive
+        self.watchdog = Watchdog(list(self.processes), port, world_size, lambda: abort_group(resources.group))
         self._finalizer = weakref.finalize(self, _stop, list(self.processes), list(self.conns), self.watchdog,
                                            self.resources)
         try:
@@ -253,7 +216,7 @@ class RankGroup:
                 yield
         except RuntimeError as error:  # a collective's failure: say which rank caused it
             if not isinstance(error, RankDiedError):
-                self.check_alive(grace_s=_DEATH_GRACE_S)
+                self.check_alive(grace_s=DEATH_GRACE_S)
             raise
         finally:
             self.watchdog.idle()
@@ -277,12 +240,12 @@ class RankGroup:
         sentinels = [p.sentinel for p in self.processes]
         with self.running(f"waiting for the workers to report {state!r}"):
             while pending:
-                for item in multiprocessing.connection.wait([*pending, *sentinels], _WATCH_PERIOD_S):
+                for item in multiprocessing.connection.wait([*pending, *sentinels], WATCH_PERIOD_S):
                     if item in pending:
                         try:
                             reply, detail = item.recv()
                         except (EOFError, OSError):  # the worker is gone, maybe not reaped yet
-                            self.check_alive(grace_s=_DEATH_GRACE_S)
+                            self.check_alive(grace_s=DEATH_GRACE_S)
                             raise RankDiedError(f"tensor-parallel rank {pending[item]} closed its pipe") from None
                         if reply == "error":
                             raise RankDiedError(f"tensor-parallel rank {pending[item]} failed:\n{detail}")
@@ -301,7 +264,7 @@ class RankGroup:
             try:
                 conn.send((call, args))
             except OSError:
-                self.check_alive(grace_s=_DEATH_GRACE_S)
+                self.check_alive(grace_s=DEATH_GRACE_S)
                 raise
 
     def check_alive(self, grace_s: float = 0.0) -> None:
@@ -347,165 +310,6 @@ def start_ranks(spec: TargetSpec, world_size: int, worker_cpus: list[list[int]])
     return RankGroup(spec, world_size, num_threads=threads)
 
 
-class Watchdog:
-    """Ends rank 0's waits on ranks that will never answer.
-
-    A thread that checks every half second whether a worker exited and, while rank 0 is in a
-    start-up phase (`busy`), whether any rank reported a new phase in the store. A worker that
-    exits with an error, or no progress for `STALL_TIMEOUT_S` while busy, aborts the process
-    group so that rank 0 leaves a collective it waits in; a stall is described in `stalled`, and
-    the workers are killed, since a live but stalled peer keeps gloo waiting despite the abort.
-    Steps are not timed: a worker's death is what ends one (vLLM's rule too).
-
-    The abort reaches NCCL's kernels, not the one-shot all-reduce's (`one_shot_in_use`): those
-    spin on the device until the dead rank's signal arrives, and rank 0's thread, waiting for
-    the step's outputs, with them. So a death is also followed by a look at rank 0's latest
-    `DeviceWork`: if the device has not finished it within `STUCK_GRACE_S`, nothing will free
-    the device or the thread, and the watchdog ends the process (`end_process`), as vLLM's
-    executor shuts the engine down when a worker dies (vllm/v1/executor/multiproc_executor.py).
-    Work that finishes means no kernel waits for the dead rank: the engine raises RankDiedError
-    and the process lives on."""
-
-    def __init__(self, processes: list, port: int, world_size: int, resources: "RankResources"):
-        self.processes = processes
-        self.resources = resources  # its group, once made, is aborted on a death or a stall
-        # A client of its own: a store client serves one request at a time, and rank 0's may be
-        # blocked in a wait for a peer's key (NCCL's or symmetric memory's rendezvous).
-        self.store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=60),
-                                   wait_for_workers=False)
-        self.world_size = world_size
-        self.stalled: Optional[str] = None
-        self.one_shot_in_use = False
-        self.work: Optional[DeviceWork] = None  # rank 0's latest work with collectives on its device
-        self._busy: Optional[tuple[str, float]] = None  # (phase, since)
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="hetero-tp-watchdog")
-        self._thread.start()
-
-    def busy(self, phase: str) -> None:
-        self._busy = (phase, time.monotonic())
-
-    def idle(self) -> None:
-        self._busy = None
-
-    def close(self) -> None:
-        self._closed.set()
-
-    def phases(self) -> dict[int, str]:
-        """The start-up phase each rank last reported."""
-        keys = {rank: _phase_key(rank) for rank in range(self.world_size)}
-        return {rank: self.store.get(key).decode() for rank, key in keys.items() if self.store.check([key])}
-
-    def _run(self) -> None:
-        sentinels = [p.sentinel for p in self.processes]
-        seen: Optional[dict[int, str]] = None
-        progressed = time.monotonic()
-        while not self._closed.is_set():
-            exited = multiprocessing.connection.wait(sentinels, _WATCH_PERIOD_S)
-            if exited:
-                for process in self.processes:
-                    if process.sentinel in exited:
-                        process.join(_DEATH_GRACE_S)  # its pipes close before it can be reaped
-                died = [(rank, p) for rank, p in enumerate(self.processes, start=1) if p.exitcode not in (0, None)]
-                if died:
-                    # Watched from a thread of its own: an abort can itself hang (NCCL's, with graphs alive).
-                    threading.Thread(target=self._end_process_if_stuck, args=died[0], daemon=True,
-                                     name="hetero-tp-stuck-watch").start()
-                    self._abort()
-                return
-            busy = self._busy
-            if busy is None or self._closed.is_set():
-                continue
-            try:
-                phases = self.phases()
-            except RuntimeError:  # the store is closing with the engine
-                continue
-            now = time.monotonic()
-            if phases != seen:
-                seen, progressed = phases, now
-            phase, since = busy
-            if now - max(since, progressed) > STALL_TIMEOUT_S:
-                where = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(phases.items()))
-                self.stalled = (f"tensor-parallel start-up stalled: no rank made progress for {STALL_TIMEOUT_S:.0f} s "
-                                f"while rank 0 was {phase}; last phase of each rank: {where}")
-                logger.error(self.stalled)
-                for process in self.processes:  # a stalled worker holds its connections open: gloo would wait on
-                    process.kill()
-                self._abort()
-                return
-
-    def _abort(self) -> None:
-        _abort(self.resources.group)
-
-    def _end_process_if_stuck(self, rank: int, process) -> None:
-        """End the process if rank 0's latest device work does not finish within `STUCK_GRACE_S`
-        of `process` (tensor-parallel rank `rank`) dying. Not cut short by the engine's close:
-        its teardown would wait for the stuck device too."""
-        deadline = time.monotonic() + STUCK_GRACE_S
-        while True:
-            work = self.work
-            if work is None or work.finished():
-                return
-            if time.monotonic() > deadline:
-                break
-            time.sleep(_WATCH_PERIOD_S)
-        why = (" (the one-shot all-reduce cannot be aborted; disable_custom_all_reduce=True keeps every all-reduce on "
-               "NCCL, whose collectives can)" if self.one_shot_in_use else "")
-        end_process(
-            f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode} while rank 0's "
-            f"device was {work.what}, which it has not finished {STUCK_GRACE_S:.0f} s later: its collectives wait for "
-            f"the dead rank and the abort did not free them{why}, so neither the device nor the engine's thread would "
-            f"be free again. Ending the process (exit code {STUCK_EXIT_CODE}).",
-            self.processes)
-
-
-class DeviceWork:
-    """Work rank 0 gave its device with the ranks' collectives in it (a step, a start-up phase
-    that warms up and captures graphs), and whether the device has finished it: on CUDA, once
-    it ran everything queued on rank 0's stream up to `end` (an event, which any thread may
-    query without waiting); on the CPU, where collectives run on the calling thread, at `end`."""
-
-    def __init__(self, what: str, device: torch.device):
-        self.what = what
-        self.device = device
-        self._ended = False
-        self._event: Optional[torch.cuda.Event] = None
-
-    def end(self) -> None:
-        """The work is all queued (or its call failed): it finishes once the device has run it."""
-        if self.device.type == "cuda":
-            try:
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self.device))
-                self._event = event
-            except RuntimeError:  # a device already in error runs nothing more: no kernel is left waiting
-                pass
-        self._ended = True
-
-    def finished(self) -> bool:
-        if not self._ended:
-            return False
-        try:
-            return self._event is None or self._event.query()
-        except RuntimeError:  # the device failed meanwhile: its kernels are gone
-            return True
-
-
-def end_process(message: str, processes: Sequence) -> None:
-    """Log `message`, kill the surviving workers (their GPUs are stuck as rank 0's, and no
-    atexit handler runs to stop them) and end this process with `STUCK_EXIT_CODE`, skipping
-    the teardown that would wait for the device."""
-    logger.critical(message)
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-    logging.shutdown()  # flushes every handler
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(STUCK_EXIT_CODE)
-
-
 @dataclasses.dataclass
 class RankResources:
     """What a rank tears down when the engine stops, in this order: its CUDA graphs (they hold
@@ -528,19 +332,7 @@ def release(resources: RankResources, graceful: bool = True) -> None:
     if graceful:
         resources.group.shutdown()
     else:
-        _abort(resources.group)
-
-
-def _abort(group) -> None:
-    """Abort `group`'s collectives: the teardown when a peer cannot join a graceful one (it died
-    or stalled), and the watchdog's way to free rank 0 from a collective it waits in."""
-    abort = getattr(group, "abort", None)
-    if abort is None:
-        return
-    try:
-        abort()
-    except Exception:  # the group may be gone already; rank 0 then sees the error itself
-        logger.debug("aborting the tensor-parallel group failed", exc_info=True)
+        abort_group(resources.group)
 
 
 def _stop(processes: list, conns: list, watchdog: Watchdog, resources: RankResources) -> None:
@@ -555,7 +347,7 @@ def _stop(processes: list, conns: list, watchdog: Watchdog, resources: RankResou
         release(resources, graceful)
     except Exception:  # a peer that failed mid-teardown
         logger.debug("releasing the tensor-parallel group failed; aborting it", exc_info=True)
-        _abort(resources.group)
+        abort_group(resources.group)
     for process in processes:
         process.join(_STOP_TIMEOUT_S)
         if process.is_alive():
@@ -599,5 +391,5 @@ class DrivingRunner:
         try:
             return call()
         except RuntimeError as error:
-            self.ranks.check_alive(grace_s=_DEATH_GRACE_S)
+            self.ranks.check_alive(grace_s=DEATH_GRACE_S)
             raise RankDiedError(f"a tensor-parallel collective failed: {error}") from error

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from gpu_target import gguf_checkpoint, tp_worker
+from gpu_target import gguf_checkpoint, tp_watchdog, tp_worker
 from gpu_target.loader import default_model_path, load_config, load_state_dict
 from gpu_target.runner import SequenceChunk
 from gpu_target.target import CacheShape, TargetSpec, build_runner, load_model, make_kv_pool
@@ -82,7 +82,7 @@ def test_tp2_on_two_gpus_equals_tp1_with_graphs_and_lookahead(tiny_llama_dir, tm
     """NCCL or the one-shot all-reduce inside CUDA graphs, multi-step decoding (steps without
     trees) and tree verification (the copy prompt), in float32. A start-up stall fails within
     two minutes naming each rank's phase, instead of hanging."""
-    monkeypatch.setattr(tp_worker, "STALL_TIMEOUT_S", 120.0)
+    monkeypatch.setattr(tp_watchdog, "STALL_TIMEOUT_S", 120.0)
     plain, copy_prompt, copied = one_gpu_outputs
     (tmp_path / "lookahead_cache_config.json").write_text(
         '{"cache_mode": 2, "copy_length": 8, "is_debug": false, "target_parallelism": 64}')
@@ -314,7 +314,7 @@ def test_a_killed_rank_with_rank_0_stuck_in_a_one_shot_all_reduce_ends_the_proce
     """Rank 0's thread blocked for good, as in a one-shot kernel waiting for a dead rank: the
     watchdog ends the process with the error naming the rank, instead of hanging."""
     run, workers = _kill_a_rank(tiny_llama_dir, "--stuck-rank0", "--grace", "1")
-    assert run.returncode == tp_worker.STUCK_EXIT_CODE, (run.returncode, run.stdout, run.stderr[-3000:])
+    assert run.returncode == tp_watchdog.STUCK_EXIT_CODE, (run.returncode, run.stdout, run.stderr[-3000:])
     assert "tensor-parallel rank 1 (pid" in run.stderr and "exited with code -9" in run.stderr
     assert "disable_custom_all_reduce=True" in run.stderr
     assert _all_gone(workers)
@@ -326,16 +326,16 @@ def test_end_process_kills_the_surviving_workers_first(tmp_path):
     script = tmp_path / "end.py"
     script.write_text(
         "import multiprocessing, sys, time\n"
-        "from gpu_target import tp_worker\n"
+        "from gpu_target import tp_watchdog\n"
         "if __name__ == '__main__':\n"
         "    context = multiprocessing.get_context('spawn')\n"
         "    workers = [context.Process(target=time.sleep, args=(600,), daemon=True) for _ in range(2)]\n"
         "    for w in workers: w.start()\n"
         "    print(' '.join(str(w.pid) for w in workers), flush=True)\n"
-        "    tp_worker.end_process('rank 1 died; the test ends the process', workers)\n"
+        "    tp_watchdog.end_process('rank 1 died; the test ends the process', workers)\n"
     )
     run = _run_child(script)
-    assert run.returncode == tp_worker.STUCK_EXIT_CODE, run.stderr
+    assert run.returncode == tp_watchdog.STUCK_EXIT_CODE, run.stderr
     assert "rank 1 died; the test ends the process" in run.stderr
     pids = [int(pid) for pid in run.stdout.split()]
     assert len(pids) == 2 and _all_gone(pids)
@@ -347,9 +347,9 @@ def test_a_worker_stuck_on_its_device_ends_with_the_engines_process(tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(
         "import multiprocessing, os, signal, time\n"
-        "from gpu_target import tp_worker\n"
+        "from gpu_target import tp_watchdog\n"
         "def stuck():\n"
-        "    tp_worker.exit_with_parent()\n"
+        "    tp_watchdog.exit_with_parent()\n"
         "    time.sleep(600)\n"
         "if __name__ == '__main__':\n"
         "    worker = multiprocessing.get_context('spawn').Process(target=stuck, daemon=True)\n"
@@ -377,7 +377,7 @@ def test_a_rank_killed_on_two_gpus_ends_cleanly(tiny_llama_dir, disable_custom_a
         assert run.returncode == 3 and "RankDiedError: tensor-parallel rank 1" in run.stdout
     else:
         assert '"one_shot_in_use": true' in run.stdout
-        assert (run.returncode == tp_worker.STUCK_EXIT_CODE and "tensor-parallel rank 1 (pid" in run.stderr) or (
+        assert (run.returncode == tp_watchdog.STUCK_EXIT_CODE and "tensor-parallel rank 1 (pid" in run.stderr) or (
             run.returncode == 3 and "RankDiedError: tensor-parallel rank 1" in run.stdout), (run.returncode, run.stdout)
     if run.returncode == 3:
         assert "teardown returned" in run.stdout
@@ -444,7 +444,7 @@ def test_a_stalled_rank_at_start_up_is_an_error_naming_each_ranks_phase(tiny_lla
         load_model(spec, ranks.tp, torch.device("cpu"))
         ranks.wait_for("loaded")
         # Short only from here: a loaded machine may take longer than that to spawn and join.
-        monkeypatch.setattr(tp_worker, "STALL_TIMEOUT_S", 2.0)
+        monkeypatch.setattr(tp_watchdog, "STALL_TIMEOUT_S", 2.0)
         os.kill(worker.pid, signal.SIGSTOP)
         errors: list[BaseException] = []
 

@@ -8,7 +8,7 @@ Once the engine is up and has generated, it prints {"workers": [pids]} and start
 generation; once tokens flow, rank 1 is stopped (SIGSTOP), so that rank 0's next step waits
 for it, and killed a second later, while rank 0 waits. If `generate` raises RankDiedError it
 prints "RankDiedError: ..." and, once the engine's teardown has returned, "teardown returned",
-and exits with 3; the watchdog ending a stuck process exits with tp_worker.STUCK_EXIT_CODE.
+and exits with 3; the watchdog ending a stuck process exits with tp_watchdog.STUCK_EXIT_CODE.
 
 `--stuck-rank0` (for the CPU, whose gloo collectives the abort always frees): marks the
 one-shot all-reduce as in use and makes rank 0's next forward block for good, as a thread
@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 
-from gpu_target import tp_worker
+from gpu_target import tp_watchdog
 from gpu_target.tp_worker import RankDiedError
 from hetero import LLM, SamplingParams
 
@@ -36,9 +36,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--disable-custom-all-reduce", action="store_true")
     parser.add_argument("--stuck-rank0", action="store_true")
-    parser.add_argument("--grace", type=float, default=tp_worker.STUCK_GRACE_S)
+    parser.add_argument("--grace", type=float, default=tp_watchdog.STUCK_GRACE_S)
     args = parser.parse_args()
-    tp_worker.STUCK_GRACE_S = args.grace
+    tp_watchdog.STUCK_GRACE_S = args.grace
     cuda = dict(gpu_memory_utilization=0.3, max_num_seqs=4, max_num_batched_tokens=256) if args.device == "cuda" else {}
     llm = LLM(model=args.model, max_model_len=512, dtype="float32", device=args.device, tensor_parallel_size=2,
               disable_custom_all_reduce=args.disable_custom_all_reduce, **cuda)
