@@ -19,7 +19,8 @@ prescribes for attention (a fixed split *size*, not a fixed number of splits):
   tile is loaded once), the scores and P·V as ``tl.dot`` MMAs of GROUP_PAD >= 16 rows, one
   per query head, so an element's sum is the same instruction sequence whatever the batch;
 * a row with one split writes its output directly; a row with more writes each split's
-  (max, sum, unnormalised output) and a second kernel merges them in index order.
+  (max, sum, unnormalised output), and they are merged in index order: by the program that
+  ran them all when a row has one worker (below), else by a second kernel, with one code.
 
 The number of splits of a row is ceil(n / SPLIT), a function of the row alone. Which
 program computes a split does not change its numbers, so the grid is sized for the GPU:
@@ -101,10 +102,10 @@ def invariant_paged_attention(
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", DOT_IN_FP32=interpreting,
             num_warps=4,
         )
-        if num_splits > 1:
+        if num_splits > 1 and workers > 1:
             _jit(_merge_kernel)[(rows, KVH)](
                 acc, stats, out, *common, rows, H, out.stride(0), out.stride(1),
-                GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, SPLIT=SPLIT, num_warps=4,
+                GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, SPLIT=SPLIT, num_warps=4,
             )
     return out
 
@@ -121,7 +122,7 @@ STEP_COUNTS = ("first", "num_seqs", "has_tree", "rows", "workers")
 
 @functools.lru_cache(maxsize=None)
 def _jit(kernel, extra_counts=()):
-    jit_device_functions()  # _row_keys, _select_bits, _attend_tile
+    jit_device_functions()  # _row_keys, _select_bits, _attend_tile, _merge_splits
     return triton.jit(kernel, do_not_specialize=STEP_COUNTS + extra_counts)
 
 
@@ -202,6 +203,10 @@ def _split_kernel(
                 tl.store(acc_out + at[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
                 tl.store(stats_out + at * 2, m_i, mask=real)
                 tl.store(stats_out + at * 2 + 1, l_i, mask=real)
+        if (workers == 1) & (num_splits > 1):  # this program ran every split of the row: it merges them too
+            tl.debug_barrier()  # the partials its threads stored are visible to all of them
+            _merge_splits(acc_out, stats_out, out, t, row, head, real, num_splits, rows, num_heads,
+                          stride_ot, stride_oh, HEAD_DIM)
 
 
 @device_function
@@ -246,29 +251,36 @@ def _merge_kernel(
     rows, num_heads, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """A row's splits combined in index order, for a KV head's query heads together:
-    sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s. Rows with one split wrote their output already."""
+    """The merge of a row's splits for a KV head's query heads, where several worker programs
+    computed them (with one, the split kernel merges). Rows with one split wrote their output."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     t = first + row
     valid, seq, ctx, dense, n, bits = _row_keys(query_start_loc, seq_lens, tree_mask, t, num_seqs, has_tree)
     num_splits = tl.cdiv(n, SPLIT)
     if valid & (num_splits > 1):
-        d = tl.arange(0, HEAD_DIM)
         in_group = tl.arange(0, GROUP_PAD)
-        head = kv_head * GROUP + in_group
-        real = in_group < GROUP
-        m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-        for s in range(0, num_splits):
-            at = (s * rows + row).to(tl.int64) * num_heads + head
-            m = tl.maximum(m, tl.load(stats_in + at * 2, mask=real, other=0.0))
-        numerator = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-        denominator = tl.zeros((GROUP_PAD,), tl.float32)
-        for s in range(0, num_splits):
-            at = (s * rows + row).to(tl.int64) * num_heads + head
-            weight = tl.exp2(tl.load(stats_in + at * 2, mask=real, other=0.0) - m)
-            numerator += weight[:, None] * tl.load(acc_in + at[:, None] * HEAD_DIM + d[None, :], mask=real[:, None], other=0.0)
-            denominator += weight * tl.load(stats_in + at * 2 + 1, mask=real, other=1.0)
-        result = numerator / denominator[:, None]
-        tl.store(out + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 result.to(out.dtype.element_ty), mask=real[:, None])
+        _merge_splits(acc_in, stats_in, out, t, row, kv_head * GROUP + in_group, in_group < GROUP, num_splits, rows,
+                      num_heads, stride_ot, stride_oh, HEAD_DIM)
+
+
+@device_function
+def _merge_splits(acc_in, stats_in, out, t, row, head, real, num_splits, rows, num_heads, stride_ot, stride_oh,
+                  HEAD_DIM: tl.constexpr):
+    """Row t's splits combined in index order, for the query heads `head` (those not `real`
+    are padding): sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s with m the largest m_s."""
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.full(head.shape, float("-inf"), tl.float32)
+    for s in range(0, num_splits):
+        at = (s * rows + row).to(tl.int64) * num_heads + head
+        m = tl.maximum(m, tl.load(stats_in + at * 2, mask=real, other=0.0))
+    numerator = tl.zeros((head.shape[0], HEAD_DIM), tl.float32)
+    denominator = tl.zeros(head.shape, tl.float32)
+    for s in range(0, num_splits):
+        at = (s * rows + row).to(tl.int64) * num_heads + head
+        weight = tl.exp2(tl.load(stats_in + at * 2, mask=real, other=0.0) - m)
+        numerator += weight[:, None] * tl.load(acc_in + at[:, None] * HEAD_DIM + d[None, :], mask=real[:, None], other=0.0)
+        denominator += weight * tl.load(stats_in + at * 2 + 1, mask=real, other=1.0)
+    result = numerator / denominator[:, None]
+    tl.store(out + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+             result.to(out.dtype.element_ty), mask=real[:, None])

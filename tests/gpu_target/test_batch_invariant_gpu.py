@@ -142,7 +142,8 @@ def test_a_row_is_the_same_bits_alone_and_among_16_or_64_other_rows(monkeypatch)
     """GQA with four query heads per KV head. A decode row whose keys span two splits and a
     tree verification's rows, alone, then among 16 other sequences, then after 53 others of
     other lengths (one longer, so the grid holds more splits) with max_seq_len an upper bound
-    as under a CUDA graph and every split run by its own worker program."""
+    as under a CUDA graph and every split run by its own worker program (merged by the merge
+    kernel; alone, one program runs and merges a row's splits)."""
     rng = random.Random(3)
     others = [Seq(rng.randrange(0, 60), 1) for _ in range(50)] + [Seq(700, 1), Seq(40, 5), Seq(90, 9, tree=True)]
     meta, k_cache, v_cache = make_batch([Seq(300, 1), Seq(270, 9, tree=True), *others], head_dim=32)
