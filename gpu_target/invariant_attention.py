@@ -131,22 +131,23 @@ def _row_keys(query_start_loc, seq_lens, tree_mask, t, num_seqs, has_tree):
     """(valid, seq, ctx, dense, n, bits) of token row t: whether it is a real token; its sequence; its sequence's
     cached length; how many logical keys are its first storage indices (the context, and for
     a causal row the new tokens up to itself); its number of logical keys; its tree bits."""
-    lo = tl.zeros((), tl.int32)
-    hi = lo + num_seqs - 1
-    while lo < hi:  # the last sequence whose first row is at or before t
-        mid = (lo + hi + 1) // 2
-        at_or_before = tl.load(query_start_loc + mid) <= t
-        lo = tl.where(at_or_before, mid, lo)
-        hi = tl.where(at_or_before, hi, mid - 1)
-    q_start = tl.load(query_start_loc + lo)
-    q_len = tl.load(query_start_loc + lo + 1) - q_start
-    ctx = tl.load(seq_lens + lo) - q_len
+    # The last sequence whose first row is at or before t: the starts do not decrease, so it
+    # is their count at or before t, less one; counted 64 starts per load, not by a binary
+    # search's chain of dependent loads.
+    seq = tl.zeros((), tl.int32) - 1
+    for base in range(0, num_seqs, 64):
+        index = base + tl.arange(0, 64)
+        starts = tl.load(query_start_loc + index, mask=index < num_seqs, other=2**31 - 1)
+        seq += tl.sum((starts <= t).to(tl.int32), axis=0)
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    ctx = tl.load(seq_lens + seq) - q_len
     valid = t < tl.load(query_start_loc + num_seqs)
     bits = tl.load(tree_mask + t, mask=has_tree != 0, other=0).to(tl.int64)
     num_ancestors = tl.sum(((bits >> tl.arange(0, 64).to(tl.int64)) & 1).to(tl.int32), axis=0)
     dense = tl.where(bits == 0, ctx + t - q_start + 1, ctx)
     n = tl.where(bits == 0, dense, ctx + num_ancestors)
-    return valid, lo, ctx, dense, n, bits
+    return valid, seq, ctx, dense, n, bits
 
 
 @device_function
