@@ -18,14 +18,16 @@ prescribes for attention (a fixed split *size*, not a fixed number of splits):
   TILE keys at a time for all GROUP query heads of that KV head together (GQA: each K/V
   tile is loaded once), the scores and P·V as ``tl.dot`` MMAs of GROUP_PAD >= 16 rows, one
   per query head, so an element's sum is the same instruction sequence whatever the batch;
-* a row with one split writes its output directly; a row with more writes each split's
-  (max, sum, unnormalised output), and they are merged in index order: by the program that
-  ran them all when a row has one worker (below), else by a second kernel, with one code.
+* a row with one split writes its output directly; a row with more combines its splits'
+  (max, sum, unnormalised output) one after another in index order (`_combine`, the online
+  softmax's rescaling once more): in registers when one program runs all of them (below),
+  else from fp32 partial results written by each split's program, in a second kernel.
 
 The number of splits of a row is ceil(n / SPLIT), a function of the row alone. Which
 program computes a split does not change its numbers, so the grid is sized for the GPU:
 ``workers`` programs per (row, KV head), worker w taking splits w, w + workers, ...; a
-batch that fills the SMs has one worker per row, and max_seq_len only bounds the loop.
+batch that fills the SMs has one worker per row, writes no partial results, and
+max_seq_len only bounds its loop.
 Unlike gpu_target/triton_attention.py, nothing the sums depend on is chosen from the batch.
 
 Like that kernel it reads every per-sequence quantity on the device (no host syncs), so
@@ -55,7 +57,7 @@ TILE = 64  # logical keys per online-softmax step
 SPLIT = 256  # logical keys per split (a multiple of TILE)
 MIN_DOT_ROWS = 16  # tl.dot's smallest M: the query heads of a group are padded to it
 PROGRAMS_PER_SM = 2  # split programs wanted per SM before rows stop taking more than one worker
-PARTIAL_BYTES = 256 << 20  # a launch's fp32 partial results stay below this; more rows take more launches
+PARTIAL_BYTES = 256 << 20  # a launch's fp32 partial results (several workers) stay below this; more rows, more launches
 
 
 def invariant_paged_attention(
@@ -81,16 +83,17 @@ def invariant_paged_attention(
     interpreting = gemv._interpreting()
     group_pad = triton.next_power_of_2(group) if interpreting else max(MIN_DOT_ROWS, triton.next_power_of_2(group))
     num_splits = triton.cdiv(max(meta.max_seq_len, 1), SPLIT)
-    rows_per_launch = max(1, PARTIAL_BYTES // (num_splits * H * (D + 2) * 4))
+    workers = split_workers(T * KVH, num_splits, num_sms(query.device))
+    partials = workers > 1 and num_splits > 1  # else every row is combined in registers
+    rows_per_launch = max(1, PARTIAL_BYTES // (num_splits * H * (D + 2) * 4)) if partials else T
     has_tree = meta.tree_mask is not None
     tree_mask = meta.tree_mask if has_tree else meta.slot_mapping  # int64 like a mask; never read without a tree
     for first in range(0, T, rows_per_launch):
         rows = min(rows_per_launch, T - first)
-        workers = split_workers(rows * KVH, num_splits, num_sms(query.device))
-        if num_splits > 1:
+        if partials:
             acc = torch.empty((num_splits, rows, H, D), dtype=torch.float32, device=query.device)
             stats = torch.empty((num_splits, rows, H, 2), dtype=torch.float32, device=query.device)  # max, sum
-        else:  # every row has one split and writes its output directly
+        else:
             acc = stats = torch.empty((1,), dtype=torch.float32, device=query.device)
         common = (meta.query_start_loc, meta.seq_lens, tree_mask, first, meta.num_seqs, int(has_tree))
         _jit(_split_kernel, ("stride_bt",))[(rows, KVH, workers)](
@@ -102,7 +105,7 @@ def invariant_paged_attention(
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", DOT_IN_FP32=interpreting,
             num_warps=4,
         )
-        if num_splits > 1 and workers > 1:
+        if partials:
             _jit(_merge_kernel)[(rows, KVH)](
                 acc, stats, out, *common, rows, H, out.stride(0), out.stride(1),
                 GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, SPLIT=SPLIT, num_warps=4,
@@ -122,7 +125,7 @@ STEP_COUNTS = ("first", "num_seqs", "has_tree", "rows", "workers")
 
 @functools.lru_cache(maxsize=None)
 def _jit(kernel, extra_counts=()):
-    jit_device_functions()  # _row_keys, _select_bits, _attend_tile, _merge_splits
+    jit_device_functions()  # _row_keys, _select_bits, _attend_tile, _combine
     return triton.jit(kernel, do_not_specialize=STEP_COUNTS + extra_counts)
 
 
@@ -184,6 +187,10 @@ def _split_kernel(
         q = tl.load(query + t.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :], mask=real[:, None], other=0.0)
         kv_offset = kv_head.to(tl.int64) * stride_kh
         table = block_tables + seq.to(tl.int64) * stride_bt
+        out_row = out + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
+        m_row = tl.full((GROUP_PAD,), float("-inf"), tl.float32)  # splits 0..s combined (one worker)
+        l_row = tl.zeros((GROUP_PAD,), tl.float32)
+        acc_row = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
         for split in range(worker, num_splits, workers):
             lo = split * SPLIT
             hi = tl.minimum(lo + SPLIT, n)
@@ -196,18 +203,16 @@ def _split_kernel(
                     qk_scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION, DOT_IN_FP32,
                 )
             if num_splits == 1:
-                result = acc / l_i[:, None]
-                tl.store(out + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
-                         result.to(out.dtype.element_ty), mask=real[:, None])
+                tl.store(out_row, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=real[:, None])
+            elif workers == 1:
+                m_row, l_row, acc_row = _combine(m_row, l_row, acc_row, m_i, l_i, acc)
             else:
                 at = (split * rows + row).to(tl.int64) * num_heads + head
                 tl.store(acc_out + at[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
                 tl.store(stats_out + at * 2, m_i, mask=real)
                 tl.store(stats_out + at * 2 + 1, l_i, mask=real)
-        if (workers == 1) & (num_splits > 1):  # this program ran every split of the row: it merges them too
-            tl.debug_barrier()  # the partials its threads stored are visible to all of them
-            _merge_splits(acc_out, stats_out, out, t, row, head, real, num_splits, rows, num_heads,
-                          stride_ot, stride_oh, HEAD_DIM)
+        if (workers == 1) & (num_splits > 1):
+            tl.store(out_row, (acc_row / l_row[:, None]).to(out.dtype.element_ty), mask=real[:, None])
 
 
 @device_function
@@ -252,36 +257,37 @@ def _merge_kernel(
     rows, num_heads, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """The merge of a row's splits for a KV head's query heads, where several worker programs
-    computed them (with one, the split kernel merges). Rows with one split wrote their output."""
+    """A row's splits, computed by several worker programs, combined in index order for a KV
+    head's query heads together, as one worker combines them in registers. Rows with one
+    split wrote their output already."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     t = first + row
     valid, seq, ctx, dense, n, bits = _row_keys(query_start_loc, seq_lens, tree_mask, t, num_seqs, has_tree)
     num_splits = tl.cdiv(n, SPLIT)
     if valid & (num_splits > 1):
+        d = tl.arange(0, HEAD_DIM)
         in_group = tl.arange(0, GROUP_PAD)
-        _merge_splits(acc_in, stats_in, out, t, row, kv_head * GROUP + in_group, in_group < GROUP, num_splits, rows,
-                      num_heads, stride_ot, stride_oh, HEAD_DIM)
+        head = kv_head * GROUP + in_group
+        real = in_group < GROUP
+        m_row = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+        l_row = tl.zeros((GROUP_PAD,), tl.float32)
+        acc_row = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+        for s in range(0, num_splits):
+            at = (s * rows + row).to(tl.int64) * num_heads + head
+            m_s = tl.load(stats_in + at * 2, mask=real, other=0.0)
+            l_s = tl.load(stats_in + at * 2 + 1, mask=real, other=1.0)
+            acc_s = tl.load(acc_in + at[:, None] * HEAD_DIM + d[None, :], mask=real[:, None], other=0.0)
+            m_row, l_row, acc_row = _combine(m_row, l_row, acc_row, m_s, l_s, acc_s)
+        tl.store(out + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 (acc_row / l_row[:, None]).to(out.dtype.element_ty), mask=real[:, None])
 
 
 @device_function
-def _merge_splits(acc_in, stats_in, out, t, row, head, real, num_splits, rows, num_heads, stride_ot, stride_oh,
-                  HEAD_DIM: tl.constexpr):
-    """Row t's splits combined in index order, for the query heads `head` (those not `real`
-    are padding): sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s with m the largest m_s."""
-    d = tl.arange(0, HEAD_DIM)
-    m = tl.full(head.shape, float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        at = (s * rows + row).to(tl.int64) * num_heads + head
-        m = tl.maximum(m, tl.load(stats_in + at * 2, mask=real, other=0.0))
-    numerator = tl.zeros((head.shape[0], HEAD_DIM), tl.float32)
-    denominator = tl.zeros(head.shape, tl.float32)
-    for s in range(0, num_splits):
-        at = (s * rows + row).to(tl.int64) * num_heads + head
-        weight = tl.exp2(tl.load(stats_in + at * 2, mask=real, other=0.0) - m)
-        numerator += weight[:, None] * tl.load(acc_in + at[:, None] * HEAD_DIM + d[None, :], mask=real[:, None], other=0.0)
-        denominator += weight * tl.load(stats_in + at * 2 + 1, mask=real, other=1.0)
-    result = numerator / denominator[:, None]
-    tl.store(out + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
-             result.to(out.dtype.element_ty), mask=real[:, None])
+def _combine(m, l, acc, m_s, l_s, acc_s):
+    """Splits 0..s-1's running max, sum and unnormalised output (m = -inf before the first)
+    with split s's: both rescaled to their larger max and added."""
+    m_new = tl.maximum(m, m_s)
+    before = tl.exp2(m - m_new)
+    this = tl.exp2(m_s - m_new)
+    return m_new, l * before + l_s * this, acc * before[:, None] + acc_s * this[:, None]

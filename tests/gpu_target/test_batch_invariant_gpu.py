@@ -185,12 +185,14 @@ def _sequences(meta, order, max_seq_len=None):
     return sub, rows
 
 
-def test_rows_split_over_several_launches_give_the_same_bits(monkeypatch):
-    meta, k_cache, v_cache = make_batch(MIXED[:3])
+def test_splits_combine_to_the_same_bits_in_registers_in_the_merge_kernel_and_over_several_launches(monkeypatch):
+    meta, k_cache, v_cache = make_batch(MIXED[:3])  # the tree's rows have two splits
     query = torch.randn(meta.num_tokens, 4, 64, device=DEVICE)
-    whole = invariant_paged_attention(query, k_cache, v_cache, meta, 0.125)
-    monkeypatch.setattr(invariant_attention, "PARTIAL_BYTES", 1)  # one row per launch
-    assert torch.equal(invariant_paged_attention(query, k_cache, v_cache, meta, 0.125), whole)
+    in_registers = invariant_paged_attention(query, k_cache, v_cache, meta, 0.125)  # one worker a row
+    monkeypatch.setattr(invariant_attention, "num_sms", lambda device: 10_000)  # a worker per split
+    assert torch.equal(invariant_paged_attention(query, k_cache, v_cache, meta, 0.125), in_registers)
+    monkeypatch.setattr(invariant_attention, "PARTIAL_BYTES", 1)  # and one row per launch
+    assert torch.equal(invariant_paged_attention(query, k_cache, v_cache, meta, 0.125), in_registers)
 
 
 def _to_device(meta):
