@@ -80,8 +80,7 @@ def invariant_paged_attention(
     if T == 0 or meta.num_seqs == 0:
         return out
     group = H // KVH
-    interpreting = gemv._interpreting()
-    group_pad = triton.next_power_of_2(group) if interpreting else max(MIN_DOT_ROWS, triton.next_power_of_2(group))
+    group_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(group))  # the interpreter's too: it runs the padding rows
     num_splits = triton.cdiv(max(meta.max_seq_len, 1), SPLIT)
     workers = split_workers(T * KVH, num_splits, num_sms(query.device))
     partials = workers > 1 and num_splits > 1  # else every row is combined in registers
@@ -102,7 +101,7 @@ def invariant_paged_attention(
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.block_tables.stride(0), out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, BLOCK_SIZE=block_size, TILE=TILE, SPLIT=SPLIT,
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", DOT_IN_FP32=interpreting,
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", DOT_IN_FP32=gemv._interpreting(),
             num_warps=4,
         )
         if partials:
