@@ -138,11 +138,11 @@ def bench_attention(rows: list[dict], ctx: int, max_model_len: int) -> None:
         first = AttentionMetadata(meta.query_start_loc[:2], meta.seq_lens[:1], meta.block_tables[:1],
                                   meta.slot_mapping[:q_len], None if meta.tree_mask is None else meta.tree_mask[:q_len],
                                   q_len, meta.max_seq_len, [q_len], meta.seq_lens_host[:1])
-        times, alone = {}, {}
+        times, alone, scale = {}, {}, query.shape[2] ** -0.5
         for mode, attend in (("normal", paged_attention), ("invariant", invariant_paged_attention)):
-            times[mode] = graph_ms(lambda: attend(query, k_cache, v_cache, meta, 0.125))
-            batched = attend(query, k_cache, v_cache, meta, 0.125)[:q_len]
-            alone[mode] = torch.equal(batched, attend(query[:q_len].clone(), k_cache, v_cache, first, 0.125))
+            times[mode] = graph_ms(lambda: attend(query, k_cache, v_cache, meta, scale))
+            batched = attend(query, k_cache, v_cache, meta, scale)[:q_len]
+            alone[mode] = torch.equal(batched, attend(query[:q_len].clone(), k_cache, v_cache, first, scale))
         rows.append(dict(section="attention", case=case, seqs=num_seqs, new_tokens=q_len, ctx=ctx,
                          max_seq_len=meta.max_seq_len, seq0_bits_as_alone_normal=alone["normal"],
                          seq0_bits_as_alone_invariant=alone["invariant"],
@@ -216,6 +216,7 @@ def main(argv=None) -> None:
     bench_gemm(rows)
     for ctx in (args.prompt_len + args.new_tokens - 1, args.max_model_len - 9):
         bench_attention(rows, ctx, args.max_model_len)
+    release_memory()
     for mode in args.modes.split(","):
         run_mode(model_dir, mode == "invariant", prompts, args, rows)
     cost = {(r["mode"], r["batch"]): r["tokens_per_s"] for r in rows if r["section"] == "cost"}
