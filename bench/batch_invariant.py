@@ -4,6 +4,11 @@ cost against the normal mode, and the greedy equalities it exists for.
 gemm       GPU time of each 8B projection (and the LM head) at 1, 8 and 64 rows: the normal
            dispatch (gpu_target/gemv.py: GEMV, skinny GEMM or cuBLAS) against the invariant GEMM,
            and whether row 0 of the batch has the bits it has computed alone;
+attention  GPU time of one layer's attention (8B heads, bf16 paged cache): the normal kernel
+           (gpu_target/triton_attention.py) against the invariant one, for decode at 1 and 64
+           sequences and a 9-token tree verification of 64, with max_seq_len the engine's
+           max_model_len as its CUDA graphs pass it; the step's extra over 32 layers; and
+           whether sequence 0's rows have the bits they have computed alone;
 cost       decode tokens/s of the normal and the invariant mode at batch 1, 8 and 64
            (plain greedy decoding, CUDA graphs, multi-step decode as the engine runs it);
 alone      each request's greedy tokens run alone, in a batch of 8 and in a batch of 64
@@ -38,7 +43,10 @@ from bench._report import section_tables, write_markdown_and_json
 from bench.e2e_speculation import write_model_dir
 from bench.gpu_decode import LLAMA3_8B, random_prompts, timed_decode
 from gpu_target import gemv
+from gpu_target.attention import AttentionMetadata
+from gpu_target.invariant_attention import invariant_paged_attention
 from gpu_target.invariant_matmul import invariant_linear
+from gpu_target.triton_attention import paged_attention
 from hetero.core.config import EngineConfig
 from hetero.core.protocols import TokenTree
 from hetero.engine import LLMEngine
@@ -95,6 +103,52 @@ def bench_gemm(rows: list[dict]) -> None:
                              normal_us=round(1e3 * normal, 1),
                              invariant_us=round(1e3 * invariant, 1), ratio=f"{invariant / normal:.2f}x",
                              invariant_tb_s=round(n * k * 2 / invariant / 1e9, 2)))
+
+
+ATTENTION_CASES = dict(decode=(1, 1), decode_batch=(64, 1), verify_batch=(64, 9))  # (sequences, new tokens each)
+
+
+def attention_batch(num_seqs: int, q_len: int, ctx: int, max_seq_len: int, block_size: int = 16):
+    """Metadata of `num_seqs` sequences of `ctx` cached and `q_len` new tokens (a chain tree
+    when q_len > 1) over shuffled blocks of a random bf16 cache, and their queries."""
+    heads, kv_heads = LLAMA3_8B["num_attention_heads"], LLAMA3_8B["num_key_value_heads"]
+    head_dim = LLAMA3_8B["hidden_size"] // heads
+    seq_len = ctx + q_len
+    blocks = -(-seq_len // block_size)
+    tables = (torch.randperm(num_seqs * blocks, device="cuda") + 1).int().view(num_seqs, blocks)  # block 0: the null block
+    storage = torch.arange(ctx, seq_len, device="cuda")
+    slots = (tables[:, storage // block_size].long() * block_size + storage % block_size).flatten()
+    chain = torch.tensor([(1 << (i + 1)) - 1 for i in range(q_len)], device="cuda")
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device="cuda"),
+        block_tables=tables, slot_mapping=slots, tree_mask=chain.repeat(num_seqs) if q_len > 1 else None,
+        max_query_len=q_len, max_seq_len=max(max_seq_len, seq_len),
+        query_lens_host=[q_len] * num_seqs, seq_lens_host=[seq_len] * num_seqs,
+    )
+    shape = (num_seqs * blocks + 1, block_size, kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    query = torch.randn(num_seqs * q_len, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    return meta, k_cache, v_cache, query
+
+
+def bench_attention(rows: list[dict], ctx: int, max_model_len: int) -> None:
+    for case, (num_seqs, q_len) in ATTENTION_CASES.items():
+        meta, k_cache, v_cache, query = attention_batch(num_seqs, q_len, ctx, max_model_len)
+        first = AttentionMetadata(meta.query_start_loc[:2], meta.seq_lens[:1], meta.block_tables[:1],
+                                  meta.slot_mapping[:q_len], None if meta.tree_mask is None else meta.tree_mask[:q_len],
+                                  q_len, meta.max_seq_len, [q_len], meta.seq_lens_host[:1])
+        times, alone, scale = {}, {}, query.shape[2] ** -0.5
+        for mode, attend in (("normal", paged_attention), ("invariant", invariant_paged_attention)):
+            times[mode] = graph_ms(lambda: attend(query, k_cache, v_cache, meta, scale))
+            batched = attend(query, k_cache, v_cache, meta, scale)[:q_len]
+            alone[mode] = torch.equal(batched, attend(query[:q_len].clone(), k_cache, v_cache, first, scale))
+        rows.append(dict(section="attention", case=case, seqs=num_seqs, new_tokens=q_len, ctx=ctx,
+                         max_seq_len=meta.max_seq_len, seq0_bits_as_alone_normal=alone["normal"],
+                         seq0_bits_as_alone_invariant=alone["invariant"],
+                         normal_us=round(1e3 * times["normal"], 1), invariant_us=round(1e3 * times["invariant"], 1),
+                         ratio=f"{times['invariant'] / times['normal']:.2f}x",
+                         extra_ms_per_step_32_layers=round(32 * (times["invariant"] - times["normal"]), 2)))
 
 
 def build_engine(model_dir: str, invariant: bool, max_model_len: int, proposer=None, k=None) -> tuple[LLMEngine, float]:
@@ -160,6 +214,9 @@ def main(argv=None) -> None:
     prompts = random_prompts(64, args.prompt_len, LLAMA3_8B["vocab_size"], seed=0)
     rows: list[dict] = []
     bench_gemm(rows)
+    for ctx in (args.prompt_len + args.new_tokens - 1, args.max_model_len - 9):
+        bench_attention(rows, ctx, args.max_model_len)
+    release_memory()
     for mode in args.modes.split(","):
         run_mode(model_dir, mode == "invariant", prompts, args, rows)
     cost = {(r["mode"], r["batch"]): r["tokens_per_s"] for r in rows if r["section"] == "cost"}
@@ -169,7 +226,7 @@ def main(argv=None) -> None:
                              invariant_over_normal=f"{cost[('normal', batch)] / cost[('invariant', batch)]:.2f}x"))
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name())
     command = "python -m bench.batch_invariant " + " ".join(sys.argv[1:] if argv is None else argv)
-    body = section_tables(rows, ("gemm", "startup", "cost", "slowdown", "alone", "spec"))
+    body = section_tables(rows, ("gemm", "attention", "startup", "cost", "slowdown", "alone", "spec"))
     stem = os.path.join(args.out, f"batch_invariant-{time.strftime('%Y%m%d-%H%M%S')}")
     print(write_markdown_and_json(stem, f"Batch-invariant mode ({info['gpu']}, python {platform.python_version()})",
                                   command, info, rows, body))

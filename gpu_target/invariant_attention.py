@@ -14,16 +14,25 @@ tokens have the same logical keys. Everything the kernel sums is cut along logic
 with fixed sizes, as Thinking Machines' "Defeating Nondeterminism in LLM Inference" (2025)
 prescribes for attention (a fixed split *size*, not a fixed number of splits):
 
-* a program owns one query row, one query head and one split of SPLIT logical keys; it
-  runs an online softmax over TILE keys at a time, in fp32 (products and sums);
-* a second kernel merges a row's splits in index order.
+* a split is SPLIT logical keys of one row and one KV head; its online softmax runs over
+  TILE keys at a time for all GROUP query heads of that KV head together (GQA: each K/V
+  tile is loaded once), the scores and P·V as ``tl.dot`` MMAs of GROUP_PAD >= 16 rows, one
+  per query head, so an element's sum is the same instruction sequence whatever the batch;
+* a row with one split writes its output directly; a row with more combines its splits'
+  (max, sum, unnormalised output) one after another in index order (`_combine`, the online
+  softmax's rescaling once more): in registers when one program runs all of them (below),
+  else from fp32 partial results written by each split's program, in a second kernel.
 
-The number of splits of a row is ceil(n / SPLIT), a function of the row alone. The grid
-has ceil(max_seq_len / SPLIT) split programs per row; those past a row's keys exit. Unlike
-gpu_target/triton_attention.py, nothing is chosen from the batch's shape.
+The number of splits of a row is ceil(n / SPLIT), a function of the row alone. Which
+program computes a split does not change its numbers, so the grid is sized for the GPU:
+``workers`` programs per (row, KV head), worker w taking splits w, w + workers, ...; a
+batch that fills the SMs has one worker per row, writes no partial results, and
+max_seq_len only bounds its loop.
+Unlike gpu_target/triton_attention.py, nothing the sums depend on is chosen from the batch.
 
 Like that kernel it reads every per-sequence quantity on the device (no host syncs), so
-the calls capture into CUDA graphs, and it runs under Triton's CPU interpreter.
+the calls capture into CUDA graphs, and it runs under Triton's CPU interpreter, where
+(as in invariant_matmul.py) the MMAs become exact fp32 products summed per element.
 """
 from __future__ import annotations
 
@@ -32,18 +41,23 @@ import math
 
 import torch
 
+from gpu_target import gemv
 from gpu_target.attention import AttentionMetadata
 from gpu_target.fused_ops import device_function, jit_device_functions
 
 try:
     import triton
     import triton.language as tl
+
+    from gpu_target.triton_attention import num_sms
 except ImportError:  # CPU-only installs
     triton = tl = None
 
 TILE = 64  # logical keys per online-softmax step
 SPLIT = 256  # logical keys per split (a multiple of TILE)
-PARTIAL_BYTES = 256 << 20  # a launch's fp32 partial results stay below this; more rows take more launches
+MIN_DOT_ROWS = 16  # tl.dot's smallest M: the query heads of a group are padded to it
+PROGRAMS_PER_SM = 2  # split programs wanted per SM before rows stop taking more than one worker
+PARTIAL_BYTES = 256 << 20  # a launch's fp32 partial results (several workers) stay below this; more rows, more launches
 
 
 def invariant_paged_attention(
@@ -59,66 +73,83 @@ def invariant_paged_attention(
     """
     T, H, D = query.shape
     _, block_size, KVH, _ = k_cache.shape
-    if H % KVH or D & (D - 1) or query.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"invariant attention needs H % KVH == 0, a power-of-two head_dim, contiguous heads and caches; "
-                         f"got query {tuple(query.shape)}, cache {tuple(k_cache.shape)}")
+    if H % KVH or D & (D - 1) or D < MIN_DOT_ROWS or query.stride(2) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"invariant attention needs H % KVH == 0, a power-of-two head_dim >= {MIN_DOT_ROWS}, contiguous heads "
+                         f"and caches; got query {tuple(query.shape)}, cache {tuple(k_cache.shape)}")
     out = torch.empty((T, H, D), dtype=query.dtype, device=query.device)
     if T == 0 or meta.num_seqs == 0:
         return out
+    group = H // KVH
+    group_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(group))  # the interpreter's too: it runs the padding rows
     num_splits = triton.cdiv(max(meta.max_seq_len, 1), SPLIT)
-    rows_per_launch = max(1, PARTIAL_BYTES // (num_splits * H * (D + 2) * 4))
+    workers = split_workers(T * KVH, num_splits, num_sms(query.device))
+    partials = workers > 1 and num_splits > 1  # else every row is combined in registers
+    rows_per_launch = max(1, PARTIAL_BYTES // (num_splits * H * (D + 2) * 4)) if partials else T
     has_tree = meta.tree_mask is not None
     tree_mask = meta.tree_mask if has_tree else meta.slot_mapping  # int64 like a mask; never read without a tree
     for first in range(0, T, rows_per_launch):
         rows = min(rows_per_launch, T - first)
-        acc = torch.empty((num_splits, rows, H, D), dtype=torch.float32, device=query.device)
-        stats = torch.empty((num_splits, rows, H, 2), dtype=torch.float32, device=query.device)  # running max, sum
+        if partials:
+            acc = torch.empty((num_splits, rows, H, D), dtype=torch.float32, device=query.device)
+            stats = torch.empty((num_splits, rows, H, 2), dtype=torch.float32, device=query.device)  # max, sum
+        else:
+            acc = stats = torch.empty((1,), dtype=torch.float32, device=query.device)
         common = (meta.query_start_loc, meta.seq_lens, tree_mask, first, meta.num_seqs, int(has_tree))
-        _jit(_split_kernel, ("stride_bt",))[(rows, H, num_splits)](
-            query, k_cache, v_cache, acc, stats, meta.block_tables, *common,
-            scale * math.log2(math.e), rows, H,
+        _jit(_split_kernel, ("stride_bt",))[(rows, KVH, workers)](
+            query, k_cache, v_cache, out, acc, stats, meta.block_tables, *common,
+            scale * math.log2(math.e), rows, H, workers,
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            meta.block_tables.stride(0),
-            GROUP=H // KVH, HEAD_DIM=D, BLOCK_SIZE=block_size, TILE=TILE, SPLIT=SPLIT, num_warps=4,
+            meta.block_tables.stride(0), out.stride(0), out.stride(1),
+            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, BLOCK_SIZE=block_size, TILE=TILE, SPLIT=SPLIT,
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", DOT_IN_FP32=gemv._interpreting(),
+            num_warps=4,
         )
-        _jit(_merge_kernel)[(rows, H)](
-            acc, stats, out, *common, rows, H, out.stride(0), out.stride(1),
-            HEAD_DIM=D, SPLIT=SPLIT, num_warps=4,
-        )
+        if partials:
+            _jit(_merge_kernel)[(rows, KVH)](
+                acc, stats, out, *common, rows, H, out.stride(0), out.stride(1),
+                GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, SPLIT=SPLIT, num_warps=4,
+            )
     return out
 
 
+def split_workers(programs: int, num_splits: int, sms: int) -> int:
+    """Programs per (row, KV head): enough that `programs` of them put PROGRAMS_PER_SM on
+    every SM, at most one per split. It changes which program runs a split, never its numbers."""
+    return max(1, min(num_splits, triton.cdiv(PROGRAMS_PER_SM * sms, programs)))
+
+
 # Step-to-step integers (the block-table width too) are not specialised on (see triton_attention.STEP_COUNTS).
-STEP_COUNTS = ("first", "num_seqs", "has_tree", "rows")
+STEP_COUNTS = ("first", "num_seqs", "has_tree", "rows", "workers")
 
 
 @functools.lru_cache(maxsize=None)
 def _jit(kernel, extra_counts=()):
-    jit_device_functions()  # _row_keys, _select_bits
+    jit_device_functions()  # _row_keys, _select_bits, _attend_tile, _combine
     return triton.jit(kernel, do_not_specialize=STEP_COUNTS + extra_counts)
 
 
 @device_function
 def _row_keys(query_start_loc, seq_lens, tree_mask, t, num_seqs, has_tree):
-    """(valid, ctx, dense, n, bits) of token row t: whether it is a real token; its sequence's
+    """(valid, seq, ctx, dense, n, bits) of token row t: whether it is a real token; its sequence; its sequence's
     cached length; how many logical keys are its first storage indices (the context, and for
     a causal row the new tokens up to itself); its number of logical keys; its tree bits."""
-    lo = tl.zeros((), tl.int32)
-    hi = lo + num_seqs - 1
-    while lo < hi:  # the last sequence whose first row is at or before t
-        mid = (lo + hi + 1) // 2
-        at_or_before = tl.load(query_start_loc + mid) <= t
-        lo = tl.where(at_or_before, mid, lo)
-        hi = tl.where(at_or_before, hi, mid - 1)
-    q_start = tl.load(query_start_loc + lo)
-    q_len = tl.load(query_start_loc + lo + 1) - q_start
-    ctx = tl.load(seq_lens + lo) - q_len
+    # The last sequence whose first row is at or before t: the starts do not decrease, so it
+    # is their count at or before t, less one; counted 64 starts per load, not by a binary
+    # search's chain of dependent loads.
+    seq = tl.zeros((), tl.int32) - 1
+    for base in range(0, num_seqs, 64):
+        index = base + tl.arange(0, 64)
+        starts = tl.load(query_start_loc + index, mask=index < num_seqs, other=2**31 - 1)
+        seq += tl.sum((starts <= t).to(tl.int32), axis=0)
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    ctx = tl.load(seq_lens + seq) - q_len
     valid = t < tl.load(query_start_loc + num_seqs)
     bits = tl.load(tree_mask + t, mask=has_tree != 0, other=0).to(tl.int64)
     num_ancestors = tl.sum(((bits >> tl.arange(0, 64).to(tl.int64)) & 1).to(tl.int32), axis=0)
     dense = tl.where(bits == 0, ctx + t - q_start + 1, ctx)
     n = tl.where(bits == 0, dense, ctx + num_ancestors)
-    return valid, lo, ctx, dense, n, bits
+    return valid, seq, ctx, dense, n, bits
 
 
 @device_function
@@ -132,76 +163,130 @@ def _select_bits(bits, r, TILE: tl.constexpr):
 
 
 def _split_kernel(
-    query, k_cache, v_cache, acc_out, stats_out, block_tables,
+    query, k_cache, v_cache, out, acc_out, stats_out, block_tables,
     query_start_loc, seq_lens, tree_mask, first, num_seqs, has_tree,
-    qk_scale_log2, rows, num_heads,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
+    qk_scale_log2, rows, num_heads, workers,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
-    """Online softmax of one (row, head) over logical keys [split * SPLIT, (split + 1) * SPLIT)."""
+    """Online softmax of one row's query heads of one KV head over each of the row's splits
+    w, w + workers, ... (logical keys [split * SPLIT, (split + 1) * SPLIT))."""
     row = tl.program_id(0)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
+    kv_head = tl.program_id(1)
+    worker = tl.program_id(2)
     t = first + row
     valid, seq, ctx, dense, n, bits = _row_keys(query_start_loc, seq_lens, tree_mask, t, num_seqs, has_tree)
-    lo = split * SPLIT
-    if valid & (lo < n):
+    num_splits = tl.cdiv(n, SPLIT)
+    if valid & (worker < num_splits):
         d = tl.arange(0, HEAD_DIM)
-        q = tl.load(query + t.to(tl.int64) * stride_qt + head * stride_qh + d).to(tl.float32)
-        kv_head = (head // GROUP).to(tl.int64) * stride_kh
+        in_group = tl.arange(0, GROUP_PAD)
+        head = kv_head * GROUP + in_group
+        real = in_group < GROUP
+        q = tl.load(query + t.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :], mask=real[:, None], other=0.0)
+        kv_offset = kv_head.to(tl.int64) * stride_kh
         table = block_tables + seq.to(tl.int64) * stride_bt
-        m_i = tl.full((), float("-inf"), tl.float32)
-        l_i = tl.zeros((), tl.float32)
-        acc = tl.zeros((HEAD_DIM,), tl.float32)
-        hi = tl.minimum(lo + SPLIT, n)
-        for start in range(lo, hi, TILE):
-            logical = start + tl.arange(0, TILE)
-            in_range = logical < hi
-            storage = logical
-            if (start + TILE > dense) & (bits != 0):  # the tile reaches a tree row's ancestors, in storage order
-                ancestor = _select_bits(bits, logical - dense, TILE)
-                storage = tl.where(logical < dense, logical, ctx + ancestor)
-            page = tl.load(table + storage // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-            slot = page * stride_kb + (storage % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head
-            k = tl.load(k_cache + slot[:, None] + d[None, :], mask=in_range[:, None], other=0.0).to(tl.float32)
-            v = tl.load(v_cache + slot[:, None] + d[None, :], mask=in_range[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(q[None, :] * k, axis=1) * qk_scale_log2
-            s = tl.where(in_range, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            m_i = m_new
-        at = (split * rows + row).to(tl.int64) * num_heads + head
-        tl.store(acc_out + at * HEAD_DIM + d, acc)
-        tl.store(stats_out + at * 2, m_i)
-        tl.store(stats_out + at * 2 + 1, l_i)
+        out_row = out + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
+        m_row = tl.full((GROUP_PAD,), float("-inf"), tl.float32)  # splits 0..s combined (one worker)
+        l_row = tl.zeros((GROUP_PAD,), tl.float32)
+        acc_row = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+        for split in range(worker, num_splits, workers):
+            lo = split * SPLIT
+            hi = tl.minimum(lo + SPLIT, n)
+            m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+            l_i = tl.zeros((GROUP_PAD,), tl.float32)
+            acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+            for start in range(lo, hi, TILE):
+                acc, m_i, l_i = _attend_tile(
+                    acc, m_i, l_i, q, k_cache, v_cache, table, kv_offset, start, hi, ctx, dense, bits,
+                    qk_scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION, DOT_IN_FP32,
+                )
+            if num_splits == 1:
+                tl.store(out_row, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=real[:, None])
+            elif workers == 1:
+                m_row, l_row, acc_row = _combine(m_row, l_row, acc_row, m_i, l_i, acc)
+            else:
+                at = (split * rows + row).to(tl.int64) * num_heads + head
+                tl.store(acc_out + at[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
+                tl.store(stats_out + at * 2, m_i, mask=real)
+                tl.store(stats_out + at * 2 + 1, l_i, mask=real)
+        if (workers == 1) & (num_splits > 1):
+            tl.store(out_row, (acc_row / l_row[:, None]).to(out.dtype.element_ty), mask=real[:, None])
+
+
+@device_function
+def _attend_tile(
+    acc, m_i, l_i, q, k_cache, v_cache, table, kv_offset, start, hi, ctx, dense, bits,
+    qk_scale_log2, stride_kb, stride_kt,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    """One online-softmax step of the group's query heads over logical keys [start, start + TILE) below hi."""
+    d = tl.arange(0, HEAD_DIM)
+    logical = start + tl.arange(0, TILE)
+    in_range = logical < hi
+    storage = logical
+    if (start + TILE > dense) & (bits != 0):  # the tile reaches a tree row's ancestors, in storage order
+        ancestor = _select_bits(bits, logical - dense, TILE)
+        storage = tl.where(logical < dense, logical, ctx + ancestor)
+    page = tl.load(table + storage // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    slot = page * stride_kb + (storage % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_offset
+    k = tl.load(k_cache + slot[None, :] + d[:, None], mask=in_range[None, :], other=0.0).to(q.dtype)  # [D, TILE]
+    v = tl.load(v_cache + slot[:, None] + d[None, :], mask=in_range[:, None], other=0.0).to(q.dtype)  # [TILE, D]
+    if DOT_IN_FP32:  # Triton's interpreter: exact products, summed per element (see module docstring)
+        s = tl.sum(q.to(tl.float32)[:, :, None] * k.to(tl.float32)[None, :, :], axis=1)
+    else:
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)
+    s = tl.where(in_range[None, :], s * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = p.to(q.dtype)  # as flash attention's P·V: P in the inputs' precision, fp32 accumulation
+    if DOT_IN_FP32:
+        pv = tl.sum(p.to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    else:
+        pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+    return acc * alpha[:, None] + pv, m_new, l_i
 
 
 def _merge_kernel(
     acc_in, stats_in, out,
     query_start_loc, seq_lens, tree_mask, first, num_seqs, has_tree,
     rows, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """A row's splits combined in index order: sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s."""
+    """A row's splits, computed by several worker programs, combined in index order for a KV
+    head's query heads together, as one worker combines them in registers. Rows with one
+    split wrote their output already."""
     row = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     t = first + row
     valid, seq, ctx, dense, n, bits = _row_keys(query_start_loc, seq_lens, tree_mask, t, num_seqs, has_tree)
-    if valid:
-        num_splits = tl.cdiv(n, SPLIT)
+    num_splits = tl.cdiv(n, SPLIT)
+    if valid & (num_splits > 1):
         d = tl.arange(0, HEAD_DIM)
-        m = tl.full((), float("-inf"), tl.float32)
-        for s in range(0, num_splits):
-            m = tl.maximum(m, tl.load(stats_in + ((s * rows + row).to(tl.int64) * num_heads + head) * 2))
-        numerator = tl.zeros((HEAD_DIM,), tl.float32)
-        denominator = tl.zeros((), tl.float32)
+        in_group = tl.arange(0, GROUP_PAD)
+        head = kv_head * GROUP + in_group
+        real = in_group < GROUP
+        m_row = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+        l_row = tl.zeros((GROUP_PAD,), tl.float32)
+        acc_row = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
         for s in range(0, num_splits):
             at = (s * rows + row).to(tl.int64) * num_heads + head
-            weight = tl.exp2(tl.load(stats_in + at * 2) - m)
-            numerator += weight * tl.load(acc_in + at * HEAD_DIM + d)
-            denominator += weight * tl.load(stats_in + at * 2 + 1)
-        result = numerator / denominator
-        tl.store(out + t.to(tl.int64) * stride_ot + head * stride_oh + d, result.to(out.dtype.element_ty))
+            m_s = tl.load(stats_in + at * 2, mask=real, other=0.0)
+            l_s = tl.load(stats_in + at * 2 + 1, mask=real, other=1.0)
+            acc_s = tl.load(acc_in + at[:, None] * HEAD_DIM + d[None, :], mask=real[:, None], other=0.0)
+            m_row, l_row, acc_row = _combine(m_row, l_row, acc_row, m_s, l_s, acc_s)
+        tl.store(out + t.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 (acc_row / l_row[:, None]).to(out.dtype.element_ty), mask=real[:, None])
+
+
+@device_function
+def _combine(m, l, acc, m_s, l_s, acc_s):
+    """Splits 0..s-1's running max, sum and unnormalised output (m = -inf before the first)
+    with split s's: both rescaled to their larger max and added."""
+    m_new = tl.maximum(m, m_s)
+    before = tl.exp2(m - m_new)
+    this = tl.exp2(m_s - m_new)
+    return m_new, l * before + l_s * this, acc * before[:, None] + acc_s * this[:, None]

@@ -110,7 +110,7 @@ def _choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1
@@ -147,7 +147,7 @@ def paged_attention(
             D,
             meta.max_query_len if max_query_len is None else max_query_len,
             meta.max_seq_len if max_seq_len is None else max_seq_len,
-            _num_sms(query.device),
+            num_sms(query.device),
         )
     out = torch.empty((T, H, D), dtype=query.dtype, device=query.device)
     if T == 0 or B == 0:
@@ -251,7 +251,7 @@ def compile_variants(query_dtype: torch.dtype, num_heads: int, k_cache: torch.Te
             seq_lens_host=[block_q],
         )
         query = torch.zeros((block_q, num_heads, head_dim), dtype=query_dtype, device=device)
-        plan = plan_launch(block_q, 1, num_heads, num_kv_heads, head_dim, block_q, block_q, _num_sms(device))
+        plan = plan_launch(block_q, 1, num_heads, num_kv_heads, head_dim, block_q, block_q, num_sms(device))
         paged_attention(query, k_cache, v_cache, meta, 1.0, plan=dataclasses.replace(plan, num_splits=2))
     return len(shapes)
 

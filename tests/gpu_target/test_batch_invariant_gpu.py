@@ -5,13 +5,16 @@ the model tests then run the GPU code path on CPU tensors (fused_ops' Triton ker
 """
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from gpu_target import fused_ops, invariant_attention  # noqa: E402
-from gpu_target.attention import reference_attention  # noqa: E402
+from gpu_target.attention import AttentionMetadata, reference_attention  # noqa: E402
 from gpu_target.batch_invariant_gpu import InvariantLinear, make_batch_invariant_gpu  # noqa: E402
 from gpu_target.invariant_attention import invariant_paged_attention  # noqa: E402
 from gpu_target.invariant_matmul import invariant_linear  # noqa: E402
@@ -114,16 +117,17 @@ def test_attention_of_a_sequence_is_the_same_bits_alone_and_batched():
         start += q_len
 
 
+@pytest.mark.parametrize("num_heads", [4, 8])  # groups of two and four query heads per KV head
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("ctx", [30, 250])  # 250: the chain's keys cross the first split boundary
-def test_a_tree_node_attends_exactly_as_the_same_token_decoded_alone(ctx, dtype):
+def test_a_tree_node_attends_exactly_as_the_same_token_decoded_alone(ctx, dtype, num_heads):
     """Draft nodes whose ancestors are not contiguous in storage (siblings between them)
     see, bit for bit, what plain decoding of the same path sees."""
     meta, k_cache, v_cache = make_batch([Seq(ctx, 8)], dtype=dtype)
     # Root 0; node 1 a sibling branch; the path 0 -> 2 -> 4 -> 7, with 3, 5, 6 off it.
     masks = [0b1, 0b11, 0b101, 0b1011, 0b10101, 0b100101, 0b1000011, 0b10010101]
     tree = _to_device(one_sequence(meta.block_tables.cpu(), ctx + 8, 8, torch.tensor(masks)))
-    query = torch.randn(8, 4, 64, device=DEVICE).to(dtype)
+    query = torch.randn(8, num_heads, 64, device=DEVICE).to(dtype)
     verified = invariant_paged_attention(query, k_cache, v_cache, tree, 0.125)
     # Plain decoding stores the path contiguously: copy its K/V there, in a second table.
     path = [0, 2, 4, 7]
@@ -134,12 +138,61 @@ def test_a_tree_node_attends_exactly_as_the_same_token_decoded_alone(ctx, dtype)
         assert torch.equal(verified[node : node + 1], alone), node
 
 
-def test_rows_split_over_several_launches_give_the_same_bits(monkeypatch):
-    meta, k_cache, v_cache = make_batch(MIXED[:3])
+def test_a_row_is_the_same_bits_alone_and_among_other_sequences(monkeypatch):
+    """GQA with four query heads per KV head. A decode row whose keys span two splits and a
+    tree verification's rows, alone, then among 16 other sequences, then after 73 others of
+    other lengths (more than the 64 sequence starts a program reads at once; one longer, so
+    the grid holds more splits) with max_seq_len an upper bound
+    as under a CUDA graph and every split run by its own worker program (merged by the merge
+    kernel; alone, one program runs and merges a row's splits)."""
+    rng = random.Random(3)
+    others = [Seq(rng.randrange(0, 60), 1) for _ in range(70)] + [Seq(700, 1), Seq(40, 5), Seq(90, 9, tree=True)]
+    meta, k_cache, v_cache = make_batch([Seq(300, 1), Seq(270, 9, tree=True), *others], head_dim=32)
+    query = torch.randn(meta.num_tokens, 8, 32, device=DEVICE)
+
+    def attend(order, max_seq_len=None):
+        sub, rows = _sequences(meta, order, max_seq_len)
+        return invariant_paged_attention(query[rows], k_cache, v_cache, sub, 0.125)
+
+    for target in (0, 1):
+        alone = attend([target])
+        among_16 = attend([target, *range(2, 18)])[: len(alone)]
+        assert torch.equal(among_16, alone), target
+        with monkeypatch.context() as patch:
+            patch.setattr(invariant_attention, "num_sms", lambda device: 10_000)  # as many workers as splits
+            after_73 = attend([*range(2, len(meta.seq_lens_host)), target], max_seq_len=1100)[-len(alone) :]
+        assert torch.equal(after_73, alone), target
+
+
+def _sequences(meta, order, max_seq_len=None):
+    """The metadata of the batch's sequences `order` (in that order) and their query rows."""
+    starts = meta.query_start_loc.tolist()
+    rows = torch.tensor([r for b in order for r in range(starts[b], starts[b + 1])], device=DEVICE)
+    q_lens = [meta.query_lens_host[b] for b in order]
+    seq_lens = [meta.seq_lens_host[b] for b in order]
+    mask = None if meta.tree_mask is None else meta.tree_mask[rows]
+    sub = AttentionMetadata(
+        query_start_loc=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=meta.block_tables[torch.tensor(order, device=DEVICE)],
+        slot_mapping=meta.slot_mapping[rows],
+        tree_mask=mask if mask is not None and bool(mask.any()) else None,
+        max_query_len=max(q_lens),
+        max_seq_len=max_seq_len or max(seq_lens),
+        query_lens_host=q_lens,
+        seq_lens_host=seq_lens,
+    )
+    return sub, rows
+
+
+def test_splits_combine_to_the_same_bits_in_registers_in_the_merge_kernel_and_over_several_launches(monkeypatch):
+    meta, k_cache, v_cache = make_batch(MIXED[:3])  # the tree's rows have two splits
     query = torch.randn(meta.num_tokens, 4, 64, device=DEVICE)
-    whole = invariant_paged_attention(query, k_cache, v_cache, meta, 0.125)
-    monkeypatch.setattr(invariant_attention, "PARTIAL_BYTES", 1)  # one row per launch
-    assert torch.equal(invariant_paged_attention(query, k_cache, v_cache, meta, 0.125), whole)
+    in_registers = invariant_paged_attention(query, k_cache, v_cache, meta, 0.125)  # one worker a row
+    monkeypatch.setattr(invariant_attention, "num_sms", lambda device: 10_000)  # a worker per split
+    assert torch.equal(invariant_paged_attention(query, k_cache, v_cache, meta, 0.125), in_registers)
+    monkeypatch.setattr(invariant_attention, "PARTIAL_BYTES", 1)  # and one row per launch
+    assert torch.equal(invariant_paged_attention(query, k_cache, v_cache, meta, 0.125), in_registers)
 
 
 def _to_device(meta):
