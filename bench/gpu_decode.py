@@ -369,7 +369,10 @@ class ChainOracle(Proposer):
         last = np.array([r.token_ids[-1] for r in batch], dtype=np.int64)
         chains = np.empty((len(batch), self.k), dtype=np.int64)
         for position in range(self.k):
-            last = chains[:, position] = np.where(right[:, position], successors[last], guesses[:, position])
+            if len(successors):  # without successors (p=0: a verification-cost run) every draft is a guess
+                last = chains[:, position] = np.where(right[:, position], successors[last], guesses[:, position])
+            else:
+                last = chains[:, position] = guesses[:, position]
         return [TokenTree.chain(chain[: min(self.k, request.max_nodes)]) for chain, request in zip(chains, batch)]
 
     def trace_chain(self, request) -> TokenTree:

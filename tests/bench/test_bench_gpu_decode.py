@@ -81,3 +81,12 @@ def test_a_step_is_labelled_by_the_work_it_verified(tiny_llama_dir, async_schedu
         kinds.record(0.001, engine.num_generation_tokens_total - before)
     # the prefill's step emits its first token; the two 4-step windows emit 4 each, whichever step launched them
     assert kinds.tokens == {"prefill": 1, "plain": 8} and kinds.steps == {"prefill": 1, "plain": 2}
+
+
+def test_an_oracle_without_successors_drafts_guesses_of_the_full_depth():
+    """The verification-cost runs (bench.quant_decode, the tree-size section) draft with p=0 and no successors."""
+    from types import SimpleNamespace
+    oracle = ChainOracle([], k=5, p=0.0, vocab=VOCAB, target_parallelism=6)
+    trees = oracle.propose([SimpleNamespace(request_id=str(i), token_ids=[300 + i], max_nodes=5) for i in range(3)])
+    assert [len(tree.tokens) for tree in trees] == [5, 5, 5]
+    assert all(0 <= token < VOCAB for tree in trees for token in tree.tokens)
