@@ -184,3 +184,40 @@ def test_the_bench_records_the_fastest_fp8_kernel_per_shape_and_block_m():
     assert gemv_tiles.fp8_path(6144, 4096, 32, table) == "w8a8"
     assert gemv_tiles.fp8_path(4096, 4096, 32, table) == gemv_tiles.DEFAULT_FP8_PATH  # not timed
     assert gemv_tiles.w8a8_tile(4096, 4096, 64, table)["split_k"] == 4
+
+
+def test_tree_verification_of_an_fp8_model_runs_every_projection_w8a8(tiny_llama_dir, monkeypatch):
+    """A bf16 verification step (5 tree nodes) of a tiny FP8 model: every projection goes
+    through the W8A8 GEMM (rotary, KV write and SiLU-and-mul then run apart), and its logits
+    stay within E4M3 activation rounding of the same step through the W8A16 skinny kernels."""
+    from gpu_target.kv_cache import KVCachePool
+    from gpu_target.loader import load_config, load_state_dict
+    from gpu_target.model import build_model
+    from gpu_target.runner import ModelRunner, SequenceChunk
+
+    config = load_config(tiny_llama_dir)
+    state = load_state_dict(tiny_llama_dir, config, torch.bfloat16, DEVICE, quantization="fp8")
+    runner = ModelRunner(build_model(config, state, torch.bfloat16, DEVICE), KVCachePool(config, 6, 16, torch.bfloat16, DEVICE),
+                         DEVICE)
+    if not CUDA:
+        monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+    path = ["w8a8"]
+    monkeypatch.setattr(gemv_tiles, "fp8_path", lambda n, k, block_m: path[0])
+    calls = []
+    original = fp8_gemm.w8a8_gemm
+    monkeypatch.setattr(fp8_gemm, "w8a8_gemm", lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw))
+    prompt = [5, 17, 42, 8, 99, 3, 61, 7, 12, 13, 40, 41]
+    n = len(prompt)
+    runner.forward([SequenceChunk(prompt, range(n), [4, 1], 0, [n - 1])])
+    kv_before = runner.kv_pool.storage.clone()
+    calls.clear()  # the 12-token prefill took the W8A8 GEMM too
+    tree = SequenceChunk([23, 50, 51, 60, 61], [n, n + 1, n + 1, n + 2, n + 2], [4, 1], n, list(range(5)),
+                         [0b1, 0b11, 0b101, 0b1011, 0b10101])
+    w8a8 = runner.forward([tree]).float()
+    assert [shape[0] for shape in calls] == [5] * (4 * config.num_layers)  # qkv, o, gate_up, down in every layer
+    assert not torch.equal(runner.kv_pool.storage, kv_before)
+    runner.kv_pool.storage.copy_(kv_before)
+    path[0] = "w8a16"
+    w8a16 = runner.forward([tree]).float()
+    assert not torch.equal(w8a8, w8a16)
+    assert (w8a8 - w8a16).abs().max() <= 0.1 * w8a16.abs().max()
