@@ -40,8 +40,10 @@ def _w8a8_reference(x: torch.Tensor, weight: fp8.Fp8Weight, bias) -> torch.Tenso
     return out if bias is None else out + bias.float()
 
 
+@pytest.mark.parametrize("block_k", [fp8_gemm.QUANT_BLOCK_K, 1024])  # rows loaded once; longer rows read twice
 @pytest.mark.parametrize("m,k", [(1, 64), (5, 3000), (17, 4096), (64, 136)])
-def test_per_token_quantisation_kernel_equals_the_torch_reference(m, k):
+def test_per_token_quantisation_kernel_equals_the_torch_reference(m, k, block_k, monkeypatch):
+    monkeypatch.setattr(fp8_gemm, "QUANT_BLOCK_K", block_k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k), dtype=torch.float32).to(DEVICE, torch.bfloat16)
     x[0, : k // 2] *= 100  # values that round up into the next binade (126.25 -> 128) and saturate nothing
     if m > 1:
