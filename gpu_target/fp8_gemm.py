@@ -177,7 +177,11 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr,
         k_mask = (start + ks) < k_end
         x = tl.load(x_tile + start, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_tile + start, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
+        # Hopper's FP8 MMA adds products at reduced precision (~14 bits, DeepSeek-V3 report,
+        # section 3.3.2), and Triton lets it run over all of K by default on sm_90; the partial
+        # sum of each BLOCK_K columns is added in fp32 instead, as DeepSeek and cuBLAS without
+        # fast accumulation do.
+        acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
     acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask = row_mask[:, None] & col_mask[None, :]
     tile_offsets = rows[:, None] * N + cols[None, :]
