@@ -71,7 +71,7 @@ def test_per_token_quantisation_of_strided_rows():
 def test_w8a8_gemm_equals_a_float32_product_of_the_same_codes(m, n, k, bias, split_k):
     x, weight, b = _case(m, n, k, seed=m + n + k, bias=bias)
     codes, scales = fp8_gemm.quantize_per_token(x)
-    tile = dict(block_n=32, block_k=64, split_k=split_k, num_warps=4, num_stages=2)
+    tile = dict(block_n=64, block_k=64, split_k=split_k, num_warps=4, num_stages=2)
     got = fp8_gemm.w8a8_gemm_quantized(codes, scales, weight, b, torch.float32, **tile)
     expected = _w8a8_reference(x, weight, b)
     torch.testing.assert_close(got, expected, rtol=SUM_RTOL, atol=SUM_RTOL * expected.abs().max().item())
@@ -122,36 +122,46 @@ def test_w8a8_tiles_cover_the_sms_and_come_from_the_table():
     assert gemv_tiles.fp8_path(4096, 4096, 64, table) == gemv_tiles.DEFAULT_FP8_PATH
 
 
+def _stream(monkeypatch):
+    """Without a GPU, stream CPU tensors through the kernels under Triton's interpreter."""
+    if not CUDA:
+        monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+
+
 def test_w8a8_path_rule(monkeypatch):
     weight = fp8.quantize_fp8(torch.randn(64, 256))
     rows = {m: torch.randn(m, 256, dtype=torch.bfloat16) for m in (1, 17, 65)}
     assert [w8a8_path(rows[m], weight) for m in rows] == [None, None, None]  # CPU tensors: dequantise
-    monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+    _stream(monkeypatch)
+    weight = fp8.quantize_fp8(torch.randn(64, 256, device=DEVICE))
+    rows = {m: x.to(DEVICE) for m, x in rows.items()}
     paths = {}
     monkeypatch.setattr(gemv_tiles, "fp8_path", lambda n, k, block_m: paths.get(block_m, "w8a8"))
-    assert [w8a8_path(rows[m], weight) for m in rows] == [None, "w8a8", None]  # 1 row: the W8A16 GEMV
+    above = "scaled_mm" if CUDA else None  # more rows than the skinny kernels take: torch._scaled_mm on CUDA
+    assert [w8a8_path(rows[m], weight) for m in rows] == [None, "w8a8", above]  # 1 row: the W8A16 GEMV
     paths[32] = "w8a16"
     assert w8a8_path(rows[17], weight) is None
-    paths[32] = "scaled_mm"  # torch._scaled_mm takes CUDA tensors only: the Triton GEMM instead
-    assert w8a8_path(rows[17], weight) == "w8a8"
-    assert w8a8_path(rows[17], int4.quantize_int4(torch.randn(64, 256), 128)) is None
+    paths[32] = "scaled_mm"  # torch._scaled_mm takes CUDA tensors only: the Triton GEMM elsewhere
+    assert w8a8_path(rows[17], weight) == ("scaled_mm" if CUDA else "w8a8")
+    assert w8a8_path(rows[17], int4.quantize_int4(torch.randn(64, 256, device=DEVICE), 128)) is None
 
 
 def test_quantized_linear_takes_the_path_the_rule_names(monkeypatch):
     linear = QuantizedLinear(256, 64, bias=True)
-    linear.load_weight(fp8.quantize_fp8(torch.randn(64, 256) / 16))
+    linear.load_weight(fp8.quantize_fp8(torch.randn(64, 256, device=DEVICE) / 16))
     linear.bias.data = torch.randn(64)
-    linear = linear.to(torch.bfloat16)
+    linear = linear.to(DEVICE, torch.bfloat16)
     calls = []
     for module, name in ((gemv, "gemv"), (gemv, "skinny_gemm"), (fp8_gemm, "w8a8_gemm")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
-    monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+    _stream(monkeypatch)
     path = ["w8a8"]
     monkeypatch.setattr(gemv_tiles, "fp8_path", lambda n, k, block_m: path[0])
-    x = torch.randn(17, 256, dtype=torch.bfloat16)
+    x = torch.randn(17, 256, dtype=torch.bfloat16, device=DEVICE)
     w8a8 = linear(x).float()
-    torch.testing.assert_close(w8a8, _w8a8_reference(x, linear.quantized, linear.bias), rtol=2 * BF16_ULP, atol=1e-5)
+    expected = _w8a8_reference(x, linear.quantized, linear.bias)
+    torch.testing.assert_close(w8a8, expected, rtol=2 * BF16_ULP, atol=SUM_RTOL * expected.abs().max().item())
     path[0] = "w8a16"
     w8a16 = linear(x).float()
     torch.testing.assert_close(w8a16, F.linear(x.float(), linear.quantized.dequantize(torch.bfloat16).float(),
@@ -164,11 +174,11 @@ def test_the_model_fuses_fp8_epilogues_only_on_the_w8a16_path(monkeypatch):
     from gpu_target import model as model_module
 
     projection = QuantizedLinear(256, 64, bias=False)
-    projection.load_weight(fp8.quantize_fp8(torch.randn(64, 256)))
-    monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+    projection.load_weight(fp8.quantize_fp8(torch.randn(64, 256, device=DEVICE)))
+    _stream(monkeypatch)
     path = ["w8a8"]
     monkeypatch.setattr(gemv_tiles, "fp8_path", lambda n, k, block_m: path[0])
-    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    x = torch.randn(5, 256, dtype=torch.bfloat16, device=DEVICE)
     assert not model_module._fuses_epilogue(x, projection)  # W8A8: the unfused projection, then the op
     assert model_module._fuses_epilogue(x[:1], projection)  # one row: the fused W8A16 GEMVs
     path[0] = "w8a16"
@@ -204,8 +214,7 @@ def test_tree_verification_of_an_fp8_model_runs_every_projection_w8a8(tiny_llama
     state = load_state_dict(tiny_llama_dir, config, torch.bfloat16, DEVICE, quantization="fp8")
     runner = ModelRunner(build_model(config, state, torch.bfloat16, DEVICE), KVCachePool(config, 6, 16, torch.bfloat16, DEVICE),
                          DEVICE)
-    if not CUDA:
-        monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+    _stream(monkeypatch)
     path = ["w8a8"]
     monkeypatch.setattr(gemv_tiles, "fp8_path", lambda n, k, block_m: path[0])
     calls = []
