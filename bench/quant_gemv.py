@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -203,6 +204,7 @@ def main(argv=None) -> None:
     measured = fp8_choices(rows)
     if best or measured["fp8_paths"]:
         found = dict(gpu=info["gpu"], command=command, **(tile_table(best) if best else {}), **measured)
+        os.makedirs(args.out, exist_ok=True)
         with open(f"{stem}-tiles.json", "w", encoding="utf-8") as f:
             json.dump(found, f, indent=1)
         if args.write_tiles:
