@@ -9,7 +9,7 @@ microseconds, TB/s of the bytes streamed (quantised weights + scales) and the sp
 bf16. For fp8 at 2..64 rows it also times each kernel side by side: the W8A16 skinny GEMM
 (w8a16_us), the Triton W8A8 GEMM with its fastest of gemv_tiles.py's `W8A8_CANDIDATES`
 (w8a8_us, w8a8_tile; activation quantisation included) and `torch._scaled_mm` after the fused
-quantisation (scaled_mm_us); ``--write-tiles`` merges the fastest kernel and W8A8 tile per
+quantisation (scaled_mm_us), and that quantisation alone (quant_us); ``--write-tiles`` merges the fastest kernel and W8A8 tile per
 (shape, BLOCK_M) into gpu_target/gemv_tiles.json ("fp8_paths", "w8a8"), the table the
 routing then reads (time at 16, 17 and 64 rows to cover BLOCK_M 16, 32 and 64).
 ``--sweep`` also times gpu_target/gemv_tiles.py's candidate tiles of the W8A16 kernels per
@@ -79,6 +79,7 @@ def fp8_kernels_side_by_side(name: str, x: torch.Tensor, layers: list, copies: i
     except RuntimeError as error:  # a torch build without row-wise _scaled_mm
         print(f"skip {name} scaled_mm m={len(x)}: {error}", flush=True)
     row = {f"{path}_us": round(us, 2) for path, us in times.items()}
+    row["quant_us"] = round(time_per_call_us(lambda i: fp8_gemm.quantize_per_token(x), copies), 2)  # in both W8A8 times
     if w8a8:
         row.update(w8a8_tile=tile_label(w8a8_tile), w8a8_tile_dict=w8a8_tile)
     return dict(row, fastest=min(times, key=times.get))
