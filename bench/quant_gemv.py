@@ -8,17 +8,19 @@ copy of the weights (bench.gemv's method: copies past L2, in one CUDA graph), an
 microseconds, TB/s of the bytes streamed (quantised weights + scales) and the speed-up over
 bf16. For fp8 at 2..64 rows it also times each kernel side by side: the W8A16 skinny GEMM
 (w8a16_us), the Triton W8A8 GEMM with its fastest of gemv_tiles.py's `W8A8_CANDIDATES`
-(w8a8_us, w8a8_tile; activation quantisation included) and `torch._scaled_mm` after the fused
-quantisation (scaled_mm_us), and that quantisation alone (quant_us); ``--write-tiles`` merges the fastest kernel and W8A8 tile per
-(shape, BLOCK_M) into gpu_target/gemv_tiles.json ("fp8_paths", "w8a8"), the table the
-routing then reads (time at 16, 17 and 64 rows to cover BLOCK_M 16, 32 and 64).
+(w8a8_us, w8a8_tile; activation quantisation included), `torch._scaled_mm` after the fused
+quantisation (scaled_mm_us), and that quantisation alone (quant_us); ``--write-tiles``
+merges the fastest kernel and W8A8 tile per (shape, BLOCK_M) into gpu_target/gemv_tiles.json
+("fp8_paths", "w8a8"), the table the routing then reads (time at 16, 17 and 64 rows to
+cover BLOCK_M 16, 32 and 64).
 ``--sweep`` also times gpu_target/gemv_tiles.py's candidate tiles of the W8A16 kernels per
 shape and format at M = 1 (GEMV) and M = 17 (skinny, BLOCK_M 32), lists the three fastest,
 and with ``--write-tiles`` writes the fastest into the table as well (BLOCK_M 16 and 64 take
 the M = 17 winner's tile, with the heuristic's pipeline depth at 64). ``--formats fp8``
 times one format; ``--shapes 8b,70b`` adds Llama-3-70B's projections.
 
-    python -m bench.quant_gemv --out bench/results [--rows 1,16,17,64,65] [--formats fp8] [--sweep] [--write-tiles] [--shapes 8b,70b]
+    python -m bench.quant_gemv --out bench/results [--rows 1,16,17,64,65] [--formats fp8] [--sweep] [--write-tiles]
+                               [--shapes 8b,70b]
 """
 from __future__ import annotations
 
