@@ -44,7 +44,9 @@ MAX_SPLIT_TILES = 4096  # column tiles the split-K counters cover (N / BLOCK_N)
 
 def quantize_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_fp8 [M, K], scales float32 [M, 1]) with x ~= x_fp8 * scales, in torch ops."""
-    scales = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
+    # A tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (1 ulp off IEEE).
+    fp8_max = torch.tensor(FP8_MAX, dtype=torch.float32, device=x.device)
+    scales = (x.abs().amax(dim=1, keepdim=True).float() / fp8_max).clamp(min=MIN_SCALE)
     return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
 
 
