@@ -1,22 +1,32 @@
-"""Quantised weight-only kernels on Llama-3-8B's projections, against bf16's at the same rows.
+"""Quantised kernels on Llama-3-8B's projections, against bf16's at the same rows.
 
-For each projection, format (fp8, int4) and row count M in ``--rows`` (1: the quantised
-GEMV, 2..64: the quantised skinny GEMM, 65+: W8A8 `torch._scaled_mm` for fp8, dequantise +
-cuBLAS for int4) times `QuantizedLinear` and hetero's bf16 `gemv.linear`, each call reading
-another copy of the weights (bench.gemv's method: copies past L2, in one CUDA graph), and
-reports microseconds, TB/s of the bytes streamed (quantised weights + scales) and the
-speed-up over bf16. ``--sweep`` also times gpu_target/gemv_tiles.py's candidate tiles per
+For each projection, format (fp8, int4) and row count M in ``--rows`` times `QuantizedLinear`
+(the kernel it routes to: 1 row the quantised GEMV; 2..64 the quantised skinny GEMM, for
+fp8 the kernel gpu_target/gemv_tiles.py's `fp8_path` names; 65+ W8A8 `scaled_mm` for fp8,
+dequantise + cuBLAS for int4) and hetero's bf16 `gemv.linear`, each call reading another
+copy of the weights (bench.gemv's method: copies past L2, in one CUDA graph), and reports
+microseconds, TB/s of the bytes streamed (quantised weights + scales) and the speed-up over
+bf16. For fp8 at 2..64 rows it also times each kernel side by side: the W8A16 skinny GEMM
+(w8a16_us), the Triton W8A8 GEMM with its fastest of gemv_tiles.py's `W8A8_CANDIDATES`
+(w8a8_us, w8a8_tile; activation quantisation included), `torch._scaled_mm` after the fused
+quantisation (scaled_mm_us), and that quantisation alone (quant_us); ``--write-tiles``
+merges the fastest kernel and W8A8 tile per (shape, BLOCK_M) into gpu_target/gemv_tiles.json
+("fp8_paths", "w8a8"), the table the routing then reads (time at 16, 17 and 64 rows to
+cover BLOCK_M 16, 32 and 64).
+``--sweep`` also times gpu_target/gemv_tiles.py's candidate tiles of the W8A16 kernels per
 shape and format at M = 1 (GEMV) and M = 17 (skinny, BLOCK_M 32), lists the three fastest,
-and with ``--write-tiles`` writes the fastest into gpu_target/gemv_tiles.json, the table
-the kernels then read (BLOCK_M 16 and 64 take the M = 17 winner's tile, with the
-heuristic's pipeline depth at 64). ``--shapes 8b,70b`` adds Llama-3-70B's projections.
+and with ``--write-tiles`` writes the fastest into the table as well (BLOCK_M 16 and 64 take
+the M = 17 winner's tile, with the heuristic's pipeline depth at 64). ``--formats fp8``
+times one format; ``--shapes 8b,70b`` adds Llama-3-70B's projections.
 
-    python -m bench.quant_gemv --out bench/results [--rows 1,17,64,65] [--sweep [--write-tiles]] [--shapes 8b,70b]
+    python -m bench.quant_gemv --out bench/results [--rows 1,16,17,64,65] [--formats fp8] [--sweep] [--write-tiles]
+                               [--shapes 8b,70b]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -27,15 +37,16 @@ import torch.nn.functional as F
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from bench.gemv import SHAPES, SKINNY_SWEEP_ROWS, fastest, skinny_tile_fits, tile_label, time_per_call_us
-from gpu_target import gemv_tiles
-from gpu_target.gemv import MAX_STREAMING_ROWS, gemv, linear, skinny_gemm, streaming_tile
+from gpu_target import fp8_gemm, gemv_tiles
+from gpu_target.gemv import MAX_STREAMING_ROWS, gemv, linear, skinny_block_m, skinny_gemm, streaming_tile
 from gpu_target.quantization import quantize
-from gpu_target.quantization.linear import QuantizedLinear
+from gpu_target.quantization.linear import QuantizedLinear, w8a8_path
 
 try:
+    from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 except ImportError:
-    OutOfResources = RuntimeError
+    CompilationError = OutOfResources = RuntimeError
 
 FORMATS = ("fp8", "int4")
 SHAPES_70B = dict(qkv_proj=(10240, 8192), o_proj=(8192, 8192), gate_up_proj=(57344, 8192), down_proj=(8192, 28672))
@@ -47,11 +58,41 @@ def layer_of(weight) -> QuantizedLinear:
     return layer
 
 
-def bench_shape(name: str, n: int, k: int, row_counts: list[int], sweep: bool, rows: list[dict], best: list[dict]) -> None:
+def fp8_kernels_side_by_side(name: str, x: torch.Tensor, layers: list, copies: int) -> dict:
+    """The W8A16 skinny GEMM, the Triton W8A8 GEMM (its fastest candidate tile) and
+    torch._scaled_mm on x's rows (activation quantisation included), and the fastest."""
+    n, k = layers[0].quantized.shape
+    times = dict(w8a16=time_per_call_us(lambda i: skinny_gemm(x, layers[i].quantized), copies))
+    tiles = [gemv_tiles.w8a8_tile(n, k, skinny_block_m(len(x)))]
+    tiles += [t for t in gemv_tiles.W8A8_CANDIDATES if t not in tiles and k // t["split_k"] >= t["block_k"]]
+    w8a8 = []
+    for tile in tiles:
+        try:
+            us = time_per_call_us(lambda i, t=tile: fp8_gemm.w8a8_gemm(x, layers[i].quantized, **t), copies, 5)
+        except (OutOfResources, CompilationError, RuntimeError) as error:  # RuntimeError: a tile Triton cannot lower
+            print(f"skip {name} w8a8 m={len(x)} {tile}: {error}", flush=True)
+            continue
+        w8a8.append((us, tile))
+        print(dict(shape=name, m=len(x), w8a8_tile=tile_label(tile), us=round(us, 2)), flush=True)
+    if w8a8:
+        times["w8a8"], w8a8_tile = min(w8a8, key=lambda r: r[0])
+    try:
+        times["scaled_mm"] = time_per_call_us(lambda i: fp8_gemm.scaled_mm(x, layers[i].quantized), copies)
+    except RuntimeError as error:  # a torch build without row-wise _scaled_mm
+        print(f"skip {name} scaled_mm m={len(x)}: {error}", flush=True)
+    row = {f"{path}_us": round(us, 2) for path, us in times.items()}
+    row["quant_us"] = round(time_per_call_us(lambda i: fp8_gemm.quantize_per_token(x), copies), 2)  # in both W8A8 times
+    if w8a8:
+        row.update(w8a8_tile=tile_label(w8a8_tile), w8a8_tile_dict=w8a8_tile)
+    return dict(row, fastest=min(times, key=times.get))
+
+
+def bench_shape(name: str, n: int, k: int, row_counts: list[int], formats: list[str], sweep: bool, rows: list[dict],
+                best: list[dict]) -> None:
     source = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     bf16_copies = max(2, int(2e9 // (n * k * 2)))
     bf16 = [source.clone() for _ in range(bf16_copies)]
-    for fmt in FORMATS:
+    for fmt in formats:
         quantized = quantize(source, fmt)
         copies = max(2, int(2e9 // quantized.nbytes))
         layers = [layer_of(quantize(source, fmt)) for _ in range(copies)]
@@ -62,10 +103,16 @@ def bench_shape(name: str, n: int, k: int, row_counts: list[int], sweep: bool, r
             bf16_us = time_per_call_us(lambda i: linear(x, bf16[i]), bf16_copies)
             us = time_per_call_us(lambda i: layers[i](x), copies)
             error = (layers[0](x).float() - F.linear(x, reference).float()).abs().max() / F.linear(x, reference).float().abs().max()
-            tile = tile_label(streaming_tile(quantized, m)) if m <= MAX_STREAMING_ROWS else "scaled_mm / dequantise"
-            rows.append(dict(shape=name, format=fmt, m=m, tile=tile, us=round(us, 2), TBps=round(gigabytes / us * 1e3, 2),
-                             bf16_us=round(bf16_us, 2), speedup_vs_bf16=round(bf16_us / us, 3), max_rel_err=f"{error.item():.1e}"))
-            print(rows[-1], flush=True)
+            path = w8a8_path(x, layers[0].quantized) or ("gemv" if m == 1 else "w8a16" if m <= MAX_STREAMING_ROWS
+                                                           else "dequantise")
+            tile = tile_label(streaming_tile(quantized, m)) if path in ("gemv", "w8a16") else ""
+            row = dict(shape=name, format=fmt, n=n, k=k, m=m, path=path, tile=tile, us=round(us, 2),
+                       TBps=round(gigabytes / us * 1e3, 2), bf16_us=round(bf16_us, 2), speedup_vs_bf16=round(bf16_us / us, 3),
+                       max_rel_err=f"{error.item():.1e}")
+            if fmt == "fp8" and 1 < m <= MAX_STREAMING_ROWS:
+                row.update(fp8_kernels_side_by_side(name, x, layers, copies))
+            rows.append(row)
+            print({key: v for key, v in row.items() if key != "w8a8_tile_dict"}, flush=True)
         if sweep:
             sweeps = [(1, gemv_tiles.GEMV_CANDIDATES, gemv)]
             sweeps += [(m, gemv_tiles.SKINNY_CANDIDATES, skinny_gemm) for m in SKINNY_SWEEP_ROWS]
@@ -114,14 +161,27 @@ def tile_table(best: list[dict]) -> dict:
     return table
 
 
+def fp8_choices(rows: list[dict]) -> dict:
+    """gemv_tiles.json's "fp8_paths" and "w8a8" entries: per (shape, BLOCK_M) timed, the fastest
+    FP8 kernel and the Triton W8A8 GEMM's fastest tile (of the most rows timed at that BLOCK_M)."""
+    choices: dict = {"fp8_paths": {}, "w8a8": {}}
+    for row in sorted((r for r in rows if "fastest" in r), key=lambda r: r["m"]):
+        key = gemv_tiles.skinny_key("fp8", row["n"], row["k"], skinny_block_m(row["m"]))
+        choices["fp8_paths"][key] = row["fastest"]
+        if "w8a8_tile_dict" in row:
+            choices["w8a8"][key] = row["w8a8_tile_dict"]
+    return choices
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--rows", default="1,17,64,65")
     parser.add_argument("--shapes", default="8b", help="8b, 70b or 8b,70b: the Llama-3 projections timed")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="fp8, int4 or fp8,int4")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--write-tiles", action="store_true",
-                        help=f"write the sweep's fastest tiles to {gemv_tiles.TABLE_PATH} (the kernels' table)")
+                        help=f"merge the fastest FP8 kernels (and the sweep's tiles) into {gemv_tiles.TABLE_PATH}")
     args = parser.parse_args(argv)
     row_counts = [int(m) for m in args.rows.split(",")]
     if not torch.cuda.is_available():
@@ -134,24 +194,33 @@ def main(argv=None) -> None:
     rows: list[dict] = []
     best: list[dict] = []
     for name, (n, k) in shapes.items():
-        bench_shape(name, n, k, row_counts, args.sweep, rows, best)
-    body = ["## QuantizedLinear vs bf16 linear(), the tiles the kernels take before this sweep", "", *markdown_table(rows), ""]
+        bench_shape(name, n, k, row_counts, args.formats.split(","), args.sweep, rows, best)
+    shown = [{k: v for k, v in r.items() if k not in ("n", "k", "w8a8_tile_dict")} for r in rows]
+    body = ["## QuantizedLinear (the kernel it routes to: path) vs bf16 linear(); fp8 at 2..64 rows: each kernel, "
+            "the tables' tiles before this run", "", *markdown_table(shown), ""]
     if best:
         body += [f"## sweep: the three fastest tiles per shape and format (M = 1 GEMV, M = {' and '.join(map(str, SKINNY_SWEEP_ROWS))} skinny)", "",
                  *markdown_table([{k: v for k, v in r.items() if k not in ("hetero_us", "tile_dict")} for r in best]), ""]
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name(), python=platform.python_version())
     command = "python -m bench.quant_gemv " + " ".join(sys.argv[1:] if argv is None else argv)
     stem = f"{args.out}/quant_gemv-{time.strftime('%Y%m%d-%H%M%S')}"
-    if best:
-        table = dict(gpu=info["gpu"], command=command, **tile_table(best))
+    measured = fp8_choices(rows)
+    if best or measured["fp8_paths"]:
+        found = dict(gpu=info["gpu"], command=command, **(tile_table(best) if best else {}), **measured)
+        os.makedirs(args.out, exist_ok=True)
         with open(f"{stem}-tiles.json", "w", encoding="utf-8") as f:
-            json.dump(table, f, indent=1)
+            json.dump(found, f, indent=1)
         if args.write_tiles:
+            table = json.loads(json.dumps(gemv_tiles.measured_tiles()))  # a copy of the table as it stands
+            table.update(gpu=info["gpu"], command=command, **(tile_table(best) if best else {}))
+            for section in ("fp8_paths", "w8a8"):
+                table[section] = {**table.get(section, {}), **measured[section]}
             with open(gemv_tiles.TABLE_PATH, "w", encoding="utf-8") as f:
                 json.dump(table, f, indent=1)
             print(f"wrote {gemv_tiles.TABLE_PATH}")
-    print(write_markdown_and_json(stem, "Quantised weight-only kernels vs bf16 (Llama-3 projections)", command, info,
-                                  [{k: v for k, v in r.items() if k != "tile_dict"} for r in rows + best], body))
+    hidden = ("tile_dict", "w8a8_tile_dict")
+    print(write_markdown_and_json(stem, "Quantised kernels vs bf16 (Llama-3 projections)", command, info,
+                                  [{k: v for k, v in r.items() if k not in hidden} for r in rows + best], body))
 
 
 if __name__ == "__main__":

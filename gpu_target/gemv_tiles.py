@@ -20,6 +20,15 @@ per shape. A shape it lacks takes `heuristic_gemv_tile` / `heuristic_skinny_tile
 
 Each program's tile must be the same in a fused kernel and in its unfused twin (the sums
 are then bit-identical); both look it up here by the same (format, N, K).
+
+FP8 weights at 2..64 rows also have W8A8 kernels (gpu_target/fp8_gemm.py): the table's
+"w8a8" tiles of its Triton GEMM, keyed (N, K, BLOCK_M), and "fp8_paths", the kernel the
+bench measured fastest per (N, K, BLOCK_M): "w8a16" (the skinny GEMM), "w8a8" (the Triton
+FP8 GEMM) or "scaled_mm" (torch._scaled_mm). A shape it lacks takes `DEFAULT_FP8_PATH` and
+`heuristic_w8a8_tile`: 64 W rows a program (an FP8 MMA's smallest warpgroup tile), 128 at
+BLOCK_M 64 (each program reads all of x's rows, so wider programs read x fewer times), over
+128-column K tiles (128 bytes a row: one swizzled shared-memory line), K split in up to 4
+shares while the programs are fewer than the SMs.
 """
 from __future__ import annotations
 
@@ -48,6 +57,18 @@ SKINNY_CANDIDATES = [
         (64, 128, 4, 4), (64, 256, 4, 4), (32, 256, 8, 3), (64, 128, 8, 3), (64, 256, 8, 3), (128, 128, 8, 3),
     )
 ]
+
+
+W8A8_CANDIDATES = [
+    dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, num_stages=stages)
+    for block_n, block_k, split_k, warps, stages in (
+        (32, 128, 1, 4, 4), (32, 256, 2, 4, 3), (64, 128, 1, 4, 4), (64, 128, 2, 4, 4), (64, 128, 4, 4, 4),
+        (64, 128, 8, 4, 4), (64, 256, 2, 4, 3), (128, 128, 1, 4, 4), (128, 128, 2, 4, 4), (128, 128, 4, 4, 4),
+        (128, 128, 4, 8, 4), (128, 128, 8, 4, 4), (128, 256, 4, 8, 3),
+    )
+]
+FP8_PATHS = ("w8a16", "w8a8", "scaled_mm")
+DEFAULT_FP8_PATH = "w8a8"  # FP8 x FP8 reads half the skinny GEMM's bytes of x and needs no conversion of W
 
 
 @functools.lru_cache(maxsize=1)
@@ -84,6 +105,16 @@ def heuristic_skinny_tile(fmt: str, n: int, k: int, block_m: int) -> dict:
                 w_first=True)
 
 
+def heuristic_w8a8_tile(n: int, k: int, block_m: int) -> dict:
+    """See the module docstring: 64 W rows a program (128 at BLOCK_M 64) over 128-column K
+    tiles, K split in 2 or 4 shares of whole tiles while the programs are fewer than the SMs."""
+    block_n, block_k = (128 if block_m >= 64 else 64), 128
+    split_k = 1
+    while split_k < 4 and -(-n // block_n) * split_k < SMS and k // (2 * split_k) >= block_k:
+        split_k *= 2
+    return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=4 if block_m <= 32 else 3)
+
+
 def _k_span(k: int) -> int:
     """K rounded up to a power of two >= 16: no K tile need be wider (small test models)."""
     return max(16, 1 << (k - 1).bit_length())
@@ -101,3 +132,15 @@ def skinny_tile(w_format: int, n: int, k: int, block_m: int, table: Optional[dic
     fmt = FORMAT_NAMES[w_format]
     table = measured_tiles() if table is None else table
     return dict(table["skinny"].get(skinny_key(fmt, n, k, block_m)) or heuristic_skinny_tile(fmt, n, k, block_m))
+
+
+def w8a8_tile(n: int, k: int, block_m: int, table: Optional[dict] = None) -> dict:
+    """The Triton W8A8 GEMM's tile for an FP8 weight of shape [n, k] at BLOCK_M padded rows."""
+    table = measured_tiles() if table is None else table
+    return dict(table.get("w8a8", {}).get(skinny_key("fp8", n, k, block_m)) or heuristic_w8a8_tile(n, k, block_m))
+
+
+def fp8_path(n: int, k: int, block_m: int, table: Optional[dict] = None) -> str:
+    """The kernel an FP8 weight of shape [n, k] takes at 2..64 rows (BLOCK_M padded): one of `FP8_PATHS`."""
+    table = measured_tiles() if table is None else table
+    return table.get("fp8_paths", {}).get(skinny_key("fp8", n, k, block_m), DEFAULT_FP8_PATH)

@@ -18,7 +18,7 @@ from gpu_target.attention import AttentionMetadata, reference_attention
 from gpu_target.gguf_checkpoint import ROPE_FREQ_FACTORS_NAME
 from gpu_target.model_config import ModelConfig
 from gpu_target.quantization import contains_quantized
-from gpu_target.quantization.linear import QuantizedLinear, fuse_weights, replace_projections
+from gpu_target.quantization.linear import QuantizedLinear, fuse_weights, replace_projections, w8a8_path
 from gpu_target.tensor_parallel import SINGLE, TensorParallel, local_config, local_vocab_size
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
@@ -98,11 +98,12 @@ def _streamed_weight(projection: nn.Module):
 def _fuses_epilogue(x: torch.Tensor, projection: nn.Module) -> bool:
     """Where the projection streams W itself (see gpu_target/gemv.py): at one row (batch-1
     decode) through its GEMV, at 2..32 rows (batch-1 tree verification) where the plain path
-    would take the skinny GEMM (a quantised W always does), its kernel applies the op after
-    it (rotary and the KV write after qkv, SiLU-and-mul after gate_up) in its epilogue, bit
-    for bit as the separate kernels would. Swapped projections keep their own forward."""
+    would take the skinny GEMM (a quantised W does, unless FP8 rows take a W8A8 kernel:
+    `w8a8_path`), its kernel applies the op after it (rotary and the KV write after qkv,
+    SiLU-and-mul after gate_up) in its epilogue, bit for bit as the separate kernels would.
+    Swapped projections keep their own forward."""
     weight = _streamed_weight(projection)
-    if weight is None or not gemv.streaming_applies(x, weight):
+    if weight is None or not gemv.streaming_applies(x, weight) or w8a8_path(x, weight) is not None:
         return False
     return x.shape[0] == 1 or not isinstance(weight, torch.Tensor) or gemv.skinny_wins(x.shape[0], weight.shape[0])
 

@@ -1,10 +1,16 @@
 """The quantised linear layer: (quantised weight, bias) and a forward that picks a kernel by rows.
 
-- 1 row: `gemv.gemv`; 2..64 rows: `gemv.skinny_gemm` (CUDA, or Triton's interpreter in
-  tests), W dequantised in registers (gpu_target/gemv.py), tiles per shape from
+- 1 row: `gemv.gemv` (CUDA, or Triton's interpreter in tests), W dequantised in registers
+  (W8A16: a GEMV streams W and nothing else, so converting x would only add a kernel).
+- 2..64 rows, 4-bit: `gemv.skinny_gemm`, W dequantised in registers, tiles per shape from
   gpu_target/gemv_tiles.py. 4-bit weights whose K or group size is not a multiple of 8
   take the last path.
-- more rows, FP8 on CUDA in bf16: `fp8.scaled_mm` (W8A8, per-token activation scales).
+- 2..64 rows, FP8: the kernel gemv_tiles.py's `fp8_path` names for the shape and BLOCK_M,
+  measured by `python -m bench.quant_gemv --write-tiles` (default: the Triton W8A8 GEMM,
+  `fp8_gemm.w8a8_gemm`): "w8a16" (`gemv.skinny_gemm`), "w8a8" or "scaled_mm" (x quantised
+  per token, then FP8 x FP8, as vLLM's fp8 runs every size). `w8a8_path` is the rule; the
+  model's fused skinny kernels (W8A16) serve a projection only where it names none.
+- more rows, FP8 on CUDA in bf16: `fp8_gemm.scaled_mm` (W8A8, per-token activation scales).
 - otherwise (the CPU, 4-bit prefill): W dequantised to x's dtype, then F.linear.
 """
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_target import gemv
+from gpu_target import fp8_gemm, gemv, gemv_tiles
 from gpu_target.quantization import QuantizedWeight, fp8
 
 
@@ -46,15 +52,37 @@ class QuantizedLinear(nn.Module):
         weight = self.quantized
         if getattr(weight, "perm", None) is not None:  # act-order: gather x's columns into the stored order
             x, weight = x.index_select(-1, weight.perm), weight.in_stored_order()
+        path = w8a8_path(x, weight)
+        if path == "w8a8":
+            return fp8_gemm.w8a8_gemm(x, weight, self.bias)
+        if path == "scaled_mm":
+            return fp8_gemm.scaled_mm(x, weight, self.bias)
         if gemv.streaming_applies(x, weight):
             return gemv.gemv(x, weight, self.bias) if x.shape[0] == 1 else gemv.skinny_gemm(x, weight, self.bias)
-        if isinstance(weight, fp8.Fp8Weight) and fp8.scaled_mm_applies(x, weight):
-            return fp8.scaled_mm(x, weight, self.bias)
         return F.linear(x, weight.dequantize(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         kind = type(self.quantized).__name__ if self.quantized is not None else "empty"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kind}"
+
+
+def w8a8_path(x: torch.Tensor, weight: QuantizedWeight) -> Optional[str]:
+    """The W8A8 kernel x's rows take with this weight ("w8a8": the Triton FP8 GEMM,
+    "scaled_mm": torch._scaled_mm), or None where W is dequantised instead (in registers by
+    gpu_target/gemv.py's kernels, or whole): FP8 weights at 2..64 streaming rows take their
+    shape's `gemv_tiles.fp8_path` ("scaled_mm" where torch's conditions hold), at more rows
+    on CUDA in bf16 `scaled_mm`; one row, 4-bit weights and the CPU never."""
+    if not isinstance(weight, fp8.Fp8Weight):
+        return None
+    if gemv.streaming_applies(x, weight):
+        if x.shape[0] == 1:
+            return None
+        n, k = weight.shape
+        path = gemv_tiles.fp8_path(n, k, gemv.skinny_block_m(x.shape[0]))
+        if path == "scaled_mm" and not fp8_gemm.scaled_mm_applies(x, weight):
+            return "w8a8"
+        return None if path == "w8a16" else path
+    return "scaled_mm" if fp8_gemm.scaled_mm_applies(x, weight) else None
 
 
 PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
