@@ -16,7 +16,7 @@ prescribes for attention (a fixed split *size*, not a fixed number of splits):
 
 * a split is SPLIT logical keys of one row and one KV head; its online softmax runs over
   TILE keys at a time for all GROUP query heads of that KV head together (GQA: each K/V
-  tile is loaded once), the scores and P·V as ``tl.dot`` MMAs of SLOTS = max(16, GROUP
+  tile is loaded once), the scores and P·V as ``tl.dot`` MMAs of SLOTS = max(MMA_ROWS, GROUP
   rounded up to a power of two) rows, so an element's sum is the same instruction sequence
   whatever the batch;
 * a row with one split writes its output directly; a row with more combines its splits'
@@ -27,8 +27,8 @@ prescribes for attention (a fixed split *size*, not a fixed number of splits):
 Row groups. The MMA's SLOTS rows hold ROWS = SLOTS / GROUP_SLOTS query rows (GROUP_SLOTS:
 GROUP rounded up to a power of two): a decode row fills the first, and the rows of a
 sequence with several new tokens (a speculative verification's chain or tree, a causal
-chunk) fill them ROWS at a time, from its first row, so a K/V tile is read once for the
-group. A slot's numbers do not depend on its neighbours: an MMA row and a row's max and
+chunk) fill them ROWS at a time from its first row (or a launch's), so a K/V tile is read
+once for the group. A slot's numbers do not depend on its neighbours: an MMA row and a row's max and
 sum are computed from that row alone, in a layout the same for every slot, and each slot
 has its own mask, so a key it must not see scores -inf and adds p = 0 (no change to its
 max; its product with a real V is a zero). The MMA keeps its shape, so grouping changes no
@@ -71,7 +71,9 @@ except ImportError:  # CPU-only installs
 
 TILE = 64  # logical keys per online-softmax step
 SPLIT = 256  # logical keys per split (a multiple of TILE)
-MIN_DOT_ROWS = 16  # tl.dot's smallest M: the MMA's slots, filled with the query heads of one or more rows
+MIN_DOT_ROWS = 16  # tl.dot's smallest M
+MMA_ROWS = 16  # the MMAs' slots (at least GROUP_SLOTS): one shape for every program, whatever the batch; more
+#               put more rows of a sequence in a program, for more MMA work on a decode row's padding slots
 PROGRAMS_PER_SM = 2  # split programs wanted per SM before rows stop taking more than one worker
 PARTIAL_BYTES = 256 << 20  # a launch's fp32 partial results (several workers) stay below this; more rows, more launches
 
@@ -97,7 +99,7 @@ def invariant_paged_attention(
         return out
     group = H // KVH
     group_slots = triton.next_power_of_2(group)
-    slots = max(MIN_DOT_ROWS, group_slots)  # the interpreter's too: it runs the padding slots
+    slots = max(MMA_ROWS, group_slots)  # the interpreter's too: it runs the padding slots
     rows_per_program = slots // group_slots
     num_splits = triton.cdiv(max(meta.max_seq_len, 1), SPLIT)
     programs = min(T, triton.cdiv(T, rows_per_program) + meta.num_seqs)  # at most this many row groups

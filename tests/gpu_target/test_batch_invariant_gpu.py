@@ -173,8 +173,9 @@ VERIFY = [(Seq(40, 1), None), (Seq(250, 9), CHAIN), (Seq(3, 1), None), (Seq(250,
           (Seq(60, 9), BRANCHING), (Seq(20, 9), None), (Seq(530, 1), None)]
 
 
-@pytest.mark.parametrize("num_heads", [4, 8, 16])  # 2, 4 (Llama 3 8B's group), 8 query heads per KV head
-def test_verify_rows_among_other_sequences_are_the_bits_of_each_row_decoded_alone(monkeypatch, num_heads):
+# 2, 4 (Llama 3 8B's group), 8 query heads per KV head: 8, 4, 2 rows a program; with 64 MMA rows, 16
+@pytest.mark.parametrize("num_heads, mma_rows", [(4, 16), (8, 16), (16, 16), (8, 64)])
+def test_verify_rows_among_other_sequences_are_the_bits_of_each_row_decoded_alone(monkeypatch, num_heads, mma_rows):
     """Every row of a chain, of branching trees and of a causal chunk, verified among decode
     rows (the kernel puts several rows of a sequence in one program, reading each K/V tile
     once for them), equals bit for bit that row decoded alone: its path's keys stored after
@@ -183,6 +184,7 @@ def test_verify_rows_among_other_sequences_are_the_bits_of_each_row_decoded_alon
     bits: the test first checks that another tile size (TILE 32, the same keys summed in
     other groups) changes rows here, so a grouped row that took its keys in another order
     or tiling, or saw a key it must not, would fail the comparison."""
+    monkeypatch.setattr(invariant_attention, "MMA_ROWS", mma_rows)
     seqs = [seq for seq, _ in VERIFY]
     meta, k_cache, v_cache = make_batch(seqs, head_dim=32)
     masks = [mask or [0] * seq.q_len for seq, mask in VERIFY]
