@@ -41,9 +41,9 @@ same MMA, only its slots updated), at most a tile or two per row.
 
 The number of splits of a row is ceil(n / SPLIT), a function of the row alone. Which
 program computes a split does not change its numbers, so the grid is sized for the GPU:
-``workers`` programs per (row, KV head) - the program of a row that does not start a group
-returns at once -, worker w taking splits w, w + workers, ...; a batch that fills the SMs
-has one worker per row, writes no partial results, and max_seq_len only bounds its loop.
+``workers`` programs per (row group, KV head), worker w taking splits w, w + workers, ...;
+a batch that fills the SMs has one worker per group, writes no partial results, and
+max_seq_len only bounds its loop.
 Unlike gpu_target/triton_attention.py, nothing the sums depend on is chosen from the batch.
 
 Like that kernel it reads every per-sequence quantity on the device (no host syncs), so
@@ -102,8 +102,7 @@ def invariant_paged_attention(
     slots = max(MMA_ROWS, group_slots)  # the interpreter's too: it runs the padding slots
     rows_per_program = slots // group_slots
     num_splits = triton.cdiv(max(meta.max_seq_len, 1), SPLIT)
-    programs = min(T, triton.cdiv(T, rows_per_program) + meta.num_seqs)  # at most this many row groups
-    workers = split_workers(programs * KVH, num_splits, num_sms(query.device))
+    workers = split_workers(row_groups(T, rows_per_program, meta.num_seqs) * KVH, num_splits, num_sms(query.device))
     partials = workers > 1 and num_splits > 1  # else every row is combined in registers
     rows_per_launch = max(1, PARTIAL_BYTES // (num_splits * H * (D + 2) * 4)) if partials else T
     has_tree = meta.tree_mask is not None
@@ -116,7 +115,7 @@ def invariant_paged_attention(
         else:
             acc = stats = torch.empty((1,), dtype=torch.float32, device=query.device)
         common = (meta.query_start_loc, meta.seq_lens, tree_mask, first, meta.num_seqs, int(has_tree))
-        _jit(_split_kernel, ("stride_bt",))[(rows, KVH, workers)](
+        _jit(_split_kernel, ("stride_bt",))[(row_groups(rows, rows_per_program, meta.num_seqs), KVH, workers)](
             query, k_cache, v_cache, out, acc, stats, meta.block_tables, *common,
             scale * math.log2(math.e), rows, H, workers,
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -134,6 +133,12 @@ def invariant_paged_attention(
     return out
 
 
+def row_groups(rows: int, rows_per_group: int, num_seqs: int) -> int:
+    """A bound on the row groups of a launch of `rows` rows (its grid): a sequence's rows make
+    ceil(its rows / rows_per_group) groups, one more for the sequence cut by the launch's start."""
+    return min(rows, triton.cdiv(rows, rows_per_group) + num_seqs + 1)
+
+
 def split_workers(programs: int, num_splits: int, sms: int) -> int:
     """Programs per (row, KV head): enough that `programs` of them put PROGRAMS_PER_SM on
     every SM, at most one per split. It changes which program runs a split, never its numbers."""
@@ -146,7 +151,7 @@ STEP_COUNTS = ("first", "num_seqs", "has_tree", "rows", "workers")
 
 @functools.lru_cache(maxsize=None)
 def _jit(kernel, extra_counts=()):
-    jit_device_functions()  # _row_sequence, _spans, _select_bits, _attend_tile, _combine
+    jit_device_functions()  # _group_start, _row_sequence, _spans, _select_bits, _attend_tile, _combine
     return triton.jit(kernel, do_not_specialize=STEP_COUNTS + extra_counts)
 
 
@@ -167,6 +172,41 @@ def _row_sequence(query_start_loc, seq_lens, t, num_seqs):
     ctx = tl.load(seq_lens + seq) - (q_end - q_start)
     valid = t < tl.load(query_start_loc + num_seqs)
     return valid, seq, q_start, q_end, ctx
+
+
+@device_function
+def _group_start(query_start_loc, seq_lens, g, first, rows, num_seqs, ROWS: tl.constexpr):
+    """(valid, seq, t, q_start, q_end, ctx) of the launch's row group g: whether it exists; its
+    sequence; its first token row; the sequence's first and end rows and cached length. A
+    sequence's rows in the launch (rows first..first+rows-1) form groups of ROWS from its first
+    row, the first group starting at the launch's first row where the sequence began before."""
+    # Groups counted per sequence, 64 sequences per load; g's sequence is the first whose
+    # running count passes g (as in `_row_sequence`).
+    seq = tl.zeros((), tl.int32)
+    before = tl.zeros((), tl.int32)  # groups of the sequences before g's
+    total = tl.zeros((), tl.int32)
+    for base in range(0, num_seqs, 64):
+        index = base + tl.arange(0, 64)
+        real = index < num_seqs
+        starts = tl.load(query_start_loc + index, mask=real, other=0)
+        ends = tl.load(query_start_loc + index + 1, mask=real, other=0)
+        lo = tl.maximum(starts, first)
+        hi = tl.minimum(ends, first + rows)
+        count = tl.where(real & (lo < hi), 1 + (hi - 1 - starts) // ROWS - (lo - starts) // ROWS, 0)
+        running = total + tl.cumsum(count, axis=0)
+        passed = running <= g
+        seq += tl.sum(passed.to(tl.int32), axis=0)
+        before = tl.maximum(before, tl.max(tl.where(passed, running, 0), axis=0))
+        total += tl.sum(count, axis=0)
+    valid = g < total
+    seq = tl.minimum(seq, num_seqs - 1)
+    q_start = tl.load(query_start_loc + seq)
+    q_end = tl.load(query_start_loc + seq + 1)
+    lo = tl.maximum(q_start, first)
+    index = g - before  # of the group within its sequence's rows in the launch
+    t = tl.where(index == 0, lo, q_start + ((lo - q_start) // ROWS + index) * ROWS)
+    ctx = tl.load(seq_lens + seq) - (q_end - q_start)
+    return valid, seq, t, q_start, q_end, ctx
 
 
 @device_function
@@ -207,16 +247,13 @@ def _split_kernel(
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     """Online softmax of a row group's query heads of one KV head over each of its splits
-    w, w + workers, ... (logical keys [split * SPLIT, (split + 1) * SPLIT)). The program of
-    token row t runs if t starts a row group (see the module docstring); slot
+    w, w + workers, ... (logical keys [split * SPLIT, (split + 1) * SPLIT)). Slot
     i * GROUP_SLOTS + h of the MMAs holds query head h of the group's row i."""
-    t = first + tl.program_id(0)
     kv_head = tl.program_id(1)
     worker = tl.program_id(2)
-    valid, seq, q_start, q_end, ctx = _row_sequence(query_start_loc, seq_lens, t, num_seqs)
-    offset = (t - q_start) % ROWS
-    if valid & ((offset == 0) | (t == first)):
-        group_rows = tl.minimum(ROWS - offset, tl.minimum(q_end, first + rows) - t)
+    valid, seq, t, q_start, q_end, ctx = _group_start(query_start_loc, seq_lens, tl.program_id(0), first, rows, num_seqs, ROWS)
+    if valid:
+        group_rows = tl.minimum(ROWS - (t - q_start) % ROWS, tl.minimum(q_end, first + rows) - t)
         slot = tl.arange(0, SLOTS)
         in_row = slot // GROUP_SLOTS
         head = kv_head * GROUP + slot % GROUP_SLOTS

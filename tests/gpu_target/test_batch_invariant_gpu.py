@@ -227,6 +227,24 @@ def test_row_groups_cut_by_launches_give_the_same_bits(monkeypatch):
         assert torch.equal(invariant_paged_attention(query, k_cache, v_cache, meta, 0.125), together), rows
 
 
+def test_the_grid_holds_every_row_group_of_a_launch():
+    """The kernel's grid (`row_groups`) is at least the launch's number of row groups: a
+    sequence's rows in the launch in groups of R from its first row, the first group from
+    the launch's first row where the sequence began in an earlier launch. Too small a grid
+    would leave rows uncomputed."""
+    rng = random.Random(5)
+    for _ in range(300):
+        q_lens = [rng.choice([1, 1, 2, 5, 9, 17]) for _ in range(rng.randrange(1, 12))]
+        starts = [0, *itertools.accumulate(q_lens)]
+        for per_group in (1, 2, 4, 8, 16):
+            launch = rng.randrange(1, starts[-1] + 1)
+            for first in range(0, starts[-1], launch):
+                end = min(first + launch, starts[-1])
+                groups = sum(1 for s, e in zip(starts, starts[1:]) for r in range(max(s, first), min(e, end))
+                             if r == max(s, first) or (r - s) % per_group == 0)
+                assert groups <= invariant_attention.row_groups(end - first, per_group, len(q_lens)), (q_lens, first)
+
+
 def _sequences(meta, order, max_seq_len=None):
     """The metadata of the batch's sequences `order` (in that order) and their query rows."""
     starts = meta.query_start_loc.tolist()
