@@ -128,7 +128,7 @@ def invariant_paged_attention(
         if partials:
             _jit(_merge_kernel)[(rows, KVH)](
                 acc, stats, out, *common, rows, H, out.stride(0), out.stride(1),
-                GROUP=group, GROUP_PAD=slots, HEAD_DIM=D, SPLIT=SPLIT, num_warps=4,
+                GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, group_slots), HEAD_DIM=D, SPLIT=SPLIT, num_warps=4,
             )
     return out
 
@@ -140,7 +140,7 @@ def row_groups(rows: int, rows_per_group: int, num_seqs: int) -> int:
 
 
 def split_workers(programs: int, num_splits: int, sms: int) -> int:
-    """Programs per (row, KV head): enough that `programs` of them put PROGRAMS_PER_SM on
+    """Programs per (row group, KV head): enough that `programs` of them put PROGRAMS_PER_SM on
     every SM, at most one per split. It changes which program runs a split, never its numbers."""
     return max(1, min(num_splits, triton.cdiv(PROGRAMS_PER_SM * sms, programs)))
 
@@ -284,27 +284,27 @@ def _split_kernel(
                     visible = logical[None, :] < n[:, None]
                     active = start < n
                     shared = active & (tl.minimum(start + TILE, n) <= plain)  # this tile's keys at logical = storage
-                    if tl.max(shared.to(tl.int32), axis=0) > 0:
-                        acc, m_i, l_i = _attend_tile(
-                            acc, m_i, l_i, q, k_cache, v_cache, table, kv_offset, logical, logical < hi, visible, shared,
-                            qk_scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION, DOT_IN_FP32,
-                        )
                     gathered = active & ~shared  # tree rows whose tile reaches past a gap in their ancestors
-                    if tl.max(gathered.to(tl.int32), axis=0) > 0:
-                        for i in range(0, ROWS):
-                            mine = gathered & (in_row == i)
-                            if tl.max(mine.to(tl.int32), axis=0) > 0:
-                                first_slot = slot == i * GROUP_SLOTS
-                                bits_i = tl.sum(tl.where(first_slot, bits, 0), axis=0)
-                                dense_i = tl.sum(tl.where(first_slot, dense, 0), axis=0)
-                                n_i = tl.sum(tl.where(first_slot, n, 0), axis=0)
-                                ancestor = _select_bits(bits_i, logical - dense_i, TILE)
-                                storage = tl.where(logical < dense_i, logical, ctx + ancestor)
-                                acc, m_i, l_i = _attend_tile(
-                                    acc, m_i, l_i, q, k_cache, v_cache, table, kv_offset, storage, logical < n_i, visible,
-                                    mine, qk_scale_log2, stride_kb, stride_kt,
-                                    HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION, DOT_IN_FP32,
-                                )
+                    # Pass 0: the shared slots; pass 1 + i: row i's gathered slots. One call site,
+                    # so every slot runs the one inlined copy of _attend_tile.
+                    passes = 1 + ROWS * (tl.max(gathered.to(tl.int32), axis=0) > 0).to(tl.int32)
+                    for step in range(0, passes):
+                        storage = logical
+                        loaded = logical < hi
+                        update = shared
+                        if step > 0:
+                            first_slot = slot == (step - 1) * GROUP_SLOTS
+                            bits_i = tl.sum(tl.where(first_slot, bits, 0), axis=0)
+                            dense_i = tl.sum(tl.where(first_slot, dense, 0), axis=0)
+                            ancestor = _select_bits(bits_i, logical - dense_i, TILE)
+                            storage = tl.where(logical < dense_i, logical, ctx + ancestor)
+                            loaded = logical < tl.sum(tl.where(first_slot, n, 0), axis=0)
+                            update = gathered & (in_row == step - 1)
+                        if tl.max(update.to(tl.int32), axis=0) > 0:
+                            acc, m_i, l_i = _attend_tile(
+                                acc, m_i, l_i, q, k_cache, v_cache, table, kv_offset, storage, loaded, visible, update,
+                                qk_scale_log2, stride_kb, stride_kt, HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION, DOT_IN_FP32,
+                            )
                 has_split = lo < n
                 if workers == 1:
                     m_c, l_c, acc_c = _combine(m_row, l_row, acc_row, m_i, l_i, acc)
