@@ -11,7 +11,8 @@ attention  GPU time of one layer's attention (8B heads, bf16 paged cache): the n
            whether sequence 0's rows have the bits they have computed alone, and each
            the bits of the same token decoded (chain row i: one query row over the
            context and new tokens 0..i); the invariant kernel at each --mma-rows (its
-           MMA_ROWS: query rows of a sequence that share one K/V tile load);
+           MMA_ROWS: MMA_ROWS / 4 rows of a sequence, with their 4 query heads each,
+           share each K/V tile load);
 cost       decode tokens/s of the normal and the invariant mode at batch 1, 8 and 64
            (plain greedy decoding, CUDA graphs, multi-step decode as the engine runs it);
 alone      each request's greedy tokens run alone, in a batch of 8 and in a batch of 64
@@ -236,7 +237,7 @@ def main(argv=None) -> None:
     parser.add_argument("--k", type=int, default=8, help="draft tokens per tree")
     parser.add_argument("--draft-p", type=float, default=0.8, help="chance that each draft token is the plain run's")
     parser.add_argument("--modes", default="normal,invariant")
-    parser.add_argument("--mma-rows", default=f"{invariant_attention.MMA_ROWS},64",
+    parser.add_argument("--mma-rows", default=f"{invariant_attention.MMA_ROWS},32,64",
                         help="the invariant attention's MMA_ROWS values to time (the first stays for the runs after)")
     args = parser.parse_args(argv)
     model_dir = write_model_dir(dict(LLAMA3_8B, max_position_embeddings=args.max_model_len))
