@@ -28,16 +28,17 @@ Row groups. The MMA's SLOTS rows hold ROWS = SLOTS / GROUP_SLOTS query rows (GRO
 GROUP rounded up to a power of two): a decode row fills the first, and the rows of a
 sequence with several new tokens (a speculative verification's chain or tree, a causal
 chunk) fill them ROWS at a time from its first row (or a launch's), so a K/V tile is read
-once for the group. A slot's numbers do not depend on its neighbours: an MMA row and a row's max and
-sum are computed from that row alone, in a layout the same for every slot, and each slot
-has its own mask, so a key it must not see scores -inf and adds p = 0 (no change to its
-max; its product with a real V is a zero). The MMA keeps its shape, so grouping changes no
-instruction. Every slot still walks its own logical tiles: where all of a tile's keys of
-the group's slots sit at storage index = logical index (the context; a causal row's new
-tokens; a tree row's ancestors 0, 1, 2, ... up to the first gap, as in a chain) the group
-shares one load and one MMA per tile; a tree row whose tile reaches past a gap in its
-ancestors gathers that tile's keys (storage order, as above) in a step of its own (the
-same MMA, only its slots updated), at most a tile or two per row.
+once for the group. A slot's numbers do not depend on its neighbours: an MMA row and a
+row's max and sum are computed from that row alone, in a layout the same for every slot,
+and each slot has its own mask, so a key it must not see scores -inf and adds p = 0 (no
+change to its max; its product with a real V is a zero). The MMA keeps its shape (MMA_ROWS
+is one constant, not chosen per batch), so grouping changes no instruction. Every slot
+still walks its own logical tiles: where all of a tile's keys of the group's slots sit at
+storage index = logical index (the context; a causal row's new tokens; a tree row's
+ancestors 0, 1, 2, ... up to the first gap, as in a chain) the group shares one load and
+one MMA per tile; a tree row whose tile reaches past a gap in its ancestors gathers that
+tile's keys (storage order, as above) in a step of its own (the same MMA, only its slots
+updated), at most a tile or two per row.
 
 The number of splits of a row is ceil(n / SPLIT), a function of the row alone. Which
 program computes a split does not change its numbers, so the grid is sized for the GPU:
