@@ -7,8 +7,12 @@ gemm       GPU time of each 8B projection (and the LM head) at 1, 8 and 64 rows:
 attention  GPU time of one layer's attention (8B heads, bf16 paged cache): the normal kernel
            (gpu_target/triton_attention.py) against the invariant one, for decode at 1 and 64
            sequences and a 9-token tree verification of 64, with max_seq_len the engine's
-           max_model_len as its CUDA graphs pass it; the step's extra over 32 layers; and
-           whether sequence 0's rows have the bits they have computed alone;
+           max_model_len as its CUDA graphs pass it; the step's extra over 32 layers;
+           whether sequence 0's rows have the bits they have computed alone, and each
+           the bits of the same token decoded (chain row i: one query row over the
+           context and new tokens 0..i); the invariant kernel at each --mma-rows (its
+           MMA_ROWS: MMA_ROWS / 4 rows of a sequence, with their 4 query heads each,
+           share each K/V tile load);
 cost       decode tokens/s of the normal and the invariant mode at batch 1, 8 and 64
            (plain greedy decoding, CUDA graphs, multi-step decode as the engine runs it);
 alone      each request's greedy tokens run alone, in a batch of 8 and in a batch of 64
@@ -42,7 +46,7 @@ from bench._machine import describe_machine
 from bench._report import section_tables, write_markdown_and_json
 from bench.e2e_speculation import write_model_dir
 from bench.gpu_decode import LLAMA3_8B, random_prompts, timed_decode
-from gpu_target import gemv
+from gpu_target import gemv, invariant_attention
 from gpu_target.attention import AttentionMetadata
 from gpu_target.invariant_attention import invariant_paged_attention
 from gpu_target.invariant_matmul import invariant_linear
@@ -132,23 +136,47 @@ def attention_batch(num_seqs: int, q_len: int, ctx: int, max_seq_len: int, block
     return meta, k_cache, v_cache, query
 
 
-def bench_attention(rows: list[dict], ctx: int, max_model_len: int) -> None:
+def chain_row_decoded(meta: AttentionMetadata, ctx: int, i: int) -> AttentionMetadata:
+    """Sequence 0's chain row i as the token decoded after new tokens 0..i-1: one query row
+    over the same blocks, seeing the context and new tokens 0..i."""
+    seq_len = ctx + i + 1
+    return AttentionMetadata(meta.query_start_loc.new_tensor([0, 1]), meta.seq_lens.new_tensor([seq_len]),
+                             meta.block_tables[:1], meta.slot_mapping[i : i + 1], None, 1, meta.max_seq_len,
+                             [1], [seq_len])
+
+
+def bench_attention(rows: list[dict], ctx: int, max_model_len: int, mma_rows: list[int]) -> None:
+    """The normal kernel against the invariant one at each of `mma_rows` (its MMA_ROWS)."""
     for case, (num_seqs, q_len) in ATTENTION_CASES.items():
         meta, k_cache, v_cache, query = attention_batch(num_seqs, q_len, ctx, max_model_len)
         first = AttentionMetadata(meta.query_start_loc[:2], meta.seq_lens[:1], meta.block_tables[:1],
                                   meta.slot_mapping[:q_len], None if meta.tree_mask is None else meta.tree_mask[:q_len],
                                   q_len, meta.max_seq_len, [q_len], meta.seq_lens_host[:1])
-        times, alone, scale = {}, {}, query.shape[2] ** -0.5
-        for mode, attend in (("normal", paged_attention), ("invariant", invariant_paged_attention)):
-            times[mode] = graph_ms(lambda: attend(query, k_cache, v_cache, meta, scale))
+        scale = query.shape[2] ** -0.5
+
+        def measure(attend):
+            """(us, sequence 0's bits as alone, each of its rows' bits as decoded)."""
+            us = 1e3 * graph_ms(lambda: attend(query, k_cache, v_cache, meta, scale))
             batched = attend(query, k_cache, v_cache, meta, scale)[:q_len]
-            alone[mode] = torch.equal(batched, attend(query[:q_len].clone(), k_cache, v_cache, first, scale))
-        rows.append(dict(section="attention", case=case, seqs=num_seqs, new_tokens=q_len, ctx=ctx,
-                         max_seq_len=meta.max_seq_len, seq0_bits_as_alone_normal=alone["normal"],
-                         seq0_bits_as_alone_invariant=alone["invariant"],
-                         normal_us=round(1e3 * times["normal"], 1), invariant_us=round(1e3 * times["invariant"], 1),
-                         ratio=f"{times['invariant'] / times['normal']:.2f}x",
-                         extra_ms_per_step_32_layers=round(32 * (times["invariant"] - times["normal"]), 2)))
+            alone = torch.equal(batched, attend(query[:q_len].clone(), k_cache, v_cache, first, scale))
+            decoded = all(torch.equal(batched[i : i + 1], attend(query[i : i + 1].clone(), k_cache, v_cache,
+                                                                 chain_row_decoded(meta, ctx, i), scale))
+                          for i in range(q_len))
+            return us, alone, decoded
+
+        normal_us, normal_alone, normal_decoded = measure(paged_attention)
+        for m in mma_rows:
+            invariant_attention.MMA_ROWS = m
+            invariant_us, invariant_alone, invariant_decoded = measure(invariant_paged_attention)
+            rows.append(dict(section="attention", case=case, seqs=num_seqs, new_tokens=q_len, ctx=ctx,
+                             max_seq_len=meta.max_seq_len, mma_rows=m, seq0_bits_as_alone_normal=normal_alone,
+                             seq0_bits_as_alone_invariant=invariant_alone,
+                             seq0_rows_bits_as_decoded_normal=normal_decoded,
+                             seq0_rows_bits_as_decoded_invariant=invariant_decoded,
+                             normal_us=round(normal_us, 1), invariant_us=round(invariant_us, 1),
+                             ratio=f"{invariant_us / normal_us:.2f}x",
+                             extra_ms_per_step_32_layers=round(32e-3 * (invariant_us - normal_us), 2)))
+        invariant_attention.MMA_ROWS = mma_rows[0]
 
 
 def build_engine(model_dir: str, invariant: bool, max_model_len: int, proposer=None, k=None) -> tuple[LLMEngine, float]:
@@ -209,13 +237,15 @@ def main(argv=None) -> None:
     parser.add_argument("--k", type=int, default=8, help="draft tokens per tree")
     parser.add_argument("--draft-p", type=float, default=0.8, help="chance that each draft token is the plain run's")
     parser.add_argument("--modes", default="normal,invariant")
+    parser.add_argument("--mma-rows", default=f"{invariant_attention.MMA_ROWS},32,64",
+                        help="the invariant attention's MMA_ROWS values to time (the first stays for the runs after)")
     args = parser.parse_args(argv)
     model_dir = write_model_dir(dict(LLAMA3_8B, max_position_embeddings=args.max_model_len))
     prompts = random_prompts(64, args.prompt_len, LLAMA3_8B["vocab_size"], seed=0)
     rows: list[dict] = []
     bench_gemm(rows)
     for ctx in (args.prompt_len + args.new_tokens - 1, args.max_model_len - 9):
-        bench_attention(rows, ctx, args.max_model_len)
+        bench_attention(rows, ctx, args.max_model_len, [int(m) for m in args.mma_rows.split(",")])
     release_memory()
     for mode in args.modes.split(","):
         run_mode(model_dir, mode == "invariant", prompts, args, rows)

@@ -164,6 +164,87 @@ def test_a_row_is_the_same_bits_alone_and_among_other_sequences(monkeypatch):
         assert torch.equal(after_73, alone), target
 
 
+# A chain, a branching tree (ancestors with gaps: 1 and 3 lie between 0 and 2, 4, 6, 8) and a
+# causal chunk of nine rows each, as a speculative step verifies them; contexts put their
+# new keys across a tile boundary (60: the tile at 64), and across a split boundary (250).
+CHAIN = [(1 << (i + 1)) - 1 for i in range(9)]
+BRANCHING = [0b1, 0b11, 0b101, 0b1011, 0b10101, 0b101011, 0b1010101, 0b10000101, 0b101010101]
+VERIFY = [(Seq(40, 1), None), (Seq(250, 9), CHAIN), (Seq(3, 1), None), (Seq(250, 9), BRANCHING),
+          (Seq(60, 9), BRANCHING), (Seq(20, 9), None), (Seq(530, 1), None)]
+
+
+# 2, 4 (Llama 3 8B's group), 8 query heads per KV head: 8, 4, 2 rows a program; with 64 MMA rows, 16
+@pytest.mark.parametrize("num_heads, mma_rows", [(4, 16), (8, 16), (16, 16), (8, 64)])
+def test_verify_rows_among_other_sequences_are_the_bits_of_each_row_decoded_alone(monkeypatch, num_heads, mma_rows):
+    """Every row of a chain, of branching trees and of a causal chunk, verified among decode
+    rows (the kernel puts several rows of a sequence in one program, reading each K/V tile
+    once for them), equals bit for bit that row decoded alone: its path's keys stored after
+    the context and one query row, in a program of its own. Token padding rows (NaN queries)
+    change nothing. In float32 a row's result shows any other summation order in its last
+    bits: the test first checks that another tile size (TILE 32, the same keys summed in
+    other groups) changes rows here, so a grouped row that took its keys in another order
+    or tiling, or saw a key it must not, would fail the comparison."""
+    monkeypatch.setattr(invariant_attention, "MMA_ROWS", mma_rows)
+    seqs = [seq for seq, _ in VERIFY]
+    meta, k_cache, v_cache = make_batch(seqs, head_dim=32)
+    masks = [mask or [0] * seq.q_len for seq, mask in VERIFY]
+    meta.tree_mask = torch.tensor([m for mask in masks for m in mask], dtype=torch.int64, device=DEVICE)
+    real, padding = meta.num_tokens, 3
+    query = torch.randn(real + padding, num_heads, 32, device=DEVICE)
+    query[real:] = float("nan")
+    verified = invariant_paged_attention(query, k_cache, v_cache, meta, 0.125)[:real]
+    assert torch.isfinite(verified).all()
+    with monkeypatch.context() as patch:
+        patch.setattr(invariant_attention, "TILE", 32)
+        assert not torch.equal(invariant_paged_attention(query, k_cache, v_cache, meta, 0.125)[:real], verified)
+    row = 0
+    for b, (seq, mask) in enumerate(VERIFY):
+        for i in range(seq.q_len):
+            if mask is None:  # causal: new tokens 0..i
+                path = list(range(i + 1)) if seq.q_len > 1 else [0]
+            else:
+                path = [j for j in range(i + 1) if mask[i] >> j & 1]
+            k_plain, v_plain, table = _contiguous_copy(k_cache, v_cache, meta.block_tables[b : b + 1].cpu(), seq.ctx, path)
+            decode = _to_device(one_sequence(table, seq.ctx + len(path), 1))
+            alone = invariant_paged_attention(query[row : row + 1], k_plain, v_plain, decode, 0.125)
+            assert torch.equal(verified[row : row + 1], alone), (b, i)
+            row += 1
+
+
+def test_row_groups_cut_by_launches_give_the_same_bits(monkeypatch):
+    """With several worker programs a launch holds at most PARTIAL_BYTES of partial results;
+    its rows start at any row of a sequence, so a row group may start there too. Launches of
+    5 and of 1 rows (every row then alone in its program) give the bits of one launch."""
+    seqs = [seq for seq, _ in VERIFY]
+    meta, k_cache, v_cache = make_batch(seqs, head_dim=32)
+    meta.tree_mask = torch.tensor([m for seq, mask in VERIFY for m in (mask or [0] * seq.q_len)], device=DEVICE)
+    query = torch.randn(meta.num_tokens, 8, 32, device=DEVICE)
+    together = invariant_paged_attention(query, k_cache, v_cache, meta, 0.125)
+    monkeypatch.setattr(invariant_attention, "num_sms", lambda device: 10_000)  # a worker per split
+    num_splits = -(-meta.max_seq_len // invariant_attention.SPLIT)
+    for rows in (5, 1):
+        monkeypatch.setattr(invariant_attention, "PARTIAL_BYTES", rows * num_splits * 8 * (32 + 2) * 4)
+        assert torch.equal(invariant_paged_attention(query, k_cache, v_cache, meta, 0.125), together), rows
+
+
+def test_the_grid_holds_every_row_group_of_a_launch():
+    """The kernel's grid (`row_groups`) is at least the launch's number of row groups: a
+    sequence's rows in the launch in groups of R from its first row, the first group from
+    the launch's first row where the sequence began in an earlier launch. Too small a grid
+    would leave rows uncomputed."""
+    rng = random.Random(5)
+    for _ in range(300):
+        q_lens = [rng.choice([1, 1, 2, 5, 9, 17]) for _ in range(rng.randrange(1, 12))]
+        starts = [0, *itertools.accumulate(q_lens)]
+        for per_group in (1, 2, 4, 8, 16):
+            launch = rng.randrange(1, starts[-1] + 1)
+            for first in range(0, starts[-1], launch):
+                end = min(first + launch, starts[-1])
+                groups = sum(1 for s, e in zip(starts, starts[1:]) for r in range(max(s, first), min(e, end))
+                             if r == max(s, first) or (r - s) % per_group == 0)
+                assert groups <= invariant_attention.row_groups(end - first, per_group, len(q_lens)), (q_lens, first)
+
+
 def _sequences(meta, order, max_seq_len=None):
     """The metadata of the batch's sequences `order` (in that order) and their query rows."""
     starts = meta.query_start_loc.tolist()
@@ -204,7 +285,7 @@ def _to_device(meta):
 
 
 def _contiguous_copy(k_cache, v_cache, tables, ctx, path, block_size=16):
-    """Caches with one more sequence: the first's context and then the path's new tokens, back to back."""
+    """Caches with one more sequence: the context of `tables`' first sequence and then the path's new tokens, back to back."""
     src = tables[0].long()
     n = ctx + len(path)
     blocks = -(-n // block_size)
