@@ -161,6 +161,11 @@ def run_config(name: str, flags: dict, base: dict, workload: Workload, concurren
         cpu_restored_tokens=allocator.stats.external_hits - stats_before[1],
         blocks_offloaded=offload.num_offloaded if offload is not None else 0,
         blocks_restored=offload.num_restored if offload is not None else 0,
+        # Stalls the offload tier can still cause: a device block reused before its copy was
+        # done (the compute stream waits), and steps held back because every admitted
+        # request was waiting for its restore (the host waits).
+        reuse_waits=offload.num_reuse_waits if offload is not None else 0,
+        restore_waits=engine.scheduler.num_restore_waits,
         wall_s=round(wall, 2),
     )
     tokens = {r["request"]: r["tokens"] for r in records}

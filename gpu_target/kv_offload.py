@@ -54,6 +54,7 @@ class PrefixCacheOffload:
         self._writing_slot: dict[int, Handle] = {}  # host slot -> the copy out filling it
         self.num_offloaded = 0  # blocks copied to the CPU
         self.num_restored = 0  # blocks copied back to the device
+        self.num_reuse_waits = 0  # device blocks reused while a copy of theirs was in flight (the compute stream waited)
 
     @classmethod
     def sized(cls, kv_pool: KVCachePool, gib: float, min_access_threshold: int = 1) -> "PrefixCacheOffload":
@@ -111,7 +112,9 @@ class PrefixCacheOffload:
 
     def before_reuse(self, block: int) -> None:
         """Device `block` is about to hold new KV: the compute stream first waits for its copies in flight."""
-        for handle in self._in_flight(self._reading_block, [block]) + self._in_flight(self._writing_block, [block]):
+        pending = self._in_flight(self._reading_block, [block]) + self._in_flight(self._writing_block, [block])
+        self.num_reuse_waits += bool(pending)
+        for handle in pending:
             self.host.compute_waits(handle)
 
     def ready(self, blocks: Iterable[int]) -> bool:

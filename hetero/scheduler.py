@@ -135,6 +135,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.restoring: list[Sequence] = []  # admitted, WAITING_FOR_KV, in admission order
         self.num_preemptions = 0
+        self.num_restore_waits = 0  # times the host waited for a restore, with nothing else to run
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -208,6 +209,7 @@ class Scheduler:
         """Block the host until the first sequence waiting for restored blocks has them (for
         when nothing else can run)."""
         if self.restoring:
+            self.num_restore_waits += 1
             self.allocator.wait_for_blocks(self.restoring[0].block_table)
 
     def _next_to_admit(self) -> Sequence:

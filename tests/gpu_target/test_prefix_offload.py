@@ -324,9 +324,10 @@ def test_the_allocator_reuses_blocks_whose_copies_are_done_before_those_still_co
     allocator.free(late_block)  # the least recently freed: its copy out is in flight
     allocator.free(early_block)
     assert len(host.queued) == 1 and allocator.offload.busy(late_block) and not allocator.offload.busy(early_block)
-    assert allocator.allocate() == early_block and host.num_compute_waits == 0
+    assert allocator.allocate() == early_block and host.num_compute_waits == allocator.offload.num_reuse_waits == 0
     assert late[0] in allocator._hash_to_block  # still cached on the device
-    assert allocator.allocate() == late_block and host.num_compute_waits == 1 and not host.queued
+    assert allocator.allocate() == late_block and host.num_compute_waits == allocator.offload.num_reuse_waits == 1
+    assert not host.queued
 
 
 @pytest.mark.parametrize("host", [
@@ -540,7 +541,7 @@ def test_a_request_waits_for_its_restore_while_the_others_run(tiny_llama_dir, mo
     assert steps[:3] == [(["busy"], ["again"])] * 3  # the copy in flight: only the other request runs
     assert steps[3][0] == ["busy", "again"] and steps[3][1] == []
     host = engine.scheduler.allocator.offload.host
-    assert host.num_compute_waits == 0 and host.num_host_waits == 0  # nobody waited for the copy
+    assert host.num_compute_waits == host.num_host_waits == engine.scheduler.num_restore_waits == 0  # nobody waited
     assert engine.groups == {} and engine.scheduler.allocator.stats.external_hits == 3 * BLOCK
 
     assert finished["again"] == _run_to_end(_fresh(tiny_llama_dir), prompt)["fresh"]
@@ -553,7 +554,7 @@ def test_with_nothing_else_to_run_the_engine_waits_for_the_restore(tiny_llama_di
     engine.add_request("again", {"prompt_token_ids": prefix + [7]}, SamplingParams(temperature=0, max_tokens=2))
     engine.step()
     assert steps[:2] == [([], ["again"]), (["again"], [])]  # one wait on the host, then it runs
-    assert engine.scheduler.allocator.offload.host.num_host_waits == 1
+    assert engine.scheduler.allocator.offload.host.num_host_waits == engine.scheduler.num_restore_waits == 1
 
 
 def test_aborting_a_request_waiting_for_its_restore_frees_everything(tiny_llama_dir, monkeypatch):
