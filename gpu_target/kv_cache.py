@@ -164,9 +164,9 @@ class BlockAllocator:
 
         `block_hashes` are the sequence's chained block hashes (`extend_block_hashes`). Each
         block is looked up in device memory, then in the offload tier (copied back into a
-        new block; all of a prompt's in one batch, queued: see `blocks_ready`). Never covers the last token: its logits
-        must be computed, so at least one token is left to prefill. Counts the lookup in
-        `stats`, in tokens as vLLM does.
+        new block; all of a prompt's in one batch, queued: see `blocks_ready`). Never
+        covers the last token: its logits must be computed, so at least one token is left
+        to prefill. Counts the lookup in `stats`, in tokens as vLLM does.
         """
         if not self.enable_prefix_caching:
             return []

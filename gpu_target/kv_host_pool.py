@@ -5,13 +5,14 @@ pinned host memory and copies run on two side streams, one per direction, so tha
 out never queue in front of the restores a prefill waits for (PCIe moves both directions
 at once). Every copy starts after the work already queued on the compute stream (which
 wrote or read the blocks) and after the copies its caller names (`after`: earlier copies
-of the same blocks or slots on the other stream). Nothing waits for a copy in on its own:
-the caller asks whether it is done (`is_done`) and orders the compute stream after it
-(`compute_waits`) or, with nothing else to run, the host (`wait`). Each batch is staged through one device buffer: a block
-is [layers, 2, block_size, heads, head_dim] spread across the pool, so the strided part
-is one device-side copy per block and the PCIe part one copy per run of adjacent host
-slots, instead of one small transfer per layer (the pattern of vLLM V1's CPU offloading
-connector and LMCache: few large transfers on their own streams).
+of the same blocks or slots on the other stream). Nothing waits for a copy on its own:
+the caller asks whether it is done (`is_done`), or orders the compute stream after it
+(`compute_waits`) or, with nothing else to run, the host (`wait`). Each batch is staged
+through one device buffer: a block is [layers, 2, block_size, heads, head_dim] spread
+across the pool, so the strided part is one device-side copy per block and the PCIe part
+one copy per run of adjacent host slots, instead of one small transfer per layer (the
+pattern of vLLM V1's CPU offloading connector and LMCache: few large transfers on their
+own streams).
 
 On the CPU the same copies run synchronously and a handle is None.
 """

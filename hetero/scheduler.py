@@ -161,7 +161,7 @@ class Scheduler:
             num_new = min(seq.num_uncomputed, budget)
             if not self._reserve(seq, seq.num_computed + num_new, preempt=False):
                 seq.group.num_running -= 1
-                self._release(seq)
+                self._unadmit(seq)
                 self.waiting.appendleft(seq)
                 break
             self._start(seq)
@@ -185,7 +185,7 @@ class Scheduler:
                     continue
             num_new = min(seq.num_uncomputed, budget)
             if not self._reserve(seq, seq.num_computed + num_new, preempt=False):
-                self._release(seq)
+                self._unadmit(seq)
                 break
             self.waiting.remove(seq)
             seq.group.num_running += 1
@@ -198,7 +198,7 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
 
-    def _release(self, seq: Sequence) -> None:
+    def _unadmit(self, seq: Sequence) -> None:
         """Give back an unscheduled sequence's blocks (they stay cached); it starts afresh."""
         self.allocator.free_all(seq.block_table)
         seq.block_table = []
