@@ -11,8 +11,9 @@ before its next turn. Without the offload tier that history is recomputed; with 
 copied back from the CPU pool (TACO-LLM's prefix cache offload).
 
 Reports, per configuration, the median time to first token (all requests, the first turn,
-and turns after the first), the prompt tokens prefilled (prompt minus tokens found in the cache), where
-the cached tokens came from, and whether the outputs equal the first configuration's.
+and turns after the first), its mean and 90th percentile, the prompt tokens prefilled
+(prompt minus tokens found in the cache), where the cached tokens came from, the stalls
+the offload tier still caused, and whether the outputs equal the first configuration's.
 
     python -m bench.multi_turn_chat                   # on the CPU: a small random model, float32
     python -m bench.multi_turn_chat --device cuda     # an 8B Llama-3-shaped target, random bf16 weights
@@ -154,6 +155,7 @@ def run_config(name: str, flags: dict, base: dict, workload: Workload, concurren
         median_ttft_ms=round(1000 * statistics.median(r["ttft_s"] for r in records), 2),
         median_ttft_first_turn_ms=round(1000 * statistics.median(r["ttft_s"] for r in records if r["turn"] == 0), 2),
         median_ttft_later_turns_ms=round(1000 * statistics.median(r["ttft_s"] for r in records if r["turn"] > 0), 2),
+        mean_ttft_ms=round(1000 * statistics.fmean(r["ttft_s"] for r in records), 2),
         p90_ttft_ms=round(1000 * _quantile([r["ttft_s"] for r in records], 0.9), 2),
         prompt_tokens=sum(r["prompt_tokens"] for r in records),
         prefill_tokens_computed=sum(r["prompt_tokens"] - r["cached_tokens"] for r in records),
