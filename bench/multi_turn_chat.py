@@ -195,6 +195,8 @@ def main(argv=None) -> None:
     for name in ("system_tokens", "user_tokens", "reply_tokens", "turns", "concurrency", "max_model_len"):
         parser.add_argument("--" + name.replace("_", "-"), type=int)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="the engine's prefill token budget per step (default: the engine's, 2048)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
@@ -208,7 +210,8 @@ def main(argv=None) -> None:
     model_dir = write_model_dir(shape["model"])
     base = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=shape["dtype"], device=args.device,
                 seed=args.seed, max_model_len=shape["max_model_len"], max_num_seqs=shape["concurrency"],
-                block_size=args.block_size, num_gpu_blocks_override=shape["kv_blocks"])
+                block_size=args.block_size, num_gpu_blocks_override=shape["kv_blocks"],
+                max_num_batched_tokens=args.max_num_batched_tokens)
     capacity_tokens = shape["kv_blocks"] * args.block_size
     num_conversations = args.conversations or conversations_for(
         capacity_tokens, args.working_set_ratio, shape["turns"], shape["system_tokens"], shape["user_tokens"], shape["reply_tokens"],
@@ -250,7 +253,8 @@ def main(argv=None) -> None:
         f"{num_conversations} conversations x {shape['turns']} turns, system prompt {shape['system_tokens']} tokens, "
         f"user turns {shape['user_tokens'] // 2}-{shape['user_tokens']} tokens, replies {shape['reply_tokens']} tokens, "
         f"{shape['concurrency']} requests at a time; working set {workload.working_set_tokens} tokens; "
-        f"model {shape['model']['hidden_size']}-wide x {shape['model']['num_hidden_layers']} layers, {shape['dtype']}"
+        f"model {shape['model']['hidden_size']}-wide x {shape['model']['num_hidden_layers']} layers, {shape['dtype']}; "
+        f"max_num_batched_tokens {args.max_num_batched_tokens or 'the engine default'}"
     )
     table = markdown_table(rows)
     print("\n".join([workload_line, *table, *summary]))
