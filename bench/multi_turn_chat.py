@@ -11,8 +11,9 @@ before its next turn. Without the offload tier that history is recomputed; with 
 copied back from the CPU pool (TACO-LLM's prefix cache offload).
 
 Reports, per configuration, the median time to first token (all requests, the first turn,
-and turns after the first), the prompt tokens prefilled (prompt minus tokens found in the cache), where
-the cached tokens came from, and whether the outputs equal the first configuration's.
+and turns after the first), its mean and 90th percentile, the prompt tokens prefilled
+(prompt minus tokens found in the cache), where the cached tokens came from, the stalls
+the offload tier still caused, and whether the outputs equal the first configuration's.
 
     python -m bench.multi_turn_chat                   # on the CPU: a small random model, float32
     python -m bench.multi_turn_chat --device cuda     # an 8B Llama-3-shaped target, random bf16 weights
@@ -154,6 +155,7 @@ def run_config(name: str, flags: dict, base: dict, workload: Workload, concurren
         median_ttft_ms=round(1000 * statistics.median(r["ttft_s"] for r in records), 2),
         median_ttft_first_turn_ms=round(1000 * statistics.median(r["ttft_s"] for r in records if r["turn"] == 0), 2),
         median_ttft_later_turns_ms=round(1000 * statistics.median(r["ttft_s"] for r in records if r["turn"] > 0), 2),
+        mean_ttft_ms=round(1000 * statistics.fmean(r["ttft_s"] for r in records), 2),
         p90_ttft_ms=round(1000 * _quantile([r["ttft_s"] for r in records], 0.9), 2),
         prompt_tokens=sum(r["prompt_tokens"] for r in records),
         prefill_tokens_computed=sum(r["prompt_tokens"] - r["cached_tokens"] for r in records),
@@ -161,6 +163,11 @@ def run_config(name: str, flags: dict, base: dict, workload: Workload, concurren
         cpu_restored_tokens=allocator.stats.external_hits - stats_before[1],
         blocks_offloaded=offload.num_offloaded if offload is not None else 0,
         blocks_restored=offload.num_restored if offload is not None else 0,
+        # Stalls the offload tier can still cause: a device block reused before its copy was
+        # done (the compute stream waits), and steps held back because every admitted
+        # request was waiting for its restore (the host waits).
+        reuse_waits=offload.num_reuse_waits if offload is not None else 0,
+        restore_waits=engine.scheduler.num_restore_waits,
         wall_s=round(wall, 2),
     )
     tokens = {r["request"]: r["tokens"] for r in records}
@@ -188,6 +195,8 @@ def main(argv=None) -> None:
     for name in ("system_tokens", "user_tokens", "reply_tokens", "turns", "concurrency", "max_model_len"):
         parser.add_argument("--" + name.replace("_", "-"), type=int)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="the engine's prefill token budget per step (default: the engine's, 2048)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
@@ -201,7 +210,8 @@ def main(argv=None) -> None:
     model_dir = write_model_dir(shape["model"])
     base = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=shape["dtype"], device=args.device,
                 seed=args.seed, max_model_len=shape["max_model_len"], max_num_seqs=shape["concurrency"],
-                block_size=args.block_size, num_gpu_blocks_override=shape["kv_blocks"])
+                block_size=args.block_size, num_gpu_blocks_override=shape["kv_blocks"],
+                max_num_batched_tokens=args.max_num_batched_tokens)
     capacity_tokens = shape["kv_blocks"] * args.block_size
     num_conversations = args.conversations or conversations_for(
         capacity_tokens, args.working_set_ratio, shape["turns"], shape["system_tokens"], shape["user_tokens"], shape["reply_tokens"],
@@ -243,7 +253,8 @@ def main(argv=None) -> None:
         f"{num_conversations} conversations x {shape['turns']} turns, system prompt {shape['system_tokens']} tokens, "
         f"user turns {shape['user_tokens'] // 2}-{shape['user_tokens']} tokens, replies {shape['reply_tokens']} tokens, "
         f"{shape['concurrency']} requests at a time; working set {workload.working_set_tokens} tokens; "
-        f"model {shape['model']['hidden_size']}-wide x {shape['model']['num_hidden_layers']} layers, {shape['dtype']}"
+        f"model {shape['model']['hidden_size']}-wide x {shape['model']['num_hidden_layers']} layers, {shape['dtype']}; "
+        f"max_num_batched_tokens {args.max_num_batched_tokens or 'the engine default'}"
     )
     table = markdown_table(rows)
     print("\n".join([workload_line, *table, *summary]))

@@ -9,6 +9,7 @@ are reused, oldest first; free blocks that cache nothing are reused before any o
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -56,7 +57,9 @@ class BlockAllocator:
     Blocks below ``first_block`` are never handed out: the CUDA-graph runner points its
     padding tokens at block 0. With an `offload` tier (gpu_target/kv_offload.py), a cached
     block is copied there when its last user frees it (evicting it later copies nothing),
-    and a prefix's blocks found there are copied back instead of recomputed.
+    and a prefix's blocks found there are copied back instead of recomputed; a block
+    matched holds its KV once `blocks_ready` says so, and a block whose copy may still be
+    in flight is reused only when no other free block is left.
     `hit_count_log` counts where prompts' blocks were found.
     """
 
@@ -89,17 +92,40 @@ class BlockAllocator:
         return 1.0 - self.num_free / self.num_blocks
 
     def allocate(self) -> int:
+        """A block for new KV; the compute stream first waits for any copy still touching it."""
+        block = self._claim()
+        if self.offload is not None:
+            self.offload.before_reuse(block)
+        return block
+
+    def _claim(self) -> int:
+        """Take a free block, dropping what it cached: the least recently freed, or with an
+        offload tier the least recently freed whose copies have completed (if any has), so
+        that reusing it stalls nothing."""
         if not self._free:
             raise OutOfBlocks
-        block, _ = self._free.popitem(last=False)
+        block = next(iter(self._free))
+        offload = self.offload
+        if offload is not None and offload.busy(block):
+            # Only blocks with a copy tracked can be busy: among one more than those, one is not.
+            candidates = itertools.islice(self._free, offload.num_tracked_blocks + 1)
+            block = next((candidate for candidate in candidates if not offload.busy(candidate)), block)
+        del self._free[block]
         old_hash = self._block_to_hash.pop(block, None)
         if old_hash is not None:
             del self._hash_to_block[old_hash]
-        if self.offload is not None:
-            self.offload.before_reuse(block)
         self.ref_counts[block] = 1
         self._uses[block] = 1
         return block
+
+    def blocks_ready(self, blocks: Sequence[int]) -> bool:
+        """Whether `blocks` (a prefix matched) hold their KV: no restore into them still in flight."""
+        return self.offload is None or self.offload.ready(blocks)
+
+    def wait_for_blocks(self, blocks: Sequence[int]) -> None:
+        """Block the host until every restore into `blocks` has completed."""
+        if self.offload is not None:
+            self.offload.wait_ready(blocks)
 
     def free(self, block: int) -> None:
         self._copy_out([block] if self._release(block) else [])
@@ -138,9 +164,9 @@ class BlockAllocator:
 
         `block_hashes` are the sequence's chained block hashes (`extend_block_hashes`). Each
         block is looked up in device memory, then in the offload tier (copied back into a
-        new block; all of a prompt's in one batch). Never covers the last token: its logits
-        must be computed, so at least one token is left to prefill. Counts the lookup in
-        `stats`, in tokens as vLLM does.
+        new block; all of a prompt's in one batch, queued: see `blocks_ready`). Never
+        covers the last token: its logits must be computed, so at least one token is left
+        to prefill. Counts the lookup in `stats`, in tokens as vLLM does.
         """
         if not self.enable_prefix_caching:
             return []
@@ -153,7 +179,7 @@ class BlockAllocator:
                 self._take(block)
             elif self.offload is not None and hash_value in self.offload:
                 try:
-                    block = self.allocate()
+                    block = self._claim()  # the restore itself waits for its earlier copies, not the compute stream
                 except OutOfBlocks:
                     break
                 self._hash_to_block[hash_value] = block

@@ -3,19 +3,22 @@
 The offload tier (gpu_target/kv_offload.py) keeps its copies here. On CUDA the slots are
 pinned host memory and copies run on two side streams, one per direction, so that copies
 out never queue in front of the restores a prefill waits for (PCIe moves both directions
-at once). A copy out starts after the work already queued on the compute stream (which
-wrote the blocks); the compute stream waits for a copy in before its next kernels (which
-read them). The host never waits. Each batch is staged through one device buffer: a block
-is [layers, 2, block_size, heads, head_dim] spread across the pool, so the strided part
-is one device-side copy per block and the PCIe part one copy per run of adjacent host
-slots, instead of one small transfer per layer (the pattern of vLLM V1's CPU offloading
-connector and LMCache: few large transfers on their own streams).
+at once). Every copy starts after the work already queued on the compute stream (which
+wrote or read the blocks) and after the copies its caller names (`after`: earlier copies
+of the same blocks or slots on the other stream). Nothing waits for a copy on its own:
+the caller asks whether it is done (`is_done`), or orders the compute stream after it
+(`compute_waits`) or, with nothing else to run, the host (`wait`). Each batch is staged
+through one device buffer: a block is [layers, 2, block_size, heads, head_dim] spread
+across the pool, so the strided part is one device-side copy per block and the PCIe part
+one copy per run of adjacent host slots, instead of one small transfer per layer (the
+pattern of vLLM V1's CPU offloading connector and LMCache: few large transfers on their
+own streams).
 
 On the CPU the same copies run synchronously and a handle is None.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -64,8 +67,8 @@ class HostKVPool:
         """The copy in `slot`: [layers, 2, block_size, num_kv_heads, head_dim]."""
         return self._chunks[slot // self._blocks_per_chunk][slot % self._blocks_per_chunk]
 
-    def to_host(self, blocks: Sequence[int], slots: Sequence[int]) -> Handle:
-        """Queue device `blocks[i]` -> host `slots[i]` after the compute stream's queued work."""
+    def to_host(self, blocks: Sequence[int], slots: Sequence[int], after: Iterable[Handle] = ()) -> Handle:
+        """Queue device `blocks[i]` -> host `slots[i]` after the compute stream's queued work and `after`."""
         def copy() -> None:
             for start, staging in self._staged(len(blocks)):
                 for i in range(len(staging)):
@@ -73,11 +76,11 @@ class HostKVPool:
                 for first, host in self._host_runs(slots[start : start + len(staging)]):
                     host.copy_(staging[first : first + len(host)], non_blocking=True)
 
-        return self._on_side_stream(self._to_host_stream, copy)
+        return self._on_side_stream(self._to_host_stream, copy, after)
 
-    def to_device(self, slots: Sequence[int], blocks: Sequence[int]) -> Handle:
-        """Queue host `slots[i]` -> device `blocks[i]` after the compute stream's queued work; the
-        compute stream's later work waits for it."""
+    def to_device(self, slots: Sequence[int], blocks: Sequence[int], after: Iterable[Handle] = ()) -> Handle:
+        """Queue host `slots[i]` -> device `blocks[i]` after the compute stream's queued work and `after`;
+        nothing waits for it until asked to."""
         def copy() -> None:
             for start, staging in self._staged(len(blocks)):
                 for first, host in self._host_runs(slots[start : start + len(staging)]):
@@ -85,20 +88,30 @@ class HostKVPool:
                 for i in range(len(staging)):
                     self.storage[:, :, blocks[start + i]].copy_(staging[i])
 
-        handle = self._on_side_stream(self._to_device_stream, copy)
-        self.compute_waits(handle)
-        return handle
+        return self._on_side_stream(self._to_device_stream, copy, after)
+
+    def is_done(self, handle: Handle) -> bool:
+        """Whether the copy `handle` has completed (asks the device; never blocks)."""
+        return handle is None or handle.query()
 
     def compute_waits(self, handle: Handle) -> None:
         """Order the compute stream's later work after the copy `handle`."""
         if handle is not None:
             torch.cuda.current_stream(self.storage.device).wait_event(handle)
 
-    def _on_side_stream(self, stream: Optional[torch.cuda.Stream], copy) -> Handle:
+    def wait(self, handle: Handle) -> None:
+        """Block the host until the copy `handle` has completed."""
+        if handle is not None:
+            handle.synchronize()
+
+    def _on_side_stream(self, stream: Optional[torch.cuda.Stream], copy, after: Iterable[Handle]) -> Handle:
         if stream is None:
             copy()
             return None
         stream.wait_stream(torch.cuda.current_stream(self.storage.device))
+        for handle in after:
+            if handle is not None:
+                stream.wait_event(handle)
         with torch.cuda.stream(stream):  # staging buffers belong to this stream: reused only in its order
             copy()
         done = torch.cuda.Event()

@@ -8,20 +8,23 @@ later prompt whose prefix hashes to a block no longer on the device gets the cop
 back into a fresh device block instead of recomputing it, its blocks in one batch
 (TACO-LLM: `--enable-prefix-cache-offload`).
 
-Copies run asynchronously (gpu_target/kv_host_pool.py). A device block whose copy out may
-still be in flight is reused only after it: the compute stream waits for it when the block
-is allocated again. That one wait orders everything else, as every copy starts after the
-compute stream's queued work and the compute stream waits for every restore: a slot is
-read back only once its block was reused (a hash leaves the device only so), hence after
-its copy in, and a slot is refilled only after the restores queued before. The pool holds copies of blocks also still on the
-device (an inclusive tier), so it pays off when larger than the device cache; it replaces
-its least recently freed or restored entries.
+Copies run asynchronously (gpu_target/kv_host_pool.py) and this class orders them by what
+they touch, so that no one waits for a copy that is not theirs: a restore starts after any
+copy out still reading its device block and any copy out still filling its slot; a copy
+out after any restore still filling its block or reading its slot. Nothing else waits for
+a restore: a prefix restored is in its blocks once `ready` says so, and the scheduler runs
+its request only then (vLLM V1's WAITING_FOR_REMOTE_KVS), the rest of the batch meanwhile.
+A device block whose copies may still be in flight is reused for new KV only after them
+(`before_reuse`: the compute stream waits), and the allocator takes such a block only when
+every free block is (`busy`). The pool holds copies of blocks also still on the device (an
+inclusive tier), so it pays off when larger than the device cache; it replaces its least
+recently freed or restored entries.
 """
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from gpu_target.kv_cache import KVCachePool
 from gpu_target.kv_host_pool import Handle, HostKVPool
@@ -44,9 +47,14 @@ class PrefixCacheOffload:
         self.min_access_threshold = min_access_threshold
         self._entries: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # hash -> (slot, uses), oldest first
         self._free_slots = list(range(host.num_blocks - 1, -1, -1))
-        self._copy_out_of_block: dict[int, Handle] = {}  # device block -> its copy out, maybe in flight
+        # Copies that may still be in flight, by what they touch (None, the CPU's, are never kept):
+        self._reading_block: dict[int, Handle] = {}  # device block -> its copy out
+        self._writing_block: dict[int, Handle] = {}  # device block -> the restore filling it
+        self._reading_slot: dict[int, Handle] = {}  # host slot -> the restore reading it
+        self._writing_slot: dict[int, Handle] = {}  # host slot -> the copy out filling it
         self.num_offloaded = 0  # blocks copied to the CPU
         self.num_restored = 0  # blocks copied back to the device
+        self.num_reuse_waits = 0  # device blocks reused while a copy of theirs was in flight (the compute stream waited)
 
     @classmethod
     def sized(cls, kv_pool: KVCachePool, gib: float, min_access_threshold: int = 1) -> "PrefixCacheOffload":
@@ -82,9 +90,10 @@ class PrefixCacheOffload:
         for (block_hash, _, uses), slot in reversed(list(zip(fresh, slots))):
             self._entries[block_hash] = (slot, uses)
         blocks = [block for _, block, _ in fresh]
-        handle = self.host.to_host(blocks, slots)
-        for block in blocks:
-            self._copy_out_of_block[block] = handle
+        after = self._in_flight(self._writing_block, blocks) + self._in_flight(self._reading_slot, slots)
+        handle = self.host.to_host(blocks, slots, after)
+        _track(self._reading_block, blocks, handle)
+        _track(self._writing_slot, slots, handle)
         self.num_offloaded += len(blocks)
         return len(blocks)
 
@@ -92,15 +101,34 @@ class PrefixCacheOffload:
         """A free slot, or the least recently used entry's."""
         return self._free_slots.pop() if self._free_slots else self._entries.popitem(last=False)[1][0]
 
+    def busy(self, block: int) -> bool:
+        """Whether a copy out of, or a restore into, device `block` may still be in flight."""
+        return bool(self._in_flight(self._reading_block, [block]) or self._in_flight(self._writing_block, [block]))
+
+    @property
+    def num_tracked_blocks(self) -> int:
+        """At least the number of device blocks `busy` (entries found done are dropped lazily)."""
+        return len(self._reading_block.keys() | self._writing_block.keys())
+
     def before_reuse(self, block: int) -> None:
-        """Device `block` is about to hold other KV: the compute stream first waits for its copy out."""
-        handle = self._copy_out_of_block.pop(block, None)
-        if handle is not None:
+        """Device `block` is about to hold new KV: the compute stream first waits for its copies in flight."""
+        pending = self._in_flight(self._reading_block, [block]) + self._in_flight(self._writing_block, [block])
+        self.num_reuse_waits += bool(pending)
+        for handle in pending:
             self.host.compute_waits(handle)
 
+    def ready(self, blocks: Iterable[int]) -> bool:
+        """Whether every restore into `blocks` has completed (never blocks)."""
+        return not self._in_flight(self._writing_block, blocks)
+
+    def wait_ready(self, blocks: Iterable[int]) -> None:
+        """Block the host until every restore into `blocks` has completed."""
+        for handle in self._in_flight(self._writing_block, blocks):
+            self.host.wait(handle)
+
     def restore(self, hashes: Sequence[bytes], blocks: Sequence[int]) -> list[int]:
-        """Copy the blocks held under `hashes` into device `blocks` (just allocated), one batch;
-        each one's uses so far.
+        """Queue the copies of the blocks held under `hashes` into device `blocks` (just
+        allocated), one batch; each one's uses so far. The blocks hold their KV once `ready`.
 
         Every hash must be held. The entries stay in the pool (freeing the blocks again needs
         no copy) as the most recently used.
@@ -111,9 +139,34 @@ class PrefixCacheOffload:
             self._entries[block_hash] = (slot, held_uses)
             slots.append(slot)
             uses.append(held_uses)
-        self.host.to_device(slots, blocks)
+        after = self._in_flight(self._reading_block, blocks) + self._in_flight(self._writing_slot, slots)
+        handle = self.host.to_device(slots, blocks, after)
+        _track(self._writing_block, blocks, handle)
+        _track(self._reading_slot, slots, handle)
         self.num_restored += len(blocks)
         return uses
+
+    def _in_flight(self, copies: dict[int, Handle], keys: Iterable[int]) -> list[Handle]:
+        """The distinct copies in `copies` under `keys` not completed yet; completed ones are dropped."""
+        pending: list[Handle] = []
+        done: list[Handle] = []
+        for key in keys:
+            handle = copies.get(key)
+            if handle is None or any(handle is seen for seen in pending):
+                continue
+            if any(handle is seen for seen in done) or self.host.is_done(handle):
+                done.append(handle)
+                del copies[key]
+            else:
+                pending.append(handle)
+        return pending
+
+
+def _track(copies: dict[int, Handle], keys: Sequence[int], handle: Handle) -> None:
+    """File a queued copy under the blocks or slots it touches (the CPU's, done at once, under none)."""
+    if handle is not None:
+        for key in keys:
+            copies[key] = handle
 
 
 class HitCountLog:

@@ -235,7 +235,7 @@ class LLMEngine:
         part of the step in flight dropped.
         """
         started = self.clock()
-        plan = self._in_flight if self._in_flight is not None else self._launch()
+        plan = self._in_flight if self._in_flight is not None else self._launch(wait_for_restores=True)
         self._in_flight = None
         if plan is None:
             self._last_step_end = None  # idle: the wait before the next step is not work
@@ -249,13 +249,18 @@ class LLMEngine:
         self._record_step(plan, started)
         return outputs
 
-    def _launch(self) -> Optional[_StepPlan]:
+    def _launch(self, wait_for_restores: bool = False) -> Optional[_StepPlan]:
         """Schedule -> propose -> run: a step whose device work is queued (None: nothing to run).
 
         Only what the device's work needs comes before the runner call; the step's own
-        bookkeeping (the sequences' length rooms, for the controller) follows it.
+        bookkeeping (the sequences' length rooms, for the controller) follows it. With
+        `wait_for_restores`, a step that would be empty because every admitted request
+        waits for its prefix's copies from the CPU waits for the first of them instead.
         """
         scheduled = self.scheduler.schedule()
+        while not scheduled and wait_for_restores and self.scheduler.restoring:
+            self.scheduler.wait_for_restore()
+            scheduled = self.scheduler.schedule()
         if not scheduled:
             return None
         plan = self._propose(scheduled)
@@ -486,7 +491,7 @@ class LLMEngine:
         """The decoding sequences' progress when the caller waits for all of them and no
         request waits to take a finished one's place (the batch's run ends with its slowest
         sequence); None otherwise."""
-        if not self.waits_for_all or self.scheduler.waiting:
+        if not self.waits_for_all or self.scheduler.waiting or self.scheduler.restoring:
             return None
         seqs = [item.seq for item in decoding]
         return DrainingBatch(

@@ -72,7 +72,8 @@ def snapshot_engine(engine: "LLMEngine") -> EngineSnapshot:
     running = {seq.group.request_id for seq in scheduler.running}  # requests, not sequences (n > 1)
     return EngineSnapshot(
         num_running=len(running),
-        num_waiting=len({seq.group.request_id for seq in scheduler.waiting} - running),
+        # Waiting for their prefix's copies from the CPU counts as waiting, as in vLLM.
+        num_waiting=len({seq.group.request_id for seq in (*scheduler.waiting, *scheduler.restoring)} - running),
         kv_cache_usage=allocator.usage(),
         prompt_tokens_total=engine.num_prompt_tokens_total,
         generation_tokens_total=engine.num_generation_tokens_total,

@@ -11,6 +11,10 @@ When a running sequence needs a block and none is free, the most recently admitt
 sequence is preempted by recomputation: its blocks are freed and it goes back to the
 front of the queue to be prefilled again later, prompt and output together, so nothing
 it generated is lost.
+A sequence admitted with prefix blocks still being copied back from the CPU offload tier
+waits in its own state (vLLM V1's WAITING_FOR_REMOTE_KVS) while the rest of the batch
+runs, holding its blocks and a slot of `max_num_seqs`, and is scheduled at the first step
+after its copies have completed: no step waits for another request's restore.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from hetero.spec.backoff import DraftBackoff
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # admitted; its prefix blocks are being restored from the CPU
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -128,7 +133,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.restoring: list[Sequence] = []  # admitted, WAITING_FOR_KV, in admission order
         self.num_preemptions = 0
+        self.num_restore_waits = 0  # times the host waited for a restore, with nothing else to run
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -147,7 +154,21 @@ class Scheduler:
             budget -= num_new
         # A step that had to preempt admits nobody: the freed blocks went to the running
         # sequences, and re-admitting the victim at once would only thrash the cache.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.num_preemptions == preemptions_before:
+        for seq in [seq for seq in self.restoring if self.allocator.blocks_ready(seq.block_table)]:
+            if budget == 0 or self.num_preemptions != preemptions_before:
+                break
+            self.restoring.remove(seq)
+            num_new = min(seq.num_uncomputed, budget)
+            if not self._reserve(seq, seq.num_computed + num_new, preempt=False):
+                seq.group.num_running -= 1
+                self._unadmit(seq)
+                self.waiting.appendleft(seq)
+                break
+            self._start(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        while (self.waiting and budget > 0 and len(self.running) + len(self.restoring) < self.max_num_seqs
+               and self.num_preemptions == preemptions_before):
             seq = self._next_to_admit()
             # Cached blocks have no logits to score a prompt with, so prompt_logprobs skips them.
             if self.allocator.enable_prefix_caching and seq.params.prompt_logprobs is None:
@@ -156,19 +177,40 @@ class Scheduler:
                 seq.num_registered_blocks = len(seq.block_table)  # cached blocks are registered already
                 seq.num_computed = seq.num_registered_blocks * self.block_size
                 seq.group.num_cached_tokens = seq.num_computed
+                if not self.allocator.blocks_ready(seq.block_table):
+                    self.waiting.remove(seq)
+                    seq.group.num_running += 1
+                    seq.status = SeqStatus.WAITING_FOR_KV
+                    self.restoring.append(seq)
+                    continue
             num_new = min(seq.num_uncomputed, budget)
             if not self._reserve(seq, seq.num_computed + num_new, preempt=False):
-                self.allocator.free_all(seq.block_table)
-                seq.block_table = []
-                seq.num_computed = seq.num_registered_blocks = 0
+                self._unadmit(seq)
                 break
             self.waiting.remove(seq)
             seq.group.num_running += 1
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            self._start(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return scheduled
+
+    def _start(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def _unadmit(self, seq: Sequence) -> None:
+        """Give back an unscheduled sequence's blocks (they stay cached); it starts afresh."""
+        self.allocator.free_all(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = seq.num_registered_blocks = 0
+        seq.status = SeqStatus.WAITING
+
+    def wait_for_restore(self) -> None:
+        """Block the host until the first sequence waiting for restored blocks has them (for
+        when nothing else can run)."""
+        if self.restoring:
+            self.num_restore_waits += 1
+            self.allocator.wait_for_blocks(self.restoring[0].block_table)
 
     def _next_to_admit(self) -> Sequence:
         """The first waiting sequence of the request with the fewest running sequences (queue order breaks ties)."""
@@ -233,11 +275,11 @@ class Scheduler:
         detokenising (vLLM's multi-step scheduling). It needs every row's next token to be a
         function of its logits alone, so rows with penalties, n-gram bans, pending
         min_tokens, logprobs or best_of ranking decode one step at a time, as does a batch
-        with room for a waiting request (so it is admitted at the next step, not a window
-        later). Steps past a sequence's stop are discarded, like rejected draft tokens.
+        with room for a waiting request or a request waiting for its restored blocks (so it
+        is admitted at the next step, not a window later). Steps past a sequence's stop are discarded, like rejected draft tokens.
         Reserves the KV blocks the extra steps write.
         """
-        if max_steps <= 1 or (self.waiting and len(self.running) < self.max_num_seqs):
+        if max_steps <= 1 or self.restoring or (self.waiting and len(self.running) < self.max_num_seqs):
             return 1
         if not all(_can_run_ahead(item.seq) for item in decoding):
             return 1
@@ -274,6 +316,9 @@ class Scheduler:
         if seq.status is SeqStatus.RUNNING:
             seq.group.num_running -= 1
             self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING_FOR_KV:  # aborted while its blocks were being restored
+            seq.group.num_running -= 1
+            self.restoring.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.allocator.free_all(seq.block_table)

@@ -23,6 +23,7 @@ def test_offload_serves_the_same_tokens_with_fewer_prefilled(tmp_path):
     assert cache["working_set_over_device_kv"] >= 3.0
     assert offload["outputs_equal_to_first"] == f"{offload['requests']}/{cache['requests']}"
     assert offload["cpu_restored_tokens"] > 0 and cache["cpu_restored_tokens"] == 0
+    assert offload["reuse_waits"] == offload["restore_waits"] == 0  # the CPU's copies are done when queued
     assert offload["prefill_tokens_computed"] < cache["prefill_tokens_computed"]
     for row in (cache, offload):
         assert row["prefill_tokens_computed"] == row["prompt_tokens"] - row["device_hit_tokens"] - row["cpu_restored_tokens"]

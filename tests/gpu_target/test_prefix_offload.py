@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -55,31 +55,78 @@ def _hashes(tokens: list[int]) -> list[bytes]:
 
 
 # --------------------------------------------------------------- the CPU pool
-class DeferredCopies(HostKVPool):
-    """A device's latest timing, on the CPU: a copy out runs only once something waits for
-    it (and the copies queued before it first, in stream order), reading the device block
-    as it is by then; a copy in runs when queued, as the compute stream waits for it at once."""
+class LateCopies(HostKVPool):
+    """A device's latest timing, on the CPU: a copy runs `ticks_out` (copies out) or
+    `ticks_in` (restores) ticks after it was queued (None: only once something waits for
+    it), never before its stream's earlier copies and the copies it was queued `after`,
+    and reads its source as it is by then. Until it has run its handle is not done; a
+    slot holds nothing to rely on before its copy lands."""
 
-    def __init__(self, kv_pool: KVCachePool, num_blocks: int):
+    def __init__(self, kv_pool: KVCachePool, num_blocks: int, ticks_out: Optional[int] = None, ticks_in: Optional[int] = 0):
         super().__init__(kv_pool, num_blocks)
         for chunk in self._chunks:
-            chunk.fill_(float("nan"))  # what a slot holds before its copy lands: nothing to rely on
-        self.pending: list[tuple[object, Callable[[], None]]] = []
-        self.num_waited_for = 0  # copies out run because something waited for them
+            chunk.fill_(float("nan"))
+        self.ticks = {"out": ticks_out, "in": ticks_in}
+        self.now = 0
+        self.queued: list[dict] = []  # copies not run yet, in queue order
+        self.num_compute_waits = 0  # copies run because the compute stream waited for them
+        self.num_host_waits = 0  # copies run because the host waited for them
 
-    def to_host(self, blocks, slots):
-        handle, blocks, slots = object(), list(blocks), list(slots)
-        self.pending.append((handle, lambda: HostKVPool.to_host(self, blocks, slots)))
-        return handle
+    def to_host(self, blocks, slots, after=()):
+        blocks, slots = list(blocks), list(slots)
+        return self._queue("out", lambda: HostKVPool.to_host(self, blocks, slots), after)
+
+    def to_device(self, slots, blocks, after=()):
+        slots, blocks = list(slots), list(blocks)
+        return self._queue("in", lambda: HostKVPool.to_device(self, slots, blocks), after)
+
+    def _queue(self, stream: str, run: Callable[[], None], after) -> dict:
+        ticks = self.ticks[stream]
+        copy = dict(stream=stream, run=run, after=list(after), due=None if ticks is None else self.now + ticks)
+        self.queued.append(copy)
+        if ticks == 0:
+            self._run(copy)
+        return copy
+
+    def _run(self, copy: dict) -> None:
+        if not any(queued is copy for queued in self.queued):
+            return
+        for earlier in [queued for queued in self.queued[: self.queued.index(copy)] if queued["stream"] == copy["stream"]]:
+            self._run(earlier)
+        for dependency in copy["after"]:
+            self._run(dependency)
+        self.queued.remove(copy)
+        copy["run"]()
+
+    def is_done(self, handle) -> bool:
+        return not any(queued is handle for queued in self.queued)
 
     def compute_waits(self, handle) -> None:
-        while any(queued is handle for queued, _ in self.pending):
-            self.pending.pop(0)[1]()
-            self.num_waited_for += 1
+        if not self.is_done(handle):
+            self.num_compute_waits += 1
+            self._run(handle)
+
+    def wait(self, handle) -> None:
+        if not self.is_done(handle):
+            self.num_host_waits += 1
+            self._run(handle)
+
+    def tick(self) -> None:
+        self.now += 1
+        for copy in [queued for queued in self.queued if queued["due"] is not None and queued["due"] <= self.now]:
+            self._run(copy)
 
     def drain(self) -> None:
-        while self.pending:
-            self.pending.pop(0)[1]()
+        while self.queued:
+            self._run(self.queued[0])
+
+
+def _late(ticks_out: Optional[int], ticks_in: Optional[int]) -> type[LateCopies]:
+    """`LateCopies` with these delays, built as `HostKVPool` is (the engine's `PrefixCacheOffload.sized`)."""
+    def __init__(self, kv_pool: KVCachePool, num_blocks: int) -> None:
+        LateCopies.__init__(self, kv_pool, num_blocks, ticks_out, ticks_in)
+
+    return type(f"LateCopies{ticks_out}_{ticks_in}", (LateCopies,), {"__init__": __init__})
 
 
 def _offload(pool: KVCachePool, num_blocks: int, min_access_threshold: int = 1, host=HostKVPool) -> PrefixCacheOffload:
@@ -143,9 +190,9 @@ def test_pool_size_comes_from_cpu_offload_gib():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the asynchronous copies are CUDA's")
 def test_cuda_copies_are_ordered_with_the_compute_stream_without_waiting_on_the_host():
-    """Blocks freed (copied out), evicted and overwritten at once, then restored and read at
-    once, with no synchronisation in between: the copies still see, and deliver, the KV of
-    their own moment."""
+    """Blocks freed (copied out), evicted and overwritten at once, then restored and read as
+    soon as they are ready, with no synchronisation in between: the copies still see, and
+    deliver, the KV of their own moment."""
     config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=1024, num_layers=32, num_heads=8,
                          num_kv_heads=8, head_dim=128, intermediate_size=32)
     pool = KVCachePool(config, 33, BLOCK, torch.bfloat16, "cuda")  # Llama-3-8B-sized 2 MiB blocks: copies that take a while
@@ -162,7 +209,9 @@ def test_cuda_copies_are_ordered_with_the_compute_stream_without_waiting_on_the_
     allocator.free_all(others)
     restored = allocator.match_prefix(hashes, len(tokens))
     assert allocator.stats.external_hits == 16 * BLOCK
-    kv = pool.storage[:, :, restored].clone()  # queued at once: must wait for the copies in
+    while not allocator.blocks_ready(restored):  # as the scheduler waits for them
+        pass
+    kv = pool.storage[:, :, restored].clone()
     torch.cuda.synchronize()
     assert torch.equal(kv, expected)
 
@@ -174,8 +223,10 @@ def test_blocks_are_copied_out_when_freed_and_evicting_them_copies_nothing(monke
     allocator = BlockAllocator(4, BLOCK, True, offload=offload)
     copies_out, copies_in = [], []
     to_host, to_device = offload.host.to_host, offload.host.to_device
-    monkeypatch.setattr(offload.host, "to_host", lambda blocks, slots: copies_out.append(list(blocks)) or to_host(blocks, slots))
-    monkeypatch.setattr(offload.host, "to_device", lambda slots, blocks: copies_in.append(list(slots)) or to_device(slots, blocks))
+    monkeypatch.setattr(offload.host, "to_host",
+                        lambda blocks, slots, after=(): copies_out.append(list(blocks)) or to_host(blocks, slots, after))
+    monkeypatch.setattr(offload.host, "to_device",
+                        lambda slots, blocks, after=(): copies_in.append(list(slots)) or to_device(slots, blocks, after))
     tokens = list(range(3 * BLOCK + 5))
     hashes = _hashes(tokens)
     table = [allocator.allocate() for _ in range(4)]
@@ -235,7 +286,7 @@ def test_a_block_reused_while_its_copy_out_is_pending_is_copied_first(monkeypatc
     False, the check that this test can fail) the copy would read the new owner's KV, or
     the restore a slot the copy has not filled yet."""
     pool = _pool(2)
-    host = DeferredCopies(pool, 4)
+    host = LateCopies(pool, 4)
     allocator = BlockAllocator(2, BLOCK, True, offload=PrefixCacheOffload(host))
     if not waits:
         monkeypatch.setattr(allocator.offload, "before_reuse", lambda block: None)
@@ -244,7 +295,7 @@ def test_a_block_reused_while_its_copy_out_is_pending_is_copied_first(monkeypatc
     _compute(pool, block, hashes[0])
     allocator.register_blocks(hashes, [block])
     allocator.free(block)
-    assert len(host.pending) == 1  # queued, not run
+    assert len(host.queued) == 1  # queued, not run
     others = [allocator.allocate(), allocator.allocate()]
     assert block in others and hashes[0] not in allocator._hash_to_block
     for other in others:
@@ -255,39 +306,79 @@ def test_a_block_reused_while_its_copy_out_is_pending_is_copied_first(monkeypatc
     assert torch.equal(pool.storage[:, :, restored], _content(hashes[0], pool)) == waits
 
 
-@pytest.mark.parametrize("host", [HostKVPool, DeferredCopies])
+def test_the_allocator_reuses_blocks_whose_copies_are_done_before_those_still_copying():
+    """The least recently freed block's copy out is still in flight: a block freed later,
+    whose copy is done, is reused instead, and nothing waits; only when every free block
+    is still copying does the compute stream wait."""
+    pool = _pool(2)
+    host = LateCopies(pool, 4)  # copies out run only when waited for
+    allocator = BlockAllocator(2, BLOCK, True, offload=PrefixCacheOffload(host))
+    early, late = _hashes(list(range(17))), _hashes(list(range(100, 117)))
+    block = allocator.allocate()
+    allocator.register_blocks(early, [block])
+    allocator.free(block)
+    host.drain()  # early's copy is done, and held: freeing its block again copies nothing
+    (early_block,) = allocator.match_prefix(early, 17)
+    late_block = allocator.allocate()
+    allocator.register_blocks(late, [late_block])
+    allocator.free(late_block)  # the least recently freed: its copy out is in flight
+    allocator.free(early_block)
+    assert len(host.queued) == 1 and allocator.offload.busy(late_block) and not allocator.offload.busy(early_block)
+    assert allocator.allocate() == early_block and host.num_compute_waits == allocator.offload.num_reuse_waits == 0
+    assert late[0] in allocator._hash_to_block  # still cached on the device
+    assert allocator.allocate() == late_block and host.num_compute_waits == allocator.offload.num_reuse_waits == 1
+    assert not host.queued
+
+
+@pytest.mark.parametrize("host", [
+    HostKVPool,
+    LateCopies,  # copies out run only when waited for; restores at once
+    _late(ticks_out=2, ticks_in=3),  # every copy lands a few rounds late
+])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_blocks_served_under_random_eviction_pressure_are_never_stale(seed, host):
     """The engine's use, modelled: prompts of shared prefixes come and go through a small
     device cache over a smaller CPU pool; every block the prefix cache hands out holds the
-    KV of its own hash, whether it stayed on the device or came back from the CPU, also
-    when copies out run as late as the device may run them."""
+    KV of its own hash by the time its prompt runs (once `blocks_ready`, as the scheduler
+    waits), whether it stayed on the device or came back from the CPU, also when copies
+    run as late as the device may run them, and when prompts waiting for their restores
+    are dropped (aborted) meanwhile."""
     rng = random.Random(seed)
     pool = _pool(9)
     allocator = BlockAllocator(8, BLOCK, True, first_block=1, offload=_offload(pool, 5, host=host))
     stems = [[rng.randrange(1000) for _ in range(BLOCK * 3)] for _ in range(4)]
     live: list[list[int]] = []
+    restoring: list[tuple[list[int], list[bytes], list[int]]] = []  # matched, waiting for their copies
     for _ in range(400):
+        if isinstance(allocator.offload.host, LateCopies):
+            allocator.offload.host.tick()
         tokens = rng.choice(stems)[: BLOCK * rng.randint(1, 3)] + [rng.randrange(1000) for _ in range(rng.randint(1, 20))]
         hashes = _hashes(tokens)
-        table = allocator.match_prefix(hashes, len(tokens))
-        for block, block_hash in zip(table, hashes):
-            assert torch.equal(pool.storage[:, :, block], _content(block_hash, pool))
-        num_cached = len(table)
-        try:
-            while len(table) < -(-len(tokens) // BLOCK):
-                table.append(allocator.allocate())
-        except OutOfBlocks:
-            allocator.free_all(table)
-            if live:
-                allocator.free_all(live.pop(0))
-            continue
-        for index in range(num_cached, len(table)):
-            pool.storage[:, :, table[index]] = (
-                _content(hashes[index], pool) if index < len(hashes) else torch.randn(pool.storage[:, :, 0].shape)
-            )
-        allocator.register_blocks(hashes, table[: len(hashes)])
-        live.append(table)
+        restoring.append((tokens, hashes, allocator.match_prefix(hashes, len(tokens))))
+        if rng.random() < 0.1:
+            allocator.free_all(restoring.pop(rng.randrange(len(restoring)))[2])  # aborted while waiting
+        if len(restoring) > 2:
+            allocator.wait_for_blocks(restoring[0][2])  # nothing else to run
+        ready = [entry for entry in restoring if allocator.blocks_ready(entry[2])]
+        restoring = [entry for entry in restoring if entry not in ready]
+        for tokens, hashes, table in ready:
+            for block, block_hash in zip(table, hashes):
+                assert torch.equal(pool.storage[:, :, block], _content(block_hash, pool))
+            num_cached = len(table)
+            try:
+                while len(table) < -(-len(tokens) // BLOCK):
+                    table.append(allocator.allocate())
+            except OutOfBlocks:
+                allocator.free_all(table)
+                if live:
+                    allocator.free_all(live.pop(0))
+                continue
+            for index in range(num_cached, len(table)):
+                pool.storage[:, :, table[index]] = (
+                    _content(hashes[index], pool) if index < len(hashes) else torch.randn(pool.storage[:, :, 0].shape)
+                )
+            allocator.register_blocks(hashes, table[: len(hashes)])
+            live.append(table)
         while len(live) > rng.randint(0, 2):
             allocator.free_all(live.pop(0))
     assert allocator.stats.hits > 0 and allocator.stats.external_hits > 0
@@ -357,18 +448,140 @@ def test_outputs_are_identical_with_caching_and_offload_on_or_off_under_eviction
     assert stats["offload"].hits + stats["offload"].external_hits > stats["cache"].hits  # evicted blocks came back
 
 
-def test_outputs_are_identical_with_copies_out_running_as_late_as_the_device_may(tiny_llama_dir, monkeypatch):
-    """The engine with every copy out deferred until something waits for it: blocks are
-    evicted and rewritten while their copies are pending, and outputs still match."""
+def _ticking(engine: LLMEngine) -> list[tuple[list[str], list[str]]]:
+    """Advance the engine's `LateCopies` one tick before each schedule; per step, the requests
+    scheduled and those left waiting for their restores."""
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def ticked():
+        engine.scheduler.allocator.offload.host.tick()
+        scheduled = schedule()
+        steps.append(([item.seq.group.request_id for item in scheduled],
+                      [seq.group.request_id for seq in engine.scheduler.restoring]))
+        return scheduled
+
+    engine.scheduler.schedule = ticked
+    return steps
+
+
+@pytest.mark.parametrize("ticks_out, ticks_in", [(None, 0), (2, 3)])
+def test_outputs_are_identical_with_copies_running_as_late_as_the_device_may(tiny_llama_dir, monkeypatch, ticks_out, ticks_in):
+    """The engine with copies out deferred until something waits for them, or every copy
+    landing steps late: blocks are evicted and rewritten while their copies are pending,
+    requests wait for their restores while others run, and outputs still match."""
     chats = _conversations(num=6, turns=3, seed=2)
     common = dict(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, max_num_seqs=3,
                   kv_cache_space=_kv_blocks(tiny_llama_dir, 12))
     plain = LLM(**common, enable_prefix_caching=False)
-    monkeypatch.setattr(kv_offload, "HostKVPool", DeferredCopies)
+    monkeypatch.setattr(kv_offload, "HostKVPool", _late(ticks_out, ticks_in))
     offload = LLM(**common, enable_prefix_cache_offload=True, cpu_offload_gib=_kv_blocks(tiny_llama_dir, 40))
+    steps = _ticking(offload.llm_engine)
     assert _run_turns(offload, chats) == _run_turns(plain, chats)
     allocator = offload.llm_engine.scheduler.allocator
-    assert allocator.stats.external_hits > 0 and allocator.offload.host.num_waited_for > 0
+    host = allocator.offload.host
+    assert allocator.stats.external_hits > 0
+    if ticks_in:
+        assert any(scheduled and waiting for scheduled, waiting in steps)  # others ran while a restore was in flight
+    else:
+        assert host.num_compute_waits > 0  # blocks reused before their copies out ran: waited for
+
+
+def _engine_with_late_restores(tiny_llama_dir, monkeypatch, ticks_in: int) -> LLMEngine:
+    monkeypatch.setattr(kv_offload, "HostKVPool", _late(0, ticks_in))
+    return LLMEngine(EngineConfig(
+        model=str(tiny_llama_dir), dtype="float32", max_model_len=96, batch_invariant=True,
+        kv_cache_space=_kv_blocks(tiny_llama_dir, 8), enable_prefix_cache_offload=True,
+        cpu_offload_gib=_kv_blocks(tiny_llama_dir, 32),
+    ))
+
+
+def _evicted_prefix(engine: LLMEngine, rng: random.Random) -> list[int]:
+    """A 3-block prefix computed, freed (copied out) and then evicted from the device."""
+    prefix = [rng.randrange(3, 320) for _ in range(3 * BLOCK)]
+    _prefill(engine, "first", prefix + [1])
+    for i in range(2):
+        _prefill(engine, f"flood{i}", [rng.randrange(3, 320) for _ in range(5 * BLOCK)])
+    assert not any(h in engine.scheduler.allocator._hash_to_block for h in _hashes(prefix))
+    return prefix
+
+
+def _fresh(tiny_llama_dir) -> LLMEngine:
+    """An engine without prefix caching: it computes every prompt."""
+    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=96, batch_invariant=True,
+                                  enable_prefix_caching=False))
+
+
+def _run_to_end(engine: LLMEngine, prompt: Optional[list[int]] = None) -> dict[str, list[int]]:
+    """Step until every request is done (after adding `prompt` as "fresh", if given); each one's tokens."""
+    if prompt is not None:
+        engine.add_request("fresh", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].token_ids
+    return finished
+
+
+def test_a_request_waits_for_its_restore_while_the_others_run(tiny_llama_dir, monkeypatch):
+    """The restore lands 3 steps after it was queued: meanwhile the request is not
+    scheduled and a decoding request runs every step without waiting for the copy; then
+    the request runs and generates what an engine that computed its prompt generates."""
+    rng = random.Random(7)
+    engine = _engine_with_late_restores(tiny_llama_dir, monkeypatch, ticks_in=3)
+    prefix = _evicted_prefix(engine, rng)
+    engine.add_request("busy", {"prompt_token_ids": [rng.randrange(3, 320) for _ in range(10)]},
+                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.step()
+    steps = _ticking(engine)
+    prompt = prefix + [7, 8, 9]
+    engine.add_request("again", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    finished = _run_to_end(engine)
+    assert steps[:3] == [(["busy"], ["again"])] * 3  # the copy in flight: only the other request runs
+    assert steps[3][0] == ["busy", "again"] and steps[3][1] == []
+    host = engine.scheduler.allocator.offload.host
+    assert host.num_compute_waits == host.num_host_waits == engine.scheduler.num_restore_waits == 0  # nobody waited
+    assert engine.groups == {} and engine.scheduler.allocator.stats.external_hits == 3 * BLOCK
+
+    assert finished["again"] == _run_to_end(_fresh(tiny_llama_dir), prompt)["fresh"]
+
+
+def test_with_nothing_else_to_run_the_engine_waits_for_the_restore(tiny_llama_dir, monkeypatch):
+    engine = _engine_with_late_restores(tiny_llama_dir, monkeypatch, ticks_in=100)
+    prefix = _evicted_prefix(engine, random.Random(8))
+    steps = _ticking(engine)
+    engine.add_request("again", {"prompt_token_ids": prefix + [7]}, SamplingParams(temperature=0, max_tokens=2))
+    engine.step()
+    assert steps[:2] == [([], ["again"]), (["again"], [])]  # one wait on the host, then it runs
+    assert engine.scheduler.allocator.offload.host.num_host_waits == engine.scheduler.num_restore_waits == 1
+
+
+def test_aborting_a_request_waiting_for_its_restore_frees_everything(tiny_llama_dir, monkeypatch):
+    """Its blocks go back (still cached under their hashes: the copies land all the same), and
+    a later request with the same prefix is served the restored KV, not a stale block."""
+    rng = random.Random(9)
+    engine = _engine_with_late_restores(tiny_llama_dir, monkeypatch, ticks_in=2)
+    prefix = _evicted_prefix(engine, rng)
+    engine.add_request("busy", {"prompt_token_ids": [rng.randrange(3, 320) for _ in range(10)]},
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    _ticking(engine)
+    prompt = prefix + [7, 8]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("aborted", {"prompt_token_ids": prompt}, params)
+    engine.step()
+    scheduler, allocator = engine.scheduler, engine.scheduler.allocator
+    (seq,) = scheduler.restoring
+    blocks = list(seq.block_table)
+    assert not allocator.blocks_ready(blocks)
+    engine.abort_request("aborted")
+    assert scheduler.restoring == [] and seq.block_table == [] and seq.group.num_running == 0
+    assert all(allocator.ref_counts[block] == 0 for block in blocks)
+    engine.add_request("again", {"prompt_token_ids": prompt}, params)  # matches the blocks still being filled
+    assert _run_to_end(engine)["again"] == _run_to_end(_fresh(tiny_llama_dir), prompt)["fresh"]
+    assert allocator.num_free == allocator.num_blocks
+    assert allocator.stats.hits >= 3 * BLOCK  # the second request found the restored blocks on the device
 
 
 def test_offload_with_speculation_and_preemption_stays_lossless(tiny_llama_dir):
