@@ -524,6 +524,13 @@ def _run_to_end(engine: LLMEngine, prompt: Optional[list[int]] = None) -> dict[s
     return finished
 
 
+def _start_busy(engine, rng, max_tokens: int) -> None:
+    """A decoding request ("busy") beside the one whose restore is late; its prefill step run."""
+    engine.add_request("busy", {"prompt_token_ids": [rng.randrange(3, 320) for _ in range(10)]},
+                       SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    engine.step()
+
+
 def test_a_request_waits_for_its_restore_while_the_others_run(tiny_llama_dir, monkeypatch):
     """The restore lands 3 steps after it was queued: meanwhile the request is not
     scheduled and a decoding request runs every step without waiting for the copy; then
@@ -531,9 +538,7 @@ def test_a_request_waits_for_its_restore_while_the_others_run(tiny_llama_dir, mo
     rng = random.Random(7)
     engine = _engine_with_late_restores(tiny_llama_dir, monkeypatch, ticks_in=3)
     prefix = _evicted_prefix(engine, rng)
-    engine.add_request("busy", {"prompt_token_ids": [rng.randrange(3, 320) for _ in range(10)]},
-                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    engine.step()
+    _start_busy(engine, rng, max_tokens=12)
     steps = _ticking(engine)
     prompt = prefix + [7, 8, 9]
     engine.add_request("again", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -563,9 +568,7 @@ def test_aborting_a_request_waiting_for_its_restore_frees_everything(tiny_llama_
     rng = random.Random(9)
     engine = _engine_with_late_restores(tiny_llama_dir, monkeypatch, ticks_in=2)
     prefix = _evicted_prefix(engine, rng)
-    engine.add_request("busy", {"prompt_token_ids": [rng.randrange(3, 320) for _ in range(10)]},
-                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    engine.step()
+    _start_busy(engine, rng, max_tokens=8)
     _ticking(engine)
     prompt = prefix + [7, 8]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
