@@ -69,3 +69,49 @@ def test_silu_and_mul_fp8_quantises_the_product_bit_for_bit(m, inter, block, mon
         x[1] = 0  # an all-zero row keeps a finite scale and zero codes
     got = fp8_activations.silu_and_mul_fp8(x)
     _assert_same_quantisation(got, fused_ops.silu_and_mul(x, use_triton=True))
+
+
+def test_an_fp8_model_quantises_in_its_norms_and_silu_and_gives_the_unfused_logits(tiny_llama_dir, monkeypatch):
+    """A bf16 verification step (5 tree nodes) of a tiny FP8 model whose projections all take
+    the W8A8 GEMM: qkv and gate_up read their norm's FP8 rows, down_proj SiLU-and-mul's, and
+    only o_proj's rows are quantised apart; logits and KV cache equal the step with every
+    projection quantising its own rows."""
+    from gpu_target import gemv, gemv_tiles
+    from gpu_target.kv_cache import KVCachePool
+    from gpu_target.loader import load_config, load_state_dict
+    from gpu_target.model import build_model
+    from gpu_target.runner import ModelRunner, SequenceChunk
+
+    config = load_config(tiny_llama_dir)
+    state = load_state_dict(tiny_llama_dir, config, torch.bfloat16, DEVICE, quantization="fp8")
+    model = build_model(config, state, torch.bfloat16, DEVICE)
+    runner = ModelRunner(model, KVCachePool(config, 6, 16, torch.bfloat16, DEVICE), DEVICE)
+    if not CUDA:  # stream CPU tensors through the kernels, and norm and SiLU them in Triton as CUDA tensors are
+        monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
+        monkeypatch.setattr(fused_ops, "_wants_triton", lambda x, use_triton: use_triton is not False)
+    monkeypatch.setattr(gemv_tiles, "fp8_path", lambda n, k, block_m: "w8a8")
+    calls = []
+    for module, name in ((fp8_gemm, "quantize_per_token"), (fp8_activations, "rms_norm_fp8"),
+                         (fp8_activations, "add_rms_norm_fp8"), (fp8_activations, "silu_and_mul_fp8")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    prompt = [5, 17, 42, 8, 99, 3, 61, 7, 12, 13, 40, 41]
+    n = len(prompt)
+    runner.forward([SequenceChunk(prompt, range(n), [4, 1], 0, [n - 1])])
+    kv_before = runner.kv_pool.storage.clone()
+    tree = SequenceChunk([23, 50, 51, 60, 61], [n, n + 1, n + 1, n + 2, n + 2], [4, 1], n, list(range(5)),
+                         [0b1, 0b11, 0b101, 0b1011, 0b10101])
+    calls.clear()
+    fused = runner.forward([tree])
+    fused_kv = runner.kv_pool.storage.clone()
+    layers = config.num_layers
+    per_layer = ["add_rms_norm_fp8", "quantize_per_token", "add_rms_norm_fp8", "silu_and_mul_fp8"]
+    assert calls == ["rms_norm_fp8"] + (per_layer * layers)[1:]  # the first layer's norm adds no residual
+    runner.kv_pool.storage.copy_(kv_before)
+    for layer in model.layers:
+        layer.fuse_fp8_quantization = False
+    calls.clear()
+    unfused = runner.forward([tree])
+    assert calls == ["quantize_per_token"] * (4 * layers)
+    assert torch.equal(fused, unfused)
+    assert torch.equal(runner.kv_pool.storage, fused_kv) and not torch.equal(fused_kv, kv_before)
