@@ -115,3 +115,18 @@ def test_an_fp8_model_quantises_in_its_norms_and_silu_and_gives_the_unfused_logi
     assert calls == ["quantize_per_token"] * (4 * layers)
     assert torch.equal(fused, unfused)
     assert torch.equal(runner.kv_pool.storage, fused_kv) and not torch.equal(fused_kv, kv_before)
+
+
+def test_bench_layer_sequence_gives_the_same_output_fused_and_unfused():
+    """bench.quant_gemv --layer times two sequences of one decoder layer's W8A8 kernels; they
+    compute the same thing (the fused one through the norms' and SiLU's FP8 rows)."""
+    from bench import quant_gemv
+
+    torch.manual_seed(0)
+    layer = quant_gemv.fp8_layer(dict(qkv_proj=(96, 64), o_proj=(64, 64), gate_up_proj=(256, 64), down_proj=(64, 128)),
+                                 DEVICE)
+    x, residual = _rows(5, 64, 7), _rows(5, 64, 8)
+    fused = quant_gemv.w8a8_layer_sequence(layer, x, residual, fused=True)
+    unfused = quant_gemv.w8a8_layer_sequence(layer, x, residual, fused=False)
+    assert fused.shape == (5, 64) and torch.isfinite(fused.float()).all()
+    assert torch.equal(fused, unfused)
