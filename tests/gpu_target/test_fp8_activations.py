@@ -4,6 +4,8 @@
   (scales and E4M3 codes), and the residual stream the unfused add-and-norm gives.
 - A tiny FP8 model whose projections all take the W8A8 GEMM feeds qkv, gate_up and down
   from the fused kernels, and its logits and KV cache equal the unfused sequence's.
+- bench.quant_gemv --layer's fused and unfused sequences agree; on a GPU the fused one
+  replays in a CUDA graph.
 Kernels run under Triton's interpreter without a GPU (tests/conftest.py sets TRITON_INTERPRET).
 """
 from __future__ import annotations
@@ -130,3 +132,23 @@ def test_bench_layer_sequence_gives_the_same_output_fused_and_unfused():
     unfused = quant_gemv.w8a8_layer_sequence(layer, x, residual, fused=False)
     assert fused.shape == (5, 64) and torch.isfinite(fused.float()).all()
     assert torch.equal(fused, unfused)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
+def test_the_fused_layer_sequence_replays_in_a_cuda_graph():
+    """The fused kernels size their grids from shapes and sync nothing: captured once, a graph
+    replays new rows to the eager result."""
+    from bench import quant_gemv
+
+    layer = quant_gemv.fp8_layer(dict(qkv_proj=(384, 256), o_proj=(256, 256), gate_up_proj=(1024, 256),
+                                      down_proj=(256, 512)), DEVICE)
+    x, residual = _rows(16, 256, 1), _rows(16, 256, 2)
+    quant_gemv.w8a8_layer_sequence(layer, x, residual, fused=True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = quant_gemv.w8a8_layer_sequence(layer, x, residual, fused=True)
+    x.copy_(_rows(16, 256, 3))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, quant_gemv.w8a8_layer_sequence(layer, x, residual, fused=True))
