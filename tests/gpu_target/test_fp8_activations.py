@@ -152,3 +152,12 @@ def test_the_fused_layer_sequence_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, quant_gemv.w8a8_layer_sequence(layer, x, residual, fused=True))
+
+
+def test_bench_prices_the_w8a8_paths_with_the_quantisation_the_model_pays():
+    from bench.quant_gemv import fastest_as_paid
+
+    times = dict(w8a16=29.1, w8a8=29.8, scaled_mm=50.0)  # W8A8 times with a 4.9 us quantisation in them
+    assert fastest_as_paid(times, 4.9, None) == "w8a16"  # o_proj: its rows quantised apart
+    assert fastest_as_paid(times, 4.9, 1.0) == "w8a8"  # down_proj: SiLU-and-mul emits them for 1 us more
+    assert fastest_as_paid(times, 4.9, 5.0) == "w8a16"
