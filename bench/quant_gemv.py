@@ -9,7 +9,10 @@ microseconds, TB/s of the bytes streamed (quantised weights + scales) and the sp
 bf16. For fp8 at 2..64 rows it also times each kernel side by side: the W8A16 skinny GEMM
 (w8a16_us), the Triton W8A8 GEMM with its fastest of gemv_tiles.py's `W8A8_CANDIDATES`
 (w8a8_us, w8a8_tile; activation quantisation included), `torch._scaled_mm` after the fused
-quantisation (scaled_mm_us), and that quantisation alone (quant_us); ``--write-tiles``
+quantisation (scaled_mm_us), and that quantisation alone (quant_us). The fastest counts the
+quantisation as the model pays it: apart for o_proj; for qkv, gate_up and down, whose norm or
+SiLU-and-mul emits the FP8 rows (gpu_target/fp8_activations.py), that op's extra time over
+its plain kernel (fused_quant_us) instead of quant_us. ``--write-tiles``
 merges the fastest kernel and W8A8 tile per (shape, BLOCK_M) into gpu_target/gemv_tiles.json
 ("fp8_paths", "w8a8"), the table the routing then reads (time at 16, 17 and 64 rows to
 cover BLOCK_M 16, 32 and 64).
@@ -18,9 +21,13 @@ shape and format at M = 1 (GEMV) and M = 17 (skinny, BLOCK_M 32), lists the thre
 and with ``--write-tiles`` writes the fastest into the table as well (BLOCK_M 16 and 64 take
 the M = 17 winner's tile, with the heuristic's pipeline depth at 64). ``--formats fp8``
 times one format; ``--shapes 8b,70b`` adds Llama-3-70B's projections.
+``--layer`` also times one FP8 decoder layer's W8A8 sequence (rotary and attention left out:
+the same either way) at each row count of 2..64, fused (RMSNorm and SiLU-and-mul emit the FP8
+rows, gpu_target/fp8_activations.py; o_proj's quantised apart) against unfused (every
+projection quantises its rows), every projection on the Triton W8A8 GEMM.
 
     python -m bench.quant_gemv --out bench/results [--rows 1,16,17,64,65] [--formats fp8] [--sweep] [--write-tiles]
-                               [--shapes 8b,70b]
+                               [--shapes 8b,70b] [--layer]
 """
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ import torch.nn.functional as F
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from bench.gemv import SHAPES, SKINNY_SWEEP_ROWS, fastest, skinny_tile_fits, tile_label, time_per_call_us
-from gpu_target import fp8_gemm, gemv_tiles
+from gpu_target import fp8_activations, fp8_gemm, fused_ops, gemv_tiles
 from gpu_target.gemv import MAX_STREAMING_ROWS, gemv, linear, skinny_block_m, skinny_gemm, streaming_tile
 from gpu_target.quantization import quantize
 from gpu_target.quantization.linear import QuantizedLinear, w8a8_path
@@ -81,10 +88,40 @@ def fp8_kernels_side_by_side(name: str, x: torch.Tensor, layers: list, copies: i
     except RuntimeError as error:  # a torch build without row-wise _scaled_mm
         print(f"skip {name} scaled_mm m={len(x)}: {error}", flush=True)
     row = {f"{path}_us": round(us, 2) for path, us in times.items()}
-    row["quant_us"] = round(time_per_call_us(lambda i: fp8_gemm.quantize_per_token(x), copies), 2)  # in both W8A8 times
+    quant_us = time_per_call_us(lambda i: fp8_gemm.quantize_per_token(x), copies)  # in both W8A8 times
+    row["quant_us"] = round(quant_us, 2)
+    fused_quant_us = fused_quantisation_us(name, x)
+    if fused_quant_us is not None:
+        row["fused_quant_us"] = round(fused_quant_us, 2)
     if w8a8:
         row.update(w8a8_tile=tile_label(w8a8_tile), w8a8_tile_dict=w8a8_tile)
-    return dict(row, fastest=min(times, key=times.get))
+    return dict(row, fastest=fastest_as_paid(times, quant_us, fused_quant_us))
+
+
+def fastest_as_paid(times: dict, quant_us: float, fused_quant_us: float | None) -> str:
+    """The path of least time with the activation quantisation priced as the model pays it: the
+    W8A8 times include `quant_us`; where the op before fuses it, `fused_quant_us` replaces it."""
+    if fused_quant_us is not None:
+        times = {path: us if path == "w8a16" else us - quant_us + fused_quant_us for path, us in times.items()}
+    return min(times, key=times.get)
+
+
+def fused_quantisation_us(name: str, x: torch.Tensor) -> float | None:
+    """What quantising x's rows costs the model where the op that makes them emits them
+    quantised (gpu_target/fp8_activations.py): that op's time less its plain kernel's, on
+    rows of x's count (add-and-RMSNorm before qkv and gate_up, SiLU-and-mul before down);
+    None for o_proj, whose rows are quantised apart."""
+    projection = name.rsplit("/", 1)[-1]
+    m, k = x.shape
+    if projection in ("qkv_proj", "gate_up_proj"):
+        residual, weight = torch.randn_like(x), torch.ones(k, device=x.device, dtype=x.dtype)
+        fused = time_per_call_us(lambda i: fp8_activations.add_rms_norm_fp8(x, residual, weight, LAYER_EPS), 1)
+        return fused - time_per_call_us(lambda i: fused_ops.add_rms_norm(x, residual, weight, LAYER_EPS), 1)
+    if projection == "down_proj":
+        gate_up = torch.randn(m, 2 * k, device=x.device, dtype=x.dtype)
+        fused = time_per_call_us(lambda i: fp8_activations.silu_and_mul_fp8(gate_up), 1)
+        return fused - time_per_call_us(lambda i: fused_ops.silu_and_mul(gate_up), 1)
+    return None
 
 
 def bench_shape(name: str, n: int, k: int, row_counts: list[int], formats: list[str], sweep: bool, rows: list[dict],
@@ -138,6 +175,64 @@ def bench_shape(name: str, n: int, k: int, row_counts: list[int], formats: list[
         torch.cuda.empty_cache()
 
 
+LAYER_EPS = 1e-5
+
+
+def fp8_layer(shapes: dict, device: torch.device) -> dict:
+    """One decoder layer's FP8 projections (`QuantizedLinear`s by name) and norm weights, random."""
+    layer = {name: layer_of(quantize(torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02, "fp8"))
+             for name, (n, k) in shapes.items()}
+    hidden = shapes["o_proj"][0]
+    for name in ("input_norm", "post_norm"):
+        layer[name] = (torch.rand(hidden, device=device) + 0.5).to(torch.bfloat16)
+    return layer
+
+
+def w8a8_layer_sequence(layer: dict, x: torch.Tensor, residual: torch.Tensor, fused: bool) -> torch.Tensor:
+    """down_proj's output of one decoder layer on the W8A8 path, every projection on the Triton
+    GEMM; qkv's first o_proj-input columns stand in for attention's output. Fused: the norms and
+    SiLU-and-mul emit FP8 rows; unfused: `fp8_gemm.w8a8_gemm` quantises each projection's rows."""
+    qkv_proj, o_proj, gate_up_proj, down_proj = (layer[name] for name in SHAPES if name != "lm_head")
+    if fused:
+        rows, residual = fp8_activations.add_rms_norm_fp8(x, residual, layer["input_norm"], LAYER_EPS)
+        qkv = qkv_proj.forward_fp8(rows, "w8a8")
+    else:
+        normed, residual = fused_ops.add_rms_norm(x, residual, layer["input_norm"], LAYER_EPS, use_triton=True)
+        qkv = fp8_gemm.w8a8_gemm(normed, qkv_proj.quantized)
+    attended = fp8_gemm.w8a8_gemm(qkv[:, : o_proj.in_features], o_proj.quantized)
+    if fused:
+        rows, residual = fp8_activations.add_rms_norm_fp8(attended, residual, layer["post_norm"], LAYER_EPS)
+        gate_up = gate_up_proj.forward_fp8(rows, "w8a8")
+        return down_proj.forward_fp8(fp8_activations.silu_and_mul_fp8(gate_up), "w8a8")
+    normed, residual = fused_ops.add_rms_norm(attended, residual, layer["post_norm"], LAYER_EPS, use_triton=True)
+    gate_up = fp8_gemm.w8a8_gemm(normed, gate_up_proj.quantized)
+    return fp8_gemm.w8a8_gemm(fused_ops.silu_and_mul(gate_up, use_triton=True), down_proj.quantized)
+
+
+def bench_layer_sequence(row_counts: list[int]) -> list[dict]:
+    """`w8a8_layer_sequence` fused and unfused on Llama-3-8B's shapes, each call reading
+    another copy of the layer's weights."""
+    shapes = {name: shape for name, shape in SHAPES.items() if name != "lm_head"}
+    one = fp8_layer(shapes, torch.device("cuda"))
+    layer_bytes = sum(one[name].quantized.nbytes for name in shapes)
+    copies = max(2, int(2e9 // layer_bytes))
+    layers = [one] + [fp8_layer(shapes, torch.device("cuda")) for _ in range(copies - 1)]
+    rows = []
+    for m in (m for m in row_counts if 1 < m <= MAX_STREAMING_ROWS):
+        x = torch.randn(m, shapes["o_proj"][0], device="cuda", dtype=torch.bfloat16)
+        residual = torch.randn_like(x)
+        times = {fused: time_per_call_us(lambda i, f=fused: w8a8_layer_sequence(layers[i], x, residual, f), copies)
+                 for fused in (False, True)}
+        same = torch.equal(w8a8_layer_sequence(one, x, residual, True), w8a8_layer_sequence(one, x, residual, False))
+        rows.append(dict(m=m, unfused_us=round(times[False], 2), fused_us=round(times[True], 2),
+                         saved_us=round(times[False] - times[True], 2), speedup=round(times[False] / times[True], 3),
+                         bit_identical=same, GB_per_layer=round(layer_bytes / 1e9, 3)))
+        print(rows[-1], flush=True)
+    layers.clear()
+    torch.cuda.empty_cache()
+    return rows
+
+
 def tile_table(best: list[dict]) -> dict:
     """gemv_tiles.json's content: each (format, shape)'s fastest GEMV tile, its fastest skinny
     tile at M = 17 for BLOCK_M 16 and 32, and at M = 64 for BLOCK_M 64. A shape swept at 17
@@ -178,10 +273,12 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--rows", default="1,17,64,65")
     parser.add_argument("--shapes", default="8b", help="8b, 70b or 8b,70b: the Llama-3 projections timed")
-    parser.add_argument("--formats", default=",".join(FORMATS), help="fp8, int4 or fp8,int4")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="fp8, int4, fp8,int4 or '' (with --layer: that alone)")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--write-tiles", action="store_true",
                         help=f"merge the fastest FP8 kernels (and the sweep's tiles) into {gemv_tiles.TABLE_PATH}")
+    parser.add_argument("--layer", action="store_true",
+                        help="also time one FP8 decoder layer's W8A8 sequence, fused quantisation vs unfused")
     args = parser.parse_args(argv)
     row_counts = [int(m) for m in args.rows.split(",")]
     if not torch.cuda.is_available():
@@ -193,11 +290,16 @@ def main(argv=None) -> None:
                 shapes[f"{size}/{name}"] = shape
     rows: list[dict] = []
     best: list[dict] = []
-    for name, (n, k) in shapes.items():
-        bench_shape(name, n, k, row_counts, args.formats.split(","), args.sweep, rows, best)
+    formats = [f for f in args.formats.split(",") if f]
+    for name, (n, k) in shapes.items() if formats else ():
+        bench_shape(name, n, k, row_counts, formats, args.sweep, rows, best)
+    layer_rows = bench_layer_sequence(row_counts) if args.layer else []
     shown = [{k: v for k, v in r.items() if k not in ("n", "k", "w8a8_tile_dict")} for r in rows]
     body = ["## QuantizedLinear (the kernel it routes to: path) vs bf16 linear(); fp8 at 2..64 rows: each kernel, "
             "the tables' tiles before this run", "", *markdown_table(shown), ""]
+    if layer_rows:
+        body += ["## one 8b FP8 decoder layer's W8A8 sequence without attention: quantisation fused into RMSNorm and "
+                 "SiLU-and-mul (8 kernels) vs apart (11 kernels)", "", *markdown_table(layer_rows), ""]
     if best:
         body += [f"## sweep: the three fastest tiles per shape and format (M = 1 GEMV, M = {' and '.join(map(str, SKINNY_SWEEP_ROWS))} skinny)", "",
                  *markdown_table([{k: v for k, v in r.items() if k not in ("hetero_us", "tile_dict")} for r in best]), ""]
@@ -220,7 +322,7 @@ def main(argv=None) -> None:
             print(f"wrote {gemv_tiles.TABLE_PATH}")
     hidden = ("tile_dict", "w8a8_tile_dict")
     print(write_markdown_and_json(stem, "Quantised kernels vs bf16 (Llama-3 projections)", command, info,
-                                  [{k: v for k, v in r.items() if k not in hidden} for r in rows + best], body))
+                                  [{k: v for k, v in r.items() if k not in hidden} for r in rows + best + layer_rows], body))
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ def make_batch_invariant(model: CausalLM) -> None:
     Attention is the caller's attention function: pass `batch_invariant_attention`.
     """
     for layer in model.layers:
+        layer.fuse_fp8_quantization = False  # the norms and the MLP take and give model-dtype rows
         _run_per_row(layer.input_layernorm, "forward", "add_and_norm")
         _run_per_row(layer.post_attention_layernorm, "add_and_norm")
         _run_per_row(layer.self_attn.qkv_proj, "forward")

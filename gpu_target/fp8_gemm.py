@@ -81,15 +81,28 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, FP8_MAX: tl.co
     for start in range(BLOCK_K, K, BLOCK_K):
         more = tl.load(x_ptr + row * stride_xm + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(more))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)  # IEEE division, as torch's
+    scale = _token_scale(tl.max(amax, axis=0), FP8_MAX, MIN_SCALE)
     tl.store(s_ptr + row, scale)
     for start in range(0, K, BLOCK_K):
         if start > 0:
             x = tl.load(x_ptr + row * stride_xm + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-        if ROUND_IN_FP32:
-            v = _round_to_e4m3(v)
-        tl.store(q_ptr + row * K + start + cols, v.to(q_ptr.dtype.element_ty), mask=start + cols < K)
+        tl.store(q_ptr + row * K + start + cols, _e4m3_codes(x, scale, q_ptr, FP8_MAX, ROUND_IN_FP32), mask=start + cols < K)
+
+
+@device_function
+def _token_scale(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """A row's scale from its amax: amax / 448 (IEEE division, as torch's), at least MIN_SCALE.
+    Shared with the kernels that emit their output quantised (gpu_target/fp8_activations.py)."""
+    return tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
+
+
+@device_function
+def _e4m3_codes(x, scale, q_ptr, FP8_MAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """x (fp32) / scale saturated to +-448 and rounded to q_ptr's E4M3 type, nearest even."""
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    if ROUND_IN_FP32:
+        v = _round_to_e4m3(v)
+    return v.to(q_ptr.dtype.element_ty)
 
 
 @device_function
@@ -114,7 +127,14 @@ def scaled_mm_applies(x: torch.Tensor, weight: Fp8Weight) -> bool:
 def scaled_mm(x: torch.Tensor, weight: Fp8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x W^T (+ bias) in W8A8: `quantize_per_token`, then `torch._scaled_mm`."""
     codes, scales = quantize_per_token(x)
-    out = torch._scaled_mm(codes, weight.qweight.t(), scale_a=scales, scale_b=weight.scales.view(1, -1), out_dtype=x.dtype)
+    return scaled_mm_quantized(codes, scales, weight, bias, x.dtype)
+
+
+def scaled_mm_quantized(codes: torch.Tensor, x_scales: torch.Tensor, weight: Fp8Weight, bias: Optional[torch.Tensor],
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """The product of `scaled_mm` on already quantised rows (codes [M, K], x_scales float32 [M, 1])."""
+    out = torch._scaled_mm(codes, weight.qweight.t(), scale_a=x_scales, scale_b=weight.scales.view(1, -1),
+                           out_dtype=out_dtype)
     return out if bias is None else out + bias  # added apart: not every build takes a bias with row-wise scales
 
 

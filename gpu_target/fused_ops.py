@@ -184,6 +184,18 @@ def _rms_norm_kernel(
     """One program per row; outputs are contiguous rows of ``hidden`` elements."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
+    out = _add_rms_norm_row(x_ptr, residual_ptr, weight_ptr, new_residual_ptr, row, cols, hidden, eps, stride_x_row,
+                            stride_x_col, stride_res_row, stride_res_col, stride_w, HAS_RESIDUAL)
+    tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=cols < hidden)
+
+
+@device_function
+def _add_rms_norm_row(x_ptr, residual_ptr, weight_ptr, new_residual_ptr, row, cols, hidden, eps, stride_x_row,
+                      stride_x_col, stride_res_row, stride_res_col, stride_w, HAS_RESIDUAL: tl.constexpr):
+    """weight * RMSNorm(x (+ residual)) of one row in fp32, before its rounding to the output
+    dtype (zero past ``hidden``); with a residual the rounded sum is stored as the new residual.
+    Shared with gpu_target/fp8_activations.py's kernel, which quantises the row instead of
+    storing it: launched with the same BLOCK and warps, both sum the squares alike."""
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x_row + cols * stride_x_col, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -195,8 +207,7 @@ def _rms_norm_kernel(
     inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_square + eps))
     normed = (x32 * inv_rms).to(x.dtype)
     weight = tl.load(weight_ptr + cols * stride_w, mask=mask, other=0.0)
-    out = weight.to(tl.float32) * normed.to(tl.float32)
-    tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    return weight.to(tl.float32) * normed.to(tl.float32)
 
 
 # --------------------------------------------------------------------------- rotary

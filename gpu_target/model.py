@@ -13,8 +13,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from gpu_target import fused_ops, gemv
+from gpu_target import fp8_activations, fused_ops, gemv
 from gpu_target.attention import AttentionMetadata, reference_attention
+from gpu_target.fp8_activations import Fp8Rows
 from gpu_target.gguf_checkpoint import ROPE_FREQ_FACTORS_NAME
 from gpu_target.model_config import ModelConfig
 from gpu_target.quantization import contains_quantized
@@ -78,6 +79,14 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual): the residual stream's add fused into the norm."""
         return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
+    def forward_fp8(self, x: torch.Tensor) -> Fp8Rows:
+        """`forward`'s rows quantised per token to E4M3, in one kernel, for a W8A8 projection."""
+        return fp8_activations.rms_norm_fp8(x, self.weight, self.eps)
+
+    def add_and_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[Fp8Rows, torch.Tensor]:
+        """`add_and_norm` with the normed rows quantised per token to E4M3, in one kernel."""
+        return fp8_activations.add_rms_norm_fp8(x, residual, self.weight, self.eps)
+
 
 class Linear(nn.Linear):
     """nn.Linear whose products of 1..64 rows on the GPU stream W through Triton kernels
@@ -108,6 +117,14 @@ def _fuses_epilogue(x: torch.Tensor, projection: nn.Module) -> bool:
     return x.shape[0] == 1 or not isinstance(weight, torch.Tensor) or gemv.skinny_wins(x.shape[0], weight.shape[0])
 
 
+def _fp8_input_path(x: torch.Tensor, projection: nn.Module) -> Optional[str]:
+    """The W8A8 kernel (`w8a8_path`) `projection` takes for rows like x (their count, dtype
+    and device), or None: where it names one, the op before the projection emits its rows
+    quantised per token (gpu_target/fp8_activations.py) and the projection's `forward_fp8` takes them."""
+    weight = _streamed_weight(projection)
+    return None if weight is None else w8a8_path(x, weight)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -116,8 +133,11 @@ class Attention(nn.Module):
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
         self.scale = config.head_dim**-0.5
 
-    def forward(self, x, positions, rotary, kv_cache, meta, attention_fn: AttentionFn):
+    def forward(self, x, positions, rotary, kv_cache, meta, attention_fn: AttentionFn, fp8_path: Optional[str] = None):
+        """x: the normed rows, or with `fp8_path` (`_fp8_input_path` of qkv_proj) those rows quantised (`Fp8Rows`)."""
         c = self.config
+        if fp8_path is not None:
+            return self._attend(self.qkv_proj.forward_fp8(x, fp8_path), positions, rotary, kv_cache, meta, attention_fn)
         fused = _fuses_epilogue(x, self.qkv_proj)
         weight = _streamed_weight(self.qkv_proj)
         rotary_fused = fused and gemv.rotary_fits(x.shape[0], weight, c.head_dim)
@@ -130,13 +150,18 @@ class Attention(nn.Module):
             q = gemv.skinny_gemm_rotary_and_store_kv(x, weight, self.qkv_proj.bias, rotary.cos,
                                                      rotary.sin, positions, *kv_cache, meta.slot_mapping, c.num_heads)
         else:
-            q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q = q.view(-1, c.num_heads, c.head_dim)
-            k = k.view(-1, c.num_kv_heads, c.head_dim)
-            v = v.view(-1, c.num_kv_heads, c.head_dim)
-            q = rotary.rotate_and_store_kv(positions, q, k, v, kv_cache, meta.slot_mapping)
-        out = attention_fn(q, *kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, c.q_size))
+            return self._attend(self.qkv_proj(x), positions, rotary, kv_cache, meta, attention_fn)
+        return self.o_proj(attention_fn(q, *kv_cache, meta, self.scale).reshape(-1, c.q_size))
+
+    def _attend(self, qkv, positions, rotary, kv_cache, meta, attention_fn: AttentionFn) -> torch.Tensor:
+        """o_proj of attention over qkv's rotated q and the cache, once rotated k and v are written."""
+        c = self.config
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)
+        k = k.view(-1, c.num_kv_heads, c.head_dim)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        q = rotary.rotate_and_store_kv(positions, q, k, v, kv_cache, meta.slot_mapping)
+        return self.o_proj(attention_fn(q, *kv_cache, meta, self.scale).reshape(-1, c.q_size))
 
 
 class MLP(nn.Module):
@@ -145,11 +170,21 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fuses_epilogue(x, self.gate_up_proj):
+    def forward(self, x, fp8_path: Optional[str] = None, fuse_fp8_quantization: bool = False) -> torch.Tensor:
+        """x: the normed rows, or with `fp8_path` (`_fp8_input_path` of gate_up_proj) those rows
+        quantised (`Fp8Rows`). With `fuse_fp8_quantization`, SiLU-and-mul emits its rows
+        quantised where down_proj takes a W8A8 kernel."""
+        if fp8_path is not None:
+            gate_up = self.gate_up_proj.forward_fp8(x, fp8_path)
+        elif _fuses_epilogue(x, self.gate_up_proj):
             fused = gemv.gemv_silu_and_mul if x.shape[0] == 1 else gemv.skinny_gemm_silu_and_mul
             return self.down_proj(fused(x, _streamed_weight(self.gate_up_proj)))
-        return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
+        else:
+            gate_up = self.gate_up_proj(x)
+        down_path = _fp8_input_path(gate_up, self.down_proj) if fuse_fp8_quantization else None
+        if down_path is not None:
+            return self.down_proj.forward_fp8(fp8_activations.silu_and_mul_fp8(gate_up), down_path)
+        return self.down_proj(fused_ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -160,6 +195,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        # Where a projection takes a W8A8 kernel, the norm or SiLU-and-mul before it emits its
+        # rows quantised (gpu_target/fp8_activations.py); False quantises them apart (bench.quant_gemv
+        # compares; batch_invariant.py runs the MLP row by row on the model dtype's rows).
+        self.fuse_fp8_quantization = True
 
     def forward(self, x, residual, positions, rotary, kv_cache, meta, attention_fn):
         """(this layer's MLP output, the residual stream before it is added).
@@ -168,13 +207,18 @@ class DecoderLayer(nn.Module):
         ``residual=None`` and the embeddings as ``x``; the model's final norm adds the last
         layer's output.
         """
+        qkv_path = _fp8_input_path(x, self.self_attn.qkv_proj) if self.fuse_fp8_quantization else None
+        norm = self.input_layernorm
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, norm(x) if qkv_path is None else norm.forward_fp8(x)
         else:
-            x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.tp.all_reduce(self.self_attn(x, positions, rotary, kv_cache, meta, attention_fn))
-        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.tp.all_reduce(self.mlp(x)), residual
+            x, residual = norm.add_and_norm(x, residual) if qkv_path is None else norm.add_and_norm_fp8(x, residual)
+        x = self.tp.all_reduce(self.self_attn(x, positions, rotary, kv_cache, meta, attention_fn, qkv_path))
+        gate_up_path = _fp8_input_path(x, self.mlp.gate_up_proj) if self.fuse_fp8_quantization else None
+        norm = self.post_attention_layernorm
+        x, residual = norm.add_and_norm(x, residual) if gate_up_path is None else norm.add_and_norm_fp8(x, residual)
+        out = self.mlp(x, gate_up_path, fuse_fp8_quantization=True) if self.fuse_fp8_quantization else self.mlp(x)
+        return self.tp.all_reduce(out), residual
 
 
 class CausalLM(nn.Module):

@@ -9,7 +9,9 @@
   measured by `python -m bench.quant_gemv --write-tiles` (default: the Triton W8A8 GEMM,
   `fp8_gemm.w8a8_gemm`): "w8a16" (`gemv.skinny_gemm`), "w8a8" or "scaled_mm" (x quantised
   per token, then FP8 x FP8, as vLLM's fp8 runs every size). `w8a8_path` is the rule; the
-  model's fused skinny kernels (W8A16) serve a projection only where it names none.
+  model's fused skinny kernels (W8A16) serve a projection only where it names none, and
+  where it names one the model feeds the projection rows its norm or SiLU-and-mul kernel
+  quantised already (gpu_target/fp8_activations.py, through `forward_fp8`).
 - more rows, FP8 on CUDA in bf16: `fp8_gemm.scaled_mm` (W8A8, per-token activation scales).
 - otherwise (the CPU, 4-bit prefill): W dequantised to x's dtype, then F.linear.
 """
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_target import fp8_gemm, gemv, gemv_tiles
+from gpu_target.fp8_activations import Fp8Rows
 from gpu_target.quantization import QuantizedWeight, fp8
 
 
@@ -60,6 +63,15 @@ class QuantizedLinear(nn.Module):
         if gemv.streaming_applies(x, weight):
             return gemv.gemv(x, weight, self.bias) if x.shape[0] == 1 else gemv.skinny_gemm(x, weight, self.bias)
         return F.linear(x, weight.dequantize(x.dtype), self.bias)
+
+    def forward_fp8(self, x: Fp8Rows, path: str) -> torch.Tensor:
+        """x W^T (+ b) of rows quantised per token already, by `path`'s W8A8 kernel: what
+        `forward` computes of the unquantised rows where `w8a8_path` names `path` for them."""
+        if path == "w8a8":
+            return fp8_gemm.w8a8_gemm_quantized(x.codes, x.scales, self.quantized, self.bias, x.dtype)
+        if path == "scaled_mm":
+            return fp8_gemm.scaled_mm_quantized(x.codes, x.scales, self.quantized, self.bias, x.dtype)
+        raise ValueError(f"forward_fp8: {path!r} is no W8A8 path (w8a8, scaled_mm)")
 
     def extra_repr(self) -> str:
         kind = type(self.quantized).__name__ if self.quantized is not None else "empty"
