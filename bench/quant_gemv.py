@@ -314,9 +314,10 @@ def main(argv=None) -> None:
             json.dump(found, f, indent=1)
         if args.write_tiles:
             table = json.loads(json.dumps(gemv_tiles.measured_tiles()))  # a copy of the table as it stands
-            table.update(gpu=info["gpu"], command=command, **(tile_table(best) if best else {}))
-            for section in ("fp8_paths", "w8a8"):
-                table[section] = {**table.get(section, {}), **measured[section]}
+            table.update(gpu=info["gpu"], command=command)
+            swept = tile_table(best) if best else {}
+            for section, entries in (*swept.items(), *measured.items()):  # formats and shapes not run keep their entries
+                table[section] = {**table.get(section, {}), **entries}
             with open(gemv_tiles.TABLE_PATH, "w", encoding="utf-8") as f:
                 json.dump(table, f, indent=1)
             print(f"wrote {gemv_tiles.TABLE_PATH}")

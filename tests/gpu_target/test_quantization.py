@@ -354,13 +354,43 @@ def test_quantized_skinny_gemm_small_tiles_and_strided_rows(w_first):
     torch.testing.assert_close(got.float(), expected, **_tolerance(torch.bfloat16, "int4"))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", *FORMATS])
+@pytest.mark.parametrize("n,k,tile", [(37, 296, dict(block_n=8, block_k=64, split_k=3)),
+                                      (64, 256, dict(block_n=16, block_k=128, split_k=2)),
+                                      (6, 2056, dict(block_n=4, block_k=512, split_k=5))])
+def test_split_k_gemv_matches_dequantised_matmul_and_resets_its_counters(fmt, n, k, tile):
+    """K split in shares (the last share short or empty, K past the last whole tile, N past the
+    last whole row tile): the last program of each row tile sums the shares."""
+    if fmt == "bf16":
+        x, quantized, b, _ = _kernel_case("fp8", 1, n, k, torch.bfloat16, True)
+        weight = quantized.dequantize(torch.bfloat16)
+        expected = F.linear(x.float(), weight.float(), b.float())
+    else:
+        x, weight, b, expected = _kernel_case(fmt, 1, n, k, torch.bfloat16, True)
+    got = gemv.gemv(x, weight, b, num_warps=1, **tile)
+    torch.testing.assert_close(got.float(), expected, **_tolerance(torch.bfloat16, fmt))
+    assert not gemv.split_counters(x.device).any()
+
+
+def test_int4_gemv_reads_x_at_any_offset():
+    """The 4-bit GEMV loads x eight bytes at a time: a view that starts between them is copied."""
+    x, weight, _, expected = _kernel_case("int4-asym", 1, 16, 256, torch.bfloat16, False)
+    wide = torch.zeros(1, 257, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, 1:] = x
+    view = wide[:, 1:]
+    assert view.data_ptr() % 8
+    torch.testing.assert_close(gemv.gemv(view, weight).float(), expected, **_tolerance(torch.bfloat16, "int4"))
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int4-g32"])
-def test_quantized_fused_gemvs_with_several_pairs_a_program_equal_gemv_then_the_op(fmt):
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_quantized_fused_gemvs_with_several_pairs_a_program_equal_gemv_then_the_op(fmt, split_k):
     """The fused GEMVs take the quantised GEMV's tile, 4 row pairs a program here (the model's
-    tiny shapes get 1): bit for bit the GEMV followed by the op's own kernel."""
+    tiny shapes get 1), K whole or split in 3 shares: bit for bit the GEMV followed by the op's
+    own kernel."""
     from gpu_target import fused_ops
 
-    tile = dict(block_n=8, block_k=32, num_warps=1)
+    tile = dict(block_n=8, block_k=32, num_warps=1, split_k=split_k)
     x, weight, _, _ = _kernel_case(fmt, 1, 18, 96, torch.bfloat16, False)  # 9 gate/up pairs: a part-filled program
     expected = fused_ops.silu_and_mul(gemv.gemv(x * 4, weight, **tile), use_triton=True)
     assert torch.equal(gemv.gemv_silu_and_mul(x * 4, weight, **tile), expected)
@@ -610,8 +640,13 @@ def test_quantized_tiles_come_from_the_sweeps_table_else_the_heuristic(tmp_path)
     assert table["skinny"][gemv_tiles.skinny_key("int4", 6144, 4096, 32)] == skinny_tile
     assert gemv_tiles.gemv_tile(gemv.FP8, 4096, 4096, table) == gemv_tiles.heuristic_gemv_tile("fp8", 4096, 4096)
     assert gemv_tiles.heuristic_gemv_tile("fp8", 6144, 4096)["block_n"] == 8
-    assert gemv_tiles.heuristic_gemv_tile("int4", 4096, 4096)["block_n"] == 16
-    assert gemv_tiles.heuristic_gemv_tile("int4", 2048, 4096)["block_n"] == 8  # 16 rows: 128 programs, < 132 SMs
+    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)):  # Llama-3-8B: 4 rows of 4 words a thread
+        tile = gemv_tiles.heuristic_gemv_tile("int4", n, k)
+        assert (tile["block_n"], tile["block_k"], tile["num_warps"]) == (64, 256, 2)
+        assert n // 64 * tile["split_k"] >= 3 * gemv_tiles.SMS and k // tile["split_k"] >= 2 * 256  # 4 per SM, or 2 K tiles
+    assert gemv_tiles.heuristic_gemv_tile("int4", 28672, 4096)["split_k"] == 2  # 448 row tiles already
+    assert gemv_tiles.heuristic_gemv_tile("int4", 96, 256) == dict(block_n=16, block_k=256, num_warps=2, num_stages=1,
+                                                                  split_k=1)  # a small model's: 6 programs, one K tile
     assert gemv_tiles.heuristic_gemv_tile("fp8", 64, 256)["block_n"] == 2
 
 
