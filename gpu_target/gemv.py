@@ -376,11 +376,14 @@ def _int4_gemv_segment(acc, x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K
     W is loaded as it is stored, [BLOCK_N, words] int32 (eight codes a word, column 8j + i
     in nibble i), so each thread loads several consecutive words as one vector, and is
     unpacked one nibble position at a time: nibble i of every word is a [BLOCK_N, words]
-    tile whose x is x[start + 8j + i]. A code q placed in the mantissa of 1.0 reads
-    1 + q/16 (`_int4_tile`); its product with x is exact in fp32, so one FMA a code sums
-    G = sum_i (1 + q_i/16) x_i = X + (sum_i q_i x_i) / 16 over a word's eight codes, X being
-    their x's sum. The group's scale and zero point then apply once a word:
-    sum_i (q_i - z) s x_i = s (16 G - (16 + z) X)."""
+    tile whose x is x[start + 8j + i]. A code q placed in the mantissa of 1.0 reads 1 + q/16
+    at bits 19..22 (`_int4_tile`) or 1 + q/256 at bits 15..18, so one shift serves two codes,
+    an odd and an even nibble, and one LOP3 each makes the float. Its product with a bf16 or
+    fp16 x is exact in fp32, so one FMA a code sums, over a word's codes,
+    G = sum_odd (1 + q_i/16) x_i and H = sum_even (1 + q_i/256) x_i; with their x's sums
+    X_odd and X_even, sum_i q_i x_i = 16 (G - X_odd) + 256 (H - X_even), and the group's
+    scale and zero point apply once a word: sum_i (q_i - z) s x_i = s (16 G + 256 H - (16 X_odd
+    + 256 X_even + z X)). (The sums of x are the same for every row a thread holds.)"""
     words = tl.multiple_of(start // 8, WIDTH // 8) + tl.arange(0, WIDTH // 8)  # segments start at multiples of WIDTH
     # With K a multiple of the tile (EVEN_K) a segment lies wholly inside K or past it: a mask
     # constant along the words lets each thread load its words as one vector.
@@ -394,31 +397,38 @@ def _int4_gemv_segment(acc, x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K
         zero = tl.load(z_ptr + group, mask=group_mask, other=0).to(tl.float32)[:, None]
     else:
         zero = 8.0  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
-    # The mask is read from a register (stride_wn >> 31 is 0, but the compiler cannot fold
-    # it), so the and-or is one LOP3 (an instruction holds one immediate).
-    mask = 0x00780000 | (stride_wn >> 31)
+    # The masks are read from registers (shifted by stride_wn >> 31, which is 0 but which the
+    # compiler cannot fold), so each and-or is one LOP3 (an instruction holds one immediate).
+    high = tl.full([1], 0x00780000, tl.int32) >> (stride_wn >> 31)  # bits 19..22: 1 + q/16
+    low = tl.full([1], 0x00078000, tl.int32) >> (stride_wn >> 31)  # bits 15..18: 1 + q/256
     # x is read four columns (8 bytes) at a time, its word's first and second halves.
     x_quads = x_ptr.to(tl.pointer_type(tl.int64)) + words * 2
     g = tl.zeros_like(acc)
-    x_sum = tl.zeros([WIDTH // 8], dtype=tl.float32)
+    h = tl.zeros_like(acc)
+    x_odd = tl.zeros([WIDTH // 8], dtype=tl.float32)
+    x_even = tl.zeros([WIDTH // 8], dtype=tl.float32)
     for half in tl.static_range(2):
         quad = tl.load(x_quads + half, mask=word_mask, other=0)
         for pair in tl.static_range(2):
-            bits = (quad >> (32 * pair)).to(tl.int32)
-            for odd in tl.static_range(2):
-                i = 4 * half + 2 * pair + odd
-                if x_ptr.dtype.element_ty == tl.bfloat16:  # a bf16's bits are the top half of its fp32's
-                    x = ((bits & -65536) if odd else (bits << 16)).to(tl.float32, bitcast=True)
-                else:
-                    x = (bits >> (16 * odd)).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
-                if 4 * i < 19:
-                    nibble = packed << (19 - 4 * i)
-                else:
-                    nibble = packed >> (4 * i - 19)
-                one_plus = ((nibble & mask) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 16
-                g = tl.fma(one_plus, x[None, :], g)
-                x_sum += x
-    return tl.fma(scale, tl.fma(g, 16.0, -(16.0 + zero) * x_sum[None, :]), acc)
+            bits = (quad >> (32 * pair)).to(tl.int32)  # the x of nibbles 2n (low half) and 2n + 1
+            n = 2 * half + pair
+            if x_ptr.dtype.element_ty == tl.bfloat16:  # a bf16's bits are the top half of its fp32's
+                even = (bits << 16).to(tl.float32, bitcast=True)
+                odd = (bits & -65536).to(tl.float32, bitcast=True)
+            else:
+                even = bits.to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+                odd = (bits >> 16).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+            # nibble 2n + 1 to bits 19..22, nibble 2n to bits 15..18: a shift by 15 - 8n
+            if n < 2:
+                nibbles = packed << (15 - 8 * n)
+            else:
+                nibbles = packed >> (8 * n - 15)
+            g = tl.fma(((nibbles & high) | 0x3F800000).to(tl.float32, bitcast=True), odd[None, :], g)
+            h = tl.fma(((nibbles & low) | 0x3F800000).to(tl.float32, bitcast=True), even[None, :], h)
+            x_odd += odd
+            x_even += even
+    ones = (16.0 * x_odd + 256.0 * x_even)[None, :]  # what the 1s of 1 + q/16 and 1 + q/256 added
+    return tl.fma(scale, tl.fma(h, 256.0, tl.fma(g, 16.0, -tl.fma(zero, (x_odd + x_even)[None, :], ones))), acc)
 
 
 @device_function

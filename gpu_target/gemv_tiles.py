@@ -11,8 +11,8 @@ per shape. A shape it lacks takes `heuristic_gemv_tile` / `heuristic_skinny_tile
   FP8: 8 rows over 1024 columns a program, fewer rows where N leaves fewer programs than
   SMs. 4-bit: the GEMV's instructions per code, not bytes, bound it (gemv.py's
   `_int4_gemv_segment`); its x work (load, conversion, sum) is per thread and column, so
-  each thread should own several rows of the same columns: 64 rows over 256 columns on 2
-  warps (4 rows of 4 words a thread), which leaves a 4096-row matrix only 64 programs, so K
+  each thread should own several rows of the same columns: 128 rows over 128 columns on 2
+  warps (8 rows of 4 words a thread), which leaves a 4096-row matrix only 32 programs, so K
   is split (`split_k`: deterministic, gemv.py's `_split_sum`) until the programs are
   4 per SM, each share at least two K tiles.
 - skinny GEMM (2..64 rows): gemv.py's bf16 tile has 64 W rows a program, which leaves a
@@ -54,8 +54,9 @@ GEMV_CANDIDATES = [
     # split K: more rows a thread (the 4-bit GEMV's x work is per thread and column), programs from K shares
     dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=1, split_k=split_k)
     for block_n, block_k, warps, split_k in (
-        (16, 512, 1, 4), (32, 256, 1, 4), (32, 256, 1, 8), (32, 512, 2, 4), (64, 256, 2, 2), (64, 256, 2, 4),
-        (64, 256, 2, 8), (64, 256, 2, 16), (64, 512, 4, 4), (128, 128, 4, 4), (128, 256, 4, 4), (128, 256, 4, 8),
+        (32, 256, 1, 4), (32, 256, 1, 8), (64, 256, 2, 2), (64, 256, 2, 4), (64, 256, 2, 8), (64, 256, 2, 16),
+        (64, 128, 1, 8), (128, 128, 2, 2), (128, 128, 2, 4), (128, 128, 2, 8), (128, 128, 2, 16), (128, 256, 2, 4),
+        (128, 128, 4, 4), (128, 256, 4, 8),
     )
 ]
 SKINNY_CANDIDATES = [
@@ -98,7 +99,7 @@ def skinny_key(fmt: str, n: int, k: int, block_m: int) -> str:
 
 def heuristic_gemv_tile(fmt: str, n: int, k: int) -> dict:
     """See the module docstring: 8 FP8 rows over 1024 columns, halved while that leaves fewer
-    programs than SMs; 64 4-bit rows over 256 columns on 2 warps, K split in up to 16 shares
+    programs than SMs; 128 4-bit rows over 128 columns on 2 warps, K split in up to 16 shares
     (a power of two) while the programs are fewer than 4 per SM and each share keeps two K
     tiles (fewer rows for a matrix of under 256)."""
     if fmt == "fp8":
@@ -106,7 +107,7 @@ def heuristic_gemv_tile(fmt: str, n: int, k: int) -> dict:
         while block_n > 2 and n // block_n < SMS:
             block_n //= 2
         return dict(block_n=block_n, block_k=min(1024, _k_span(k)), num_warps=4, num_stages=1, split_k=1)
-    block_n, block_k = 64, min(256, _k_span(k))
+    block_n, block_k = 128, min(128, _k_span(k))
     while block_n > 2 and n < 4 * block_n:
         block_n //= 2
     split_k = 1

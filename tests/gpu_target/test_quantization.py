@@ -372,6 +372,33 @@ def test_split_k_gemv_matches_dequantised_matmul_and_resets_its_counters(fmt, n,
     assert not gemv.split_counters(x.device).any()
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_int4_gemv_is_exact_where_every_product_and_sum_is(symmetric, dtype, split_k):
+    """Small integer x, power-of-two scales, every code and zero point: each (q - z) s x and
+    every partial sum is exact in fp32, so the GEMV's rearranged sums (`_int4_gemv_segment`:
+    codes read as 1 + q/16 and 1 + q/256, the 1s taken off per word) must equal the exact
+    product, rounded once, whichever nibble each code sits in. (Triton's interpreter rounds
+    fp32 to bf16 toward zero, not to nearest: there bf16 results may sit one ulp below.)"""
+    generator = torch.Generator().manual_seed(7)
+    n, k, group = 24, 512, 128
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    codes[0] = torch.arange(k) % 16  # every code in every nibble
+    scales = (2.0 ** torch.randint(-6, 0, (n, k // group), generator=generator)).half()
+    zeros = None if symmetric else torch.randint(0, 16, (n, k // group), generator=generator, dtype=torch.uint8)
+    weight = int4.Int4Weight(int4.pack_nibbles(codes).to(DEVICE), scales.to(DEVICE),
+                             None if zeros is None else zeros.to(DEVICE), group)
+    x = torch.randint(-4, 5, (1, k), generator=generator).to(DEVICE, dtype)
+    exact = x.double() @ weight.dequantize(torch.float32).double().t()
+    got = gemv.gemv(x, weight, block_n=8, block_k=256, num_warps=1, split_k=split_k)
+    if dtype == torch.bfloat16 and gemv._interpreting():
+        torch.testing.assert_close(got.double(), exact, rtol=2.0**-7, atol=0)
+        assert torch.equal(got.double(), exact.float().to(dtype).double()) or (got.double().abs() <= exact.abs()).all()
+    else:
+        assert torch.equal(got, exact.to(dtype))
+
+
 def test_int4_gemv_reads_x_at_any_offset():
     """The 4-bit GEMV loads x eight bytes at a time: a view that starts between them is copied."""
     x, weight, _, expected = _kernel_case("int4-asym", 1, 16, 256, torch.bfloat16, False)
@@ -640,13 +667,15 @@ def test_quantized_tiles_come_from_the_sweeps_table_else_the_heuristic(tmp_path)
     assert table["skinny"][gemv_tiles.skinny_key("int4", 6144, 4096, 32)] == skinny_tile
     assert gemv_tiles.gemv_tile(gemv.FP8, 4096, 4096, table) == gemv_tiles.heuristic_gemv_tile("fp8", 4096, 4096)
     assert gemv_tiles.heuristic_gemv_tile("fp8", 6144, 4096)["block_n"] == 8
-    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)):  # Llama-3-8B: 4 rows of 4 words a thread
+    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)):  # Llama-3-8B: 8 rows of 4 words a thread
         tile = gemv_tiles.heuristic_gemv_tile("int4", n, k)
-        assert (tile["block_n"], tile["block_k"], tile["num_warps"]) == (64, 256, 2)
-        assert n // 64 * tile["split_k"] >= 3 * gemv_tiles.SMS and k // tile["split_k"] >= 2 * 256  # 4 per SM, or 2 K tiles
-    assert gemv_tiles.heuristic_gemv_tile("int4", 28672, 4096)["split_k"] == 2  # 448 row tiles already
-    assert gemv_tiles.heuristic_gemv_tile("int4", 96, 256) == dict(block_n=16, block_k=256, num_warps=2, num_stages=1,
-                                                                  split_k=1)  # a small model's: 6 programs, one K tile
+        assert (tile["block_n"], tile["block_k"], tile["num_warps"]) == (128, 128, 2)
+        # 4 programs per SM, else as many shares as allowed: 16, or 2 K tiles each
+        assert n // 128 * tile["split_k"] >= 4 * gemv_tiles.SMS or tile["split_k"] == 16 or k // tile["split_k"] < 4 * 128
+        assert k // tile["split_k"] >= 2 * 128
+    assert gemv_tiles.heuristic_gemv_tile("int4", 28672, 4096)["split_k"] == 4  # 224 row tiles: 896 programs
+    assert gemv_tiles.heuristic_gemv_tile("int4", 96, 256) == dict(block_n=16, block_k=128, num_warps=2, num_stages=1,
+                                                                  split_k=1)  # a small model's: 6 programs, two K tiles
     assert gemv_tiles.heuristic_gemv_tile("fp8", 64, 256)["block_n"] == 2
 
 
