@@ -17,7 +17,8 @@ merges the fastest kernel and W8A8 tile per (shape, BLOCK_M) into gpu_target/gem
 ("fp8_paths", "w8a8"), the table the routing then reads (time at 16, 17 and 64 rows to
 cover BLOCK_M 16, 32 and 64).
 ``--sweep`` also times gpu_target/gemv_tiles.py's candidate tiles of the W8A16 kernels per
-shape and format at M = 1 (GEMV) and M = 17 (skinny, BLOCK_M 32), lists the three fastest,
+shape and format at M = 1 (GEMV) and M = 17 (skinny, BLOCK_M 32) (``--sweep gemv`` or
+``--sweep skinny``: one of them), lists the three fastest,
 and with ``--write-tiles`` writes the fastest into the table as well (BLOCK_M 16 and 64 take
 the M = 17 winner's tile, with the heuristic's pipeline depth at 64). ``--formats fp8``
 times one format; ``--shapes 8b,70b`` adds Llama-3-70B's projections.
@@ -26,8 +27,8 @@ the same either way) at each row count of 2..64, fused (RMSNorm and SiLU-and-mul
 rows, gpu_target/fp8_activations.py; o_proj's quantised apart) against unfused (every
 projection quantises its rows), every projection on the Triton W8A8 GEMM.
 
-    python -m bench.quant_gemv --out bench/results [--rows 1,16,17,64,65] [--formats fp8] [--sweep] [--write-tiles]
-                               [--shapes 8b,70b] [--layer]
+    python -m bench.quant_gemv --out bench/results [--rows 1,16,17,64,65] [--formats fp8] [--sweep [gemv|skinny]]
+                               [--write-tiles] [--shapes 8b,70b] [--layer]
 """
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def fused_quantisation_us(name: str, x: torch.Tensor) -> float | None:
     return None
 
 
-def bench_shape(name: str, n: int, k: int, row_counts: list[int], formats: list[str], sweep: bool, rows: list[dict],
+def bench_shape(name: str, n: int, k: int, row_counts: list[int], formats: list[str], sweep: str, rows: list[dict],
                 best: list[dict]) -> None:
     source = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     bf16_copies = max(2, int(2e9 // (n * k * 2)))
@@ -150,27 +151,26 @@ def bench_shape(name: str, n: int, k: int, row_counts: list[int], formats: list[
                 row.update(fp8_kernels_side_by_side(name, x, layers, copies))
             rows.append(row)
             print({key: v for key, v in row.items() if key != "w8a8_tile_dict"}, flush=True)
-        if sweep:
-            sweeps = [(1, gemv_tiles.GEMV_CANDIDATES, gemv)]
-            sweeps += [(m, gemv_tiles.SKINNY_CANDIDATES, skinny_gemm) for m in SKINNY_SWEEP_ROWS]
-            for m, candidates, kernel in sweeps:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                swept, seen = [], set()
-                for candidate in candidates:
-                    tile = streaming_tile(quantized, m, **candidate)  # 4-bit K tiles cut to the group size
-                    label = tile_label(tile)
-                    if label in seen or (m > 1 and not skinny_tile_fits(m, tile)):
-                        continue
-                    seen.add(label)
-                    try:
-                        us = time_per_call_us(lambda i, t=tile: kernel(x, layers[i].quantized, **t), copies, 5)
-                    except OutOfResources as error:
-                        print(f"skip {name} {fmt} m={m} {tile}: {error}", flush=True)
-                        continue
-                    swept.append(dict(shape=name, format=fmt, n=n, k=k, m=m, tile=label, tile_dict=tile, us=round(us, 2),
-                                      TBps=round(gigabytes / us * 1e3, 2)))
-                    print(swept[-1], flush=True)
-                best += fastest([dict(r, hetero_us=r["us"]) for r in swept])
+        sweeps = [(1, gemv_tiles.GEMV_CANDIDATES[fmt], gemv)] if "gemv" in sweep else []
+        sweeps += [(m, gemv_tiles.SKINNY_CANDIDATES, skinny_gemm) for m in SKINNY_SWEEP_ROWS] if "skinny" in sweep else []
+        for m, candidates, kernel in sweeps:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            swept, seen = [], set()
+            for candidate in candidates:
+                tile = streaming_tile(quantized, m, **candidate)  # 4-bit K tiles cut to the group size
+                label = tile_label(tile)
+                if label in seen or (m > 1 and not skinny_tile_fits(m, tile)):
+                    continue
+                seen.add(label)
+                try:
+                    us = time_per_call_us(lambda i, t=tile: kernel(x, layers[i].quantized, **t), copies, 5)
+                except OutOfResources as error:
+                    print(f"skip {name} {fmt} m={m} {tile}: {error}", flush=True)
+                    continue
+                swept.append(dict(shape=name, format=fmt, n=n, k=k, m=m, tile=label, tile_dict=tile, us=round(us, 2),
+                                  TBps=round(gigabytes / us * 1e3, 2)))
+                print(swept[-1], flush=True)
+            best += fastest([dict(r, hetero_us=r["us"]) for r in swept])
         layers.clear()  # free this format's copies before the next one
         torch.cuda.empty_cache()
 
@@ -274,7 +274,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", default="1,17,64,65")
     parser.add_argument("--shapes", default="8b", help="8b, 70b or 8b,70b: the Llama-3 projections timed")
     parser.add_argument("--formats", default=",".join(FORMATS), help="fp8, int4, fp8,int4 or '' (with --layer: that alone)")
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", nargs="?", const="gemv,skinny", default="", choices=("gemv", "skinny", "gemv,skinny"),
+                        help="time the candidate tiles: of the GEMV, the skinny GEMM or (no value) both")
     parser.add_argument("--write-tiles", action="store_true",
                         help=f"merge the fastest FP8 kernels (and the sweep's tiles) into {gemv_tiles.TABLE_PATH}")
     parser.add_argument("--layer", action="store_true",
@@ -314,9 +315,10 @@ def main(argv=None) -> None:
             json.dump(found, f, indent=1)
         if args.write_tiles:
             table = json.loads(json.dumps(gemv_tiles.measured_tiles()))  # a copy of the table as it stands
-            table.update(gpu=info["gpu"], command=command, **(tile_table(best) if best else {}))
-            for section in ("fp8_paths", "w8a8"):
-                table[section] = {**table.get(section, {}), **measured[section]}
+            table.update(gpu=info["gpu"], command=command)
+            swept = tile_table(best) if best else {}
+            for section, entries in (*swept.items(), *measured.items()):  # formats and shapes not run keep their entries
+                table[section] = {**table.get(section, {}), **entries}
             with open(gemv_tiles.TABLE_PATH, "w", encoding="utf-8") as f:
                 json.dump(table, f, indent=1)
             print(f"wrote {gemv_tiles.TABLE_PATH}")

@@ -29,7 +29,7 @@ import torch
 
 from gpu_target import fused_ops, gemv_tiles
 from gpu_target.fused_ops import device_function
-from gpu_target.gemv import _interpreting, skinny_block_m
+from gpu_target.gemv import MAX_SPLIT_TILES, _interpreting, skinny_block_m, split_counters
 from gpu_target.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Weight
 
 try:
@@ -39,7 +39,6 @@ except ImportError:  # CPU-only installs
     triton = tl = None
 
 QUANT_BLOCK_K = 16384  # a row this long is loaded once (Llama-3-8B's widest input: 14336)
-MAX_SPLIT_TILES = 4096  # column tiles the split-K counters cover (N / BLOCK_N)
 
 
 def quantize_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +160,7 @@ def w8a8_gemm_quantized(codes: torch.Tensor, x_scales: torch.Tensor, weight: Fp8
     k_share = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # each split's K, whole tiles
     out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=codes.device) if split_k > 1 else out
-    counters = _split_counters(codes.device) if split_k > 1 else x_scales
+    counters = split_counters(codes.device) if split_k > 1 else x_scales
     _jit(_w8a8_gemm_kernel)[(tiles_n, split_k)](
         codes, weight.qweight, x_scales, weight.scales, bias if bias is not None else out, out, partials, counters,
         m, n, k, k_share, codes.stride(0), weight.qweight.stride(0), out.stride(0),
@@ -169,13 +168,6 @@ def w8a8_gemm_quantized(codes: torch.Tensor, x_scales: torch.Tensor, weight: Fp8
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _split_counters(device: torch.device) -> torch.Tensor:
-    """Per-device int32 counters of the split programs that have finished each column tile,
-    zero between calls (the last program of a tile resets its counter)."""
-    return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
 
 def _w8a8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SHARE, stride_xm,

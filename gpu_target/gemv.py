@@ -37,9 +37,13 @@ Every kernel also streams quantised weights (gpu_target/quantization: `Fp8Weight
 chosen by the constexpr W_FORMAT, so the fused epilogues serve quantised targets unchanged
 (`weight_arguments` passes either kind). The GEMV converts W straight to fp32 (FP8: E4M3 ->
 f16 -> f32, packed conversions; the row's scale multiplies its sum once, after the K loop)
-and reads x in W's tile shape, so both load in one layout; 4-bit W is read as int32 words
-of eight codes and dequantised by bit operations and one FMA (`_int4_tile`), a group of K
-at a time. The skinny GEMMs' `_weight_tile` gives `tl.dot` W in x's dtype. Quantised W
+and reads x in W's tile shape, so both load in one layout. 4-bit W is read as int32 words
+of eight codes, a group of K at a time, with three instructions a code and the group's scale
+and zero point once a word (`_int4_gemv_segment`); as its x work is per thread and column,
+its tiles give each thread several rows and split K (`split_k`: each share's sums in fp32,
+added in share order by the last program of the row tile, which also runs the fused
+epilogue, `_split_sum`) where rows alone leave too few programs. The skinny GEMMs'
+`_weight_tile` gives `tl.dot` W in x's dtype (`_int4_tile` for 4-bit W). Quantised W
 streams fewer bytes a row than bf16, so its kernels take their tiles per shape from
 gpu_target/gemv_tiles.py (a table the GPU sweep writes, else a heuristic): more rows a
 program, so each program streams tens of KB (`streaming_tile`).
@@ -196,6 +200,40 @@ def streaming_tile(weight: StreamedWeight, m: int, **overrides) -> dict:
     return tile
 
 
+MAX_SPLIT_TILES = 4096  # row tiles the split-K counters cover (N / BLOCK_N)
+
+
+@functools.lru_cache(maxsize=None)
+def split_counters(device: torch.device) -> torch.Tensor:
+    """Per-device int32 counters of the split programs that have finished each row (column)
+    tile, zero between calls (the last program of a tile resets its counter); the split-K
+    GEMV here and fp8_gemm.py's split GEMM share them, one kernel at a time."""
+    return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+
+
+def _split_arguments(name: str, n: int, k: int, tiles: int, tile: dict, out: torch.Tensor) -> tuple[tuple, dict]:
+    """A GEMV's split-K arguments (fp32 partials [split_k, n], counters, each split's K) and
+    constexprs (EVEN_K, SPLIT_K): ``tile``'s split_k (1 where it has none) shares of K, each
+    whole K tiles."""
+    split_k, block_k = tile.get("split_k", 1), tile["block_k"]
+    constexprs = dict(EVEN_K=k % block_k == 0, SPLIT_K=split_k)
+    if split_k == 1:
+        return (out, out, k), constexprs
+    if tiles > MAX_SPLIT_TILES:
+        raise ValueError(f"{name}: {tiles} row tiles exceed the {MAX_SPLIT_TILES} split-K counters")
+    k_share = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    partials = torch.empty((split_k, n), dtype=torch.float32, device=out.device)
+    return (partials, split_counters(out.device), k_share), constexprs
+
+
+def _x_for(x: torch.Tensor, weight: StreamedWeight) -> torch.Tensor:
+    """x as the GEMV reads it: the 4-bit GEMV loads x eight bytes at a time (`_int4_gemv_segment`),
+    so its start must be 8-byte aligned (a copy where a view starts elsewhere)."""
+    if isinstance(weight, Int4Weight) and x.data_ptr() % 8:
+        return x.clone()
+    return x
+
+
 def gemv(
     x: torch.Tensor,  # [1, K]
     weight: StreamedWeight,  # [N, K], rows contiguous (or quantised: see weight_arguments)
@@ -213,19 +251,25 @@ def gemv(
     tile = streaming_tile(weight, 1, **tile)
     (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
-    _jit(_gemv_kernel)[(triton.cdiv(N, tile["block_n"]),)](
-        x,
+    tiles = triton.cdiv(N, tile["block_n"])
+    (partials, counters, k_share), split = _split_arguments("gemv", N, K, tiles, tile, out)
+    _jit(_gemv_kernel)[(tiles, split["SPLIT_K"])](
+        _x_for(x, weight),
         w,
         scales,
         zeros,
         bias if bias is not None else out,
         out,
+        partials,
+        counters,
         N,
         K,
+        k_share,
         stride_wn,
         stride_sn,
         HAS_BIAS=bias is not None,
         **formats,
+        **split,
         BLOCK_N=tile["block_n"],
         BLOCK_K=tile["block_k"],
         num_warps=tile["num_warps"],
@@ -234,42 +278,52 @@ def gemv(
     return out
 
 
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K, stride_wn, stride_sn, HAS_BIAS: tl.constexpr,
-                 W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, K_SHARE, stride_wn, stride_sn,
+                 HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
+                 EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    y = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, rows, row_mask, K, stride_wn, stride_sn, HAS_BIAS, W_FORMAT,
-                   HAS_ZEROS, GROUP, BLOCK_N, BLOCK_K)
-    tl.store(out_ptr + rows, y, mask=row_mask)
+    y, last = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, count_ptr, rows, row_mask, N, K, K_SHARE,
+                         stride_wn, stride_sn, HAS_BIAS, W_FORMAT, HAS_ZEROS, GROUP, EVEN_K, SPLIT_K, BLOCK_N, BLOCK_K)
+    if last:
+        tl.store(out_ptr + rows, y, mask=row_mask)
 
 
 @device_function
-def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, rows, row_mask, K, stride_wn, stride_sn, HAS_BIAS: tl.constexpr,
-               W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, count_ptr, rows, row_mask, N, K, K_SHARE, stride_wn,
+               stride_sn, HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
+               EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """(x W^T + b)[rows] in x's dtype, for the BLOCK_N `rows` of W (any rows: the fused
     kernels pair rows far apart). The products accumulate in a [BLOCK_N, BLOCK_K] fp32 tile
-    (4-bit: the same products, as [BLOCK_N, words, 8]) reduced once at the end, so
-    the inner loop is loads, the weight's conversion and FMAs only; each row's sum order
-    depends only on the tile's shape and warps, not on which rows share it. Quantised
-    weights are converted straight to fp32 (FP8 codes exactly; 4-bit as (q - z) * s,
-    exactly), not rounded to x's dtype first."""
+    (4-bit: a word's eight products, scaled, in a [BLOCK_N, words] tile) reduced once at the
+    end, so the inner loop is loads, the weight's conversion and FMAs only; each row's sum
+    order depends only on the tile's shape and warps, not on which rows share it. Quantised
+    weights are converted straight to fp32 (FP8 codes exactly; 4-bit codes as 1 + q/16,
+    exactly), not rounded to x's dtype first.
+
+    With SPLIT_K > 1 the program sums K_SHARE columns (grid axis 1 picks which) and returns
+    ``last``: whether it was the last of its row tile to finish, and then holds the whole
+    sums (`_split_sum`); only that program may use the result."""
+    if SPLIT_K > 1:
+        k_start = tl.multiple_of(tl.program_id(1) * K_SHARE, BLOCK_K)  # shares are whole K tiles
+        k_end = tl.minimum(k_start + K_SHARE, K)
+    else:
+        k_start = 0
+        k_end = K
     if W_FORMAT == 2:
         # K tiles of whole groups are streamed a group at a time (unrolled: the segments' loads are independent)
         SEG: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP
-        acc3 = tl.zeros([BLOCK_N, SEG // 8, 8], dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
+        acc = tl.zeros([BLOCK_N, SEG // 8], dtype=tl.float32)
+        for start in range(k_start, k_end, BLOCK_K):
             for seg in tl.static_range(BLOCK_K // SEG):
-                w = _int4_tile(w_ptr, s_ptr, z_ptr, rows, row_mask, start + seg * SEG, K, stride_wn, stride_sn, HAS_ZEROS,
-                               GROUP, SEG)
-                acc3 += w * _int4_x_tile(x_ptr, start + seg * SEG, K, SEG)[None, :, :]
-        y = tl.sum(tl.sum(acc3, axis=2), axis=1)
+                acc = _int4_gemv_segment(acc, x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start + seg * SEG, K, stride_wn,
+                                         stride_sn, HAS_ZEROS, GROUP, EVEN_K, SEG)
+        y = tl.sum(acc, axis=1)
     else:
         cols = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         w_rows = rows.to(tl.int64)[:, None] * stride_wn
-        for start in range(0, K, BLOCK_K):
+        for start in range(k_start, k_end, BLOCK_K):
             k = start + cols
             k_mask = k < K
             w = tl.load(w_ptr + w_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -282,11 +336,99 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, rows, row_mask, K, stride_w
                 x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
             acc += w.to(tl.float32) * x
         y = tl.sum(acc, axis=1)
-        if W_FORMAT == 1:  # FP8: the row's scale, once
-            y *= tl.load(s_ptr + rows, mask=row_mask, other=0.0)
+    if SPLIT_K > 1:
+        y, last = _split_sum(y, part_ptr, count_ptr, rows, row_mask, N, SPLIT_K)
+    else:
+        last = True
+    if W_FORMAT == 1:  # FP8: the row's scale, once
+        y *= tl.load(s_ptr + rows, mask=row_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    return y.to(x_ptr.dtype.element_ty)
+    return y.to(x_ptr.dtype.element_ty), last
+
+
+@device_function
+def _split_sum(y, part_ptr, count_ptr, rows, row_mask, N, SPLIT_K: tl.constexpr):
+    """(the whole sums of ``rows``, whether this program has them) from this split's sums
+    ``y``: each split stores its fp32 sums; the last program of the row tile to finish
+    (an atomic counter that program resets, as fp8_gemm.py's split GEMM does) sums all
+    splits in split order, so the result does not depend on which finishes last."""
+    tl.store(part_ptr + tl.program_id(1) * N + rows, y, mask=row_mask)
+    # Every thread's partials, then one release at GPU scope; the last program acquires them all.
+    tl.debug_barrier()
+    finished = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+    last = finished == SPLIT_K - 1
+    total = tl.zeros_like(y)
+    if last:
+        for split in tl.static_range(SPLIT_K):
+            total += tl.load(part_ptr + split * N + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + tl.program_id(0), 0)
+    return total, last
+
+
+@device_function
+def _int4_gemv_segment(acc, x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn,
+                       HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, WIDTH: tl.constexpr):
+    """``acc`` ([BLOCK_N, WIDTH / 8] fp32, one element a packed word) plus the products of
+    W[rows, start:start + WIDTH] of a 4-bit weight with x[start:start + WIDTH]; the WIDTH
+    columns lie in one group (`int4_block_k`).
+
+    W is loaded as it is stored, [BLOCK_N, words] int32 (eight codes a word, column 8j + i
+    in nibble i), so each thread loads several consecutive words as one vector, and is
+    unpacked one nibble position at a time: nibble i of every word is a [BLOCK_N, words]
+    tile whose x is x[start + 8j + i]. A code q placed in the mantissa of 1.0 reads 1 + q/16
+    at bits 19..22 (`_int4_tile`) or 1 + q/256 at bits 15..18, so one shift serves two codes,
+    an odd and an even nibble, and one LOP3 each makes the float. Its product with a bf16 or
+    fp16 x is exact in fp32, so one FMA a code sums, over a word's codes,
+    G = sum_odd (1 + q_i/16) x_i and H = sum_even (1 + q_i/256) x_i; with their x's sums
+    X_odd and X_even, sum_i q_i x_i = 16 (G - X_odd) + 256 (H - X_even), and the group's
+    scale and zero point apply once a word: sum_i (q_i - z) s x_i = s (16 G + 256 H - (16 X_odd
+    + 256 X_even + z X)). (The sums of x are the same for every row a thread holds.)"""
+    words = tl.multiple_of(start // 8, WIDTH // 8) + tl.arange(0, WIDTH // 8)  # segments start at multiples of WIDTH
+    # With K a multiple of the tile (EVEN_K) a segment lies wholly inside K or past it: a mask
+    # constant along the words lets each thread load its words as one vector.
+    word_mask = (words < K // 8) if not EVEN_K else (tl.full([WIDTH // 8], start, tl.int32) < K)
+    r = rows.to(tl.int64)[:, None]
+    packed = tl.load(w_ptr + r * stride_wn + words[None, :], mask=row_mask[:, None] & word_mask[None, :], other=0)
+    group = rows.to(tl.int64) * stride_sn + start // GROUP
+    group_mask = row_mask & (tl.full([1], start, tl.int32) < K)  # a GEMV tile's segments may end past K
+    scale = tl.load(s_ptr + group, mask=group_mask, other=0.0).to(tl.float32)[:, None]
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + group, mask=group_mask, other=0).to(tl.float32)[:, None]
+    else:
+        zero = 8.0  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
+    # The masks are read from registers (shifted by stride_wn >> 31, which is 0 but which the
+    # compiler cannot fold), so each and-or is one LOP3 (an instruction holds one immediate).
+    high = tl.full([1], 0x00780000, tl.int32) >> (stride_wn >> 31)  # bits 19..22: 1 + q/16
+    low = tl.full([1], 0x00078000, tl.int32) >> (stride_wn >> 31)  # bits 15..18: 1 + q/256
+    # x is read four columns (8 bytes) at a time, its word's first and second halves.
+    x_quads = x_ptr.to(tl.pointer_type(tl.int64)) + words * 2
+    g = tl.zeros_like(acc)
+    h = tl.zeros_like(acc)
+    x_odd = tl.zeros([WIDTH // 8], dtype=tl.float32)
+    x_even = tl.zeros([WIDTH // 8], dtype=tl.float32)
+    for half in tl.static_range(2):
+        quad = tl.load(x_quads + half, mask=word_mask, other=0)
+        for pair in tl.static_range(2):
+            bits = (quad >> (32 * pair)).to(tl.int32)  # the x of nibbles 2n (low half) and 2n + 1
+            n = 2 * half + pair
+            if x_ptr.dtype.element_ty == tl.bfloat16:  # a bf16's bits are the top half of its fp32's
+                even = (bits << 16).to(tl.float32, bitcast=True)
+                odd = (bits & -65536).to(tl.float32, bitcast=True)
+            else:
+                even = bits.to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+                odd = (bits >> 16).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+            # nibble 2n + 1 to bits 19..22, nibble 2n to bits 15..18: a shift by 15 - 8n
+            if n < 2:
+                nibbles = packed << (15 - 8 * n)
+            else:
+                nibbles = packed >> (8 * n - 15)
+            g = tl.fma(((nibbles & high) | 0x3F800000).to(tl.float32, bitcast=True), odd[None, :], g)
+            h = tl.fma(((nibbles & low) | 0x3F800000).to(tl.float32, bitcast=True), even[None, :], h)
+            x_odd += odd
+            x_even += even
+    ones = (16.0 * x_odd + 256.0 * x_even)[None, :]  # what the 1s of 1 + q/16 and 1 + q/256 added
+    return tl.fma(scale, tl.fma(h, 256.0, tl.fma(g, 16.0, -tl.fma(zero, (x_odd + x_even)[None, :], ones))), acc)
 
 
 @device_function
@@ -321,13 +463,6 @@ def _int4_tile(w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_
         4 * tl.arange(0, 8) - 19, 0)[None, None, :]
     one_plus = ((codes & mask) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 16
     return tl.fma(one_plus, 16.0 * scale, -(16.0 + zero) * scale)
-
-
-@device_function
-def _int4_x_tile(x_ptr, start, K, WIDTH: tl.constexpr):
-    """x[start:start + WIDTH] in fp32, shaped as `_int4_tile`'s columns ([WIDTH / 8, 8])."""
-    k = start + tl.arange(0, WIDTH // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
-    return tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
 
 
 @device_function
@@ -372,24 +507,29 @@ def gemv_silu_and_mul(
     tile = streaming_tile(weight, 1, **tile)
     (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     out = torch.empty((1, inter), dtype=x.dtype, device=x.device)
-    _jit(_gemv_silu_and_mul_kernel)[(triton.cdiv(inter, tile["block_n"] // 2),)](
-        x, w, scales, zeros, out, inter, K, stride_wn, stride_sn, BLOCK_N=tile["block_n"], BLOCK_K=tile["block_k"],
+    tiles = triton.cdiv(inter, tile["block_n"] // 2)
+    (partials, counters, k_share), split = _split_arguments("gemv_silu_and_mul", N, K, tiles, tile, out)
+    _jit(_gemv_silu_and_mul_kernel)[(tiles, split["SPLIT_K"])](
+        _x_for(x, weight), w, scales, zeros, out, partials, counters, inter, K, k_share, stride_wn, stride_sn, **split,
+        BLOCK_N=tile["block_n"], BLOCK_K=tile["block_k"],
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **formats,
     )
     return out
 
 
-def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, inter, K, stride_wn, stride_sn, W_FORMAT: tl.constexpr,
-                              HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, inter, K, K_SHARE, stride_wn,
+                              stride_sn, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
+                              EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     PAIRS: tl.constexpr = BLOCK_N // 2
     lanes = tl.arange(0, BLOCK_N)
     j = tl.program_id(0) * PAIRS + lanes // 2  # the output column each W row feeds
     rows = j + (lanes % 2) * inter  # gate row j, up row I + j
-    y = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, x_ptr, rows, j < inter, K, stride_wn, stride_sn, False, W_FORMAT, HAS_ZEROS,
-                   GROUP, BLOCK_N, BLOCK_K)
-    gate, up = tl.split(tl.reshape(y, [PAIRS, 2]))
-    cols = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
-    tl.store(out_ptr + cols, fused_ops._silu_mul(gate, up), mask=cols < inter)
+    y, last = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, x_ptr, part_ptr, count_ptr, rows, j < inter, 2 * inter, K, K_SHARE,
+                         stride_wn, stride_sn, False, W_FORMAT, HAS_ZEROS, GROUP, EVEN_K, SPLIT_K, BLOCK_N, BLOCK_K)
+    if last:
+        gate, up = tl.split(tl.reshape(y, [PAIRS, 2]))
+        cols = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+        tl.store(out_ptr + cols, fused_ops._silu_mul(gate, up), mask=cols < inter)
 
 
 def rotary_fits(m: int, weight: StreamedWeight, head_dim: int) -> bool:
@@ -448,8 +588,9 @@ def gemv_rotary_and_store_kv(
         raise ValueError(f"gemv_rotary_and_store_kv: {block_n // 2} rotary pairs per program do not divide {half}")
     (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     q_out = torch.empty((1, num_heads, head_dim), dtype=x.dtype, device=x.device)
-    _jit(_gemv_rotary_kv_kernel)[(N // block_n,)](
-        x,
+    (partials, counters, k_share), split = _split_arguments("gemv_rotary_and_store_kv", N, K, N // block_n, tile, q_out)
+    _jit(_gemv_rotary_kv_kernel)[(N // block_n, split["SPLIT_K"])](
+        _x_for(x, weight),
         w,
         scales,
         zeros,
@@ -461,7 +602,11 @@ def gemv_rotary_and_store_kv(
         sin,
         positions,
         slot_mapping,
+        partials,
+        counters,
+        N,
         K,
+        k_share,
         stride_wn,
         stride_sn,
         cos.stride(0),
@@ -471,6 +616,7 @@ def gemv_rotary_and_store_kv(
         half,
         HAS_BIAS=bias is not None,
         **formats,
+        **split,
         BLOCK_N=block_n,
         BLOCK_K=tile["block_k"],
         num_warps=tile["num_warps"],
@@ -480,9 +626,10 @@ def gemv_rotary_and_store_kv(
 
 
 def _gemv_rotary_kv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr,
-                           positions_ptr, slots_ptr, K, stride_wn, stride_sn, stride_cos, stride_sin, num_heads,
-                           num_kv_heads, half, HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           positions_ptr, slots_ptr, part_ptr, count_ptr, N, K, K_SHARE, stride_wn, stride_sn, stride_cos,
+                           stride_sin, num_heads, num_kv_heads, half, HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr,
+                           HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program p owns dimensions d0 .. d0 + BLOCK_N/2 of one head (and their partners + D/2),
     counting the q heads, then the k heads, then the v heads, as the fused weight's rows
     are ordered."""
@@ -493,32 +640,34 @@ def _gemv_rotary_kv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, q_out_ptr, k_ca
     head_dim = 2 * half
     lanes = tl.arange(0, BLOCK_N)
     rows = head * head_dim + d0 + lanes // 2 + (lanes % 2) * half  # dim d0 + i, then its partner
-    x1, x2 = tl.split(tl.reshape(_gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, rows, lanes < BLOCK_N, K, stride_wn,
-                                            stride_sn, HAS_BIAS, W_FORMAT, HAS_ZEROS, GROUP, BLOCK_N, BLOCK_K), [PAIRS, 2]))
-    dims = d0 + tl.arange(0, PAIRS)
-    position = tl.load(positions_ptr).to(tl.int64)
-    cos = tl.load(cos_ptr + position * stride_cos + dims).to(tl.float32)
-    sin = tl.load(sin_ptr + position * stride_sin + dims).to(tl.float32)
-    # Each branch names its own pointers: Triton requires a name assigned in both branches of
-    # an `if` to have one type, and a cache of another dtype than q's makes them differ.
-    if head < num_heads:
-        q_first, q_second = fused_ops._rotate_half(x1, x2, cos, sin)
-        q_dst = q_out_ptr + head * head_dim + dims
-        tl.store(q_dst, q_first)
-        tl.store(q_dst + half, q_second)
-    else:
-        slot = tl.load(slots_ptr).to(tl.int64)
-        if head < num_heads + num_kv_heads:
-            k_first, k_second = fused_ops._rotate_half(x1, x2, cos, sin)
-            k_dst = k_cache_ptr + (slot * num_kv_heads + head - num_heads) * head_dim + dims
-            cache_dtype = k_cache_ptr.dtype.element_ty
-            tl.store(k_dst, k_first.to(cache_dtype))
-            tl.store(k_dst + half, k_second.to(cache_dtype))
+    y, last = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, count_ptr, rows, lanes < BLOCK_N, N, K, K_SHARE,
+                         stride_wn, stride_sn, HAS_BIAS, W_FORMAT, HAS_ZEROS, GROUP, EVEN_K, SPLIT_K, BLOCK_N, BLOCK_K)
+    if last:
+        x1, x2 = tl.split(tl.reshape(y, [PAIRS, 2]))
+        dims = d0 + tl.arange(0, PAIRS)
+        position = tl.load(positions_ptr).to(tl.int64)
+        cos = tl.load(cos_ptr + position * stride_cos + dims).to(tl.float32)
+        sin = tl.load(sin_ptr + position * stride_sin + dims).to(tl.float32)
+        # Each branch names its own pointers: Triton requires a name assigned in both branches of
+        # an `if` to have one type, and a cache of another dtype than q's makes them differ.
+        if head < num_heads:
+            q_first, q_second = fused_ops._rotate_half(x1, x2, cos, sin)
+            q_dst = q_out_ptr + head * head_dim + dims
+            tl.store(q_dst, q_first)
+            tl.store(q_dst + half, q_second)
         else:
-            v_dst = v_cache_ptr + (slot * num_kv_heads + head - num_heads - num_kv_heads) * head_dim + dims
-            value_dtype = v_cache_ptr.dtype.element_ty
-            tl.store(v_dst, x1.to(value_dtype))
-            tl.store(v_dst + half, x2.to(value_dtype))
+            slot = tl.load(slots_ptr).to(tl.int64)
+            if head < num_heads + num_kv_heads:
+                k_first, k_second = fused_ops._rotate_half(x1, x2, cos, sin)
+                k_dst = k_cache_ptr + (slot * num_kv_heads + head - num_heads) * head_dim + dims
+                cache_dtype = k_cache_ptr.dtype.element_ty
+                tl.store(k_dst, k_first.to(cache_dtype))
+                tl.store(k_dst + half, k_second.to(cache_dtype))
+            else:
+                v_dst = v_cache_ptr + (slot * num_kv_heads + head - num_heads - num_kv_heads) * head_dim + dims
+                value_dtype = v_cache_ptr.dtype.element_ty
+                tl.store(v_dst, x1.to(value_dtype))
+                tl.store(v_dst + half, x2.to(value_dtype))
 
 
 def skinny_tile(n: int, block_m: int) -> dict:

@@ -8,12 +8,13 @@ per shape. A shape it lacks takes `heuristic_gemv_tile` / `heuristic_skinny_tile
 
 - GEMV (1 row): a weight-only GEMV is bound by streaming W, so each program must keep many
   bytes in flight and stream tens of KB, and the grid must cover the 132 SMs a few times.
-  A quantised row is 2-4x fewer bytes than bf16's, so programs own more rows (8 FP8 rows
-  over 1024 columns, 16 4-bit rows over 512: 32 KB per program at K = 4096, 4-8 KB of
-  loads in flight per program and iteration, at most ~128 registers a thread so that four
-  programs share an SM), fewer where N leaves fewer programs than SMs.
-  No split-K: the fused epilogues (SiLU-and-mul, rotary) need whole sums, and every
-  Llama projection (N >= 4096) still gets >= 256 programs.
+  FP8: 8 rows over 1024 columns a program, fewer rows where N leaves fewer programs than
+  SMs. 4-bit: the GEMV's instructions per code, not bytes, bound it (gemv.py's
+  `_int4_gemv_segment`); its x work (load, conversion, sum) is per thread and column, so
+  each thread should own several rows of the same columns: 128 rows over 128 columns on 2
+  warps (8 rows of 4 words a thread), which leaves a 4096-row matrix only 32 programs, so K
+  is split (`split_k`: deterministic, gemv.py's `_split_sum`) until the programs are
+  4 per SM, each share at least two K tiles.
 - skinny GEMM (2..64 rows): gemv.py's bf16 tile has 64 W rows a program, which leaves a
   4096-row matrix 64 programs (half the SMs); quantised W streams fewer bytes per row, so
   32-row programs (16 under N = 4096) cover the GPU.
@@ -41,15 +42,27 @@ TABLE_PATH = pathlib.Path(__file__).with_name("gemv_tiles.json")
 SMS = 132  # an H100 SXM's streaming multiprocessors: the heuristic's grid target
 FORMAT_NAMES = {1: "fp8", 2: "int4"}  # gemv.py's W_FORMAT values of the quantised formats
 
-# Candidates bench.quant_gemv --sweep times per shape (the heuristic's tile is among them).
-GEMV_CANDIDATES = [
-    dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
-    for block_n, block_k, warps, stages in (
-        (2, 2048, 8, 1), (4, 1024, 4, 1), (4, 2048, 8, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (8, 1024, 4, 2),
-        (8, 2048, 8, 1), (16, 256, 4, 1), (16, 512, 4, 1), (16, 1024, 4, 1), (16, 1024, 8, 1), (32, 256, 4, 1),
-        (32, 512, 4, 1), (32, 512, 8, 1), (32, 1024, 4, 1),
-    )
-]
+# Candidates bench.quant_gemv --sweep times per shape (the heuristic's tile is among them):
+# the GEMV's per format, the skinny GEMM's for both.
+GEMV_CANDIDATES = {
+    "fp8": [
+        dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, split_k=1)
+        for block_n, block_k, warps, stages in (
+            (2, 2048, 8, 1), (4, 1024, 4, 1), (4, 2048, 8, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (8, 1024, 4, 2),
+            (8, 2048, 8, 1), (16, 256, 4, 1), (16, 512, 4, 1), (16, 1024, 4, 1), (16, 1024, 8, 1), (32, 256, 4, 1),
+            (32, 512, 4, 1), (32, 512, 8, 1), (32, 1024, 4, 1),
+        )
+    ],
+    # 4-bit: several rows a thread (its x work is per thread and column), programs from K shares
+    "int4": [
+        dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=1, split_k=split_k)
+        for block_n, block_k, warps, split_k in (
+            (16, 512, 4, 1), (32, 512, 4, 1), (32, 256, 1, 4), (32, 256, 1, 8), (64, 256, 2, 2), (64, 256, 2, 4),
+            (64, 256, 2, 8), (64, 256, 2, 16), (64, 128, 1, 8), (128, 128, 2, 2), (128, 128, 2, 4), (128, 128, 2, 8),
+            (128, 128, 2, 16), (128, 256, 2, 4), (128, 128, 4, 4), (128, 256, 4, 8),
+        )
+    ],
+}
 SKINNY_CANDIDATES = [
     dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, w_first=True)
     for block_n, block_k, warps, stages in (
@@ -89,12 +102,23 @@ def skinny_key(fmt: str, n: int, k: int, block_m: int) -> str:
 
 
 def heuristic_gemv_tile(fmt: str, n: int, k: int) -> dict:
-    """See the module docstring: 8 FP8 rows over 1024 columns, 16 4-bit rows over 512
-    (streamed a group at a time), halved while that leaves fewer programs than SMs."""
-    block_n, block_k = (8, 1024) if fmt == "fp8" else (16, 512)
-    while block_n > 2 and n // block_n < SMS:
+    """See the module docstring: 8 FP8 rows over 1024 columns, halved while that leaves fewer
+    programs than SMs; 128 4-bit rows over 128 columns on 2 warps, K split in up to 16 shares
+    (a power of two) while the programs are fewer than 4 per SM and each share keeps two K
+    tiles; fewer rows a program while that leaves under 16 row tiles (a small model's
+    matrices: their qkv tiles must also fit its heads' rotary pairs, gemv.py's `rotary_fits`)."""
+    if fmt == "fp8":
+        block_n = 8
+        while block_n > 2 and n // block_n < SMS:
+            block_n //= 2
+        return dict(block_n=block_n, block_k=min(1024, _k_span(k)), num_warps=4, num_stages=1, split_k=1)
+    block_n, block_k = 128, min(128, _k_span(k))
+    while block_n > 2 and n // block_n < SMS // 8:
         block_n //= 2
-    return dict(block_n=block_n, block_k=min(block_k, _k_span(k)), num_warps=4, num_stages=1)
+    split_k = 1
+    while split_k < 16 and -(-n // block_n) * split_k < 4 * SMS and k // (4 * split_k) >= block_k:
+        split_k *= 2
+    return dict(block_n=block_n, block_k=block_k, num_warps=2, num_stages=1, split_k=split_k)
 
 
 def heuristic_skinny_tile(fmt: str, n: int, k: int, block_m: int) -> dict:

@@ -354,13 +354,70 @@ def test_quantized_skinny_gemm_small_tiles_and_strided_rows(w_first):
     torch.testing.assert_close(got.float(), expected, **_tolerance(torch.bfloat16, "int4"))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", *FORMATS])
+@pytest.mark.parametrize("n,k,tile", [(37, 296, dict(block_n=8, block_k=64, split_k=3)),
+                                      (64, 256, dict(block_n=16, block_k=128, split_k=2)),
+                                      (6, 2056, dict(block_n=4, block_k=512, split_k=5))])
+def test_split_k_gemv_matches_dequantised_matmul_and_resets_its_counters(fmt, n, k, tile):
+    """K split in shares (the last share short or empty, K past the last whole tile, N past the
+    last whole row tile): the last program of each row tile sums the shares."""
+    if fmt == "bf16":
+        x, quantized, b, _ = _kernel_case("fp8", 1, n, k, torch.bfloat16, True)
+        weight = quantized.dequantize(torch.bfloat16)
+        expected = F.linear(x.float(), weight.float(), b.float())
+    else:
+        x, weight, b, expected = _kernel_case(fmt, 1, n, k, torch.bfloat16, True)
+    got = gemv.gemv(x, weight, b, num_warps=1, **tile)
+    torch.testing.assert_close(got.float(), expected, **_tolerance(torch.bfloat16, fmt))
+    assert not gemv.split_counters(x.device).any()
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_int4_gemv_is_exact_where_every_product_and_sum_is(symmetric, dtype, split_k):
+    """Small integer x, power-of-two scales, every code and zero point: each (q - z) s x and
+    every partial sum is exact in fp32, so the GEMV's rearranged sums (`_int4_gemv_segment`:
+    codes read as 1 + q/16 and 1 + q/256, the 1s taken off per word) must equal the exact
+    product, rounded once, whichever nibble each code sits in. (Triton's interpreter rounds
+    fp32 to bf16 toward zero, not to nearest: there bf16 results may sit one ulp below.)"""
+    generator = torch.Generator().manual_seed(7)
+    n, k, group = 24, 512, 128
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    codes[0] = torch.arange(k) % 16  # every code in every nibble
+    scales = (2.0 ** torch.randint(-6, 0, (n, k // group), generator=generator)).half()
+    zeros = None if symmetric else torch.randint(0, 16, (n, k // group), generator=generator, dtype=torch.uint8)
+    weight = int4.Int4Weight(int4.pack_nibbles(codes).to(DEVICE), scales.to(DEVICE),
+                             None if zeros is None else zeros.to(DEVICE), group)
+    x = torch.randint(-4, 5, (1, k), generator=generator).to(DEVICE, dtype)
+    exact = x.double() @ weight.dequantize(torch.float32).double().t()
+    got = gemv.gemv(x, weight, block_n=8, block_k=256, num_warps=1, split_k=split_k)
+    if dtype == torch.bfloat16 and gemv._interpreting():
+        torch.testing.assert_close(got.double(), exact, rtol=2.0**-7, atol=0)
+        assert torch.equal(got.double(), exact.float().to(dtype).double()) or (got.double().abs() <= exact.abs()).all()
+    else:
+        assert torch.equal(got, exact.to(dtype))
+
+
+def test_int4_gemv_reads_x_at_any_offset():
+    """The 4-bit GEMV loads x eight bytes at a time: a view that starts between them is copied."""
+    x, weight, _, expected = _kernel_case("int4-asym", 1, 16, 256, torch.bfloat16, False)
+    wide = torch.zeros(1, 257, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, 1:] = x
+    view = wide[:, 1:]
+    assert view.data_ptr() % 8
+    torch.testing.assert_close(gemv.gemv(view, weight).float(), expected, **_tolerance(torch.bfloat16, "int4"))
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int4-g32"])
-def test_quantized_fused_gemvs_with_several_pairs_a_program_equal_gemv_then_the_op(fmt):
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_quantized_fused_gemvs_with_several_pairs_a_program_equal_gemv_then_the_op(fmt, split_k):
     """The fused GEMVs take the quantised GEMV's tile, 4 row pairs a program here (the model's
-    tiny shapes get 1): bit for bit the GEMV followed by the op's own kernel."""
+    tiny shapes get 1), K whole or split in 3 shares: bit for bit the GEMV followed by the op's
+    own kernel."""
     from gpu_target import fused_ops
 
-    tile = dict(block_n=8, block_k=32, num_warps=1)
+    tile = dict(block_n=8, block_k=32, num_warps=1, split_k=split_k)
     x, weight, _, _ = _kernel_case(fmt, 1, 18, 96, torch.bfloat16, False)  # 9 gate/up pairs: a part-filled program
     expected = fused_ops.silu_and_mul(gemv.gemv(x * 4, weight, **tile), use_triton=True)
     assert torch.equal(gemv.gemv_silu_and_mul(x * 4, weight, **tile), expected)
@@ -610,8 +667,15 @@ def test_quantized_tiles_come_from_the_sweeps_table_else_the_heuristic(tmp_path)
     assert table["skinny"][gemv_tiles.skinny_key("int4", 6144, 4096, 32)] == skinny_tile
     assert gemv_tiles.gemv_tile(gemv.FP8, 4096, 4096, table) == gemv_tiles.heuristic_gemv_tile("fp8", 4096, 4096)
     assert gemv_tiles.heuristic_gemv_tile("fp8", 6144, 4096)["block_n"] == 8
-    assert gemv_tiles.heuristic_gemv_tile("int4", 4096, 4096)["block_n"] == 16
-    assert gemv_tiles.heuristic_gemv_tile("int4", 2048, 4096)["block_n"] == 8  # 16 rows: 128 programs, < 132 SMs
+    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)):  # Llama-3-8B: 8 rows of 4 words a thread
+        tile = gemv_tiles.heuristic_gemv_tile("int4", n, k)
+        assert (tile["block_n"], tile["block_k"], tile["num_warps"]) == (128, 128, 2)
+        # 4 programs per SM, else as many shares as allowed: 16, or 2 K tiles each
+        assert n // 128 * tile["split_k"] >= 4 * gemv_tiles.SMS or tile["split_k"] == 16 or k // tile["split_k"] < 4 * 128
+        assert k // tile["split_k"] >= 2 * 128
+    assert gemv_tiles.heuristic_gemv_tile("int4", 28672, 4096)["split_k"] == 4  # 224 row tiles: 896 programs
+    assert gemv_tiles.heuristic_gemv_tile("int4", 96, 256) == dict(block_n=4, block_k=128, num_warps=2, num_stages=1,
+                                                                  split_k=1)  # a small model's: 24 programs, two K tiles
     assert gemv_tiles.heuristic_gemv_tile("fp8", 64, 256)["block_n"] == 2
 
 
