@@ -466,10 +466,16 @@ def _prompt_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
     return llm.llm_engine.runner.forward([SequenceChunk(tokens, range(len(tokens)), [1, 2], 0, range(len(tokens)))])
 
 
+# The engines of one test live side by side (and a failed test's until it is collected), so
+# each takes a fixed small KV cache instead of its share of GPU memory (gpu_memory_utilization
+# counts this process's tensors, the earlier engine's cache among them).
+SMALL_CACHE = dict(num_gpu_blocks_override=128)
+
+
 @pytest.mark.parametrize("quantization, min_agreement", [("fp8", 0.9), ("int4", 0.6)])
 def test_engine_generates_and_stays_close_to_full_precision(tiny_llama_dir, quantization, min_agreement):
-    plain = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32")
-    quantized = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", quantization=quantization)
+    plain = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", **SMALL_CACHE)
+    quantized = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", **SMALL_CACHE, quantization=quantization)
     assert isinstance(quantized.llm_engine.model.layers[0].mlp.down_proj, QuantizedLinear)
     assert not isinstance(quantized.llm_engine.model.lm_head, QuantizedLinear)  # lm_head stays full precision
     assert all(len(o.outputs[0].token_ids) == 16 for o in quantized.generate(PROMPTS, GREEDY, use_tqdm=False))
@@ -482,7 +488,7 @@ def test_engine_generates_and_stays_close_to_full_precision(tiny_llama_dir, quan
 def test_quantized_multi_step_decoding_equals_single_step(tiny_llama_dir):
     outs = []
     for steps in (1, 4):
-        llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", quantization="int4", num_scheduler_steps=steps)
+        llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", **SMALL_CACHE, quantization="int4", num_scheduler_steps=steps)
         outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
     assert outs[0] == outs[1]
 
@@ -494,7 +500,7 @@ def test_dummy_weights_are_quantised_as_drawn(tiny_llama_dir, quantization):
     kind = fp8.Fp8Weight if quantization == "fp8" else int4.Int4Weight
     assert isinstance(state["model.layers.0.self_attn.q_proj.weight"], kind)
     assert isinstance(state["model.embed_tokens.weight"], torch.Tensor)
-    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", quantization=quantization, load_format="dummy")
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", **SMALL_CACHE, quantization=quantization, load_format="dummy")
     assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
 
 
@@ -503,11 +509,11 @@ def test_speculative_greedy_equals_plain_greedy_on_a_quantised_target(tiny_llama
     from speculation_helpers import PROMPTS as SPEC_PROMPTS
     from speculation_helpers import OracleProposer, speculative_llm
 
-    plain = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", quantization=quantization)
+    plain = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", **SMALL_CACHE, quantization=quantization)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in plain.generate(SPEC_PROMPTS[:8], params, use_tqdm=False)}
     proposer = OracleProposer(truth, "random", 24, 0.8, vocab=320, seed=3)
-    llm = speculative_llm(tiny_llama_dir, proposer, quantization=quantization)
+    llm = speculative_llm(tiny_llama_dir, proposer, quantization=quantization, **SMALL_CACHE)
     llm.llm_engine.spec_control.always_speculate = True
     for out in llm.generate(SPEC_PROMPTS[:8], params, use_tqdm=False):
         assert out.outputs[0].token_ids == truth[tuple(out.prompt_token_ids)]
