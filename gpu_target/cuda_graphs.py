@@ -32,11 +32,10 @@ import numpy as np
 import torch
 
 from gpu_target.attention import AttentionMetadata
-from gpu_target.kv_cache import KVCachePool
+from gpu_target.kv_cache import NULL_BLOCK, BlockTableRows, KVCachePool
 from gpu_target.model import AttentionFn, CausalLM
 from gpu_target.runner import DecodeInputs, SequenceChunk
 
-NULL_BLOCK = 0
 RAGGED_STEP = 128  # token granularity of the ragged buckets: a prefill's cost grows with its padded tokens
 
 
@@ -105,6 +104,7 @@ class CudaGraphRunner:
         self.device_buffers = allocate_buffers(max_t, max_b, self.max_blocks_per_seq, self.device)
         self.host_buffers = allocate_buffers(max_t, max_b, self.max_blocks_per_seq, "cpu", pin=True)
         self._staging_views: dict[Bucket, tuple[dict[str, np.ndarray], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self.table_rows: Optional[BlockTableRows] = None  # the scheduler's mirror of the chunks' block tables, if given
         # Each graph ends at the final hidden states: logits are computed outside it for the
         # real rows only, so no bucket holds a [B*Q, vocab] float32 output of its own.
         self.graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -203,9 +203,9 @@ class CudaGraphRunner:
         """
         host, copies = self._staging(bucket)
         if isinstance(bucket, Ragged):
-            rows = fill_ragged_host_inputs(host, chunks, self.block_size)
+            rows = fill_ragged_host_inputs(host, chunks, self.block_size, self.table_rows)
         else:
-            rows = fill_host_inputs(host, chunks, bucket[1], self.block_size)
+            rows = fill_host_inputs(host, chunks, bucket[1], self.block_size, self.table_rows)
         for device, pinned in copies:
             device.copy_(pinned, non_blocking=True)
         return rows
@@ -281,11 +281,14 @@ def bucket_view(buffers: dict[str, torch.Tensor], num_seqs: int, num_tokens: int
     return {name: buffers[name][: sizes.get(name, num_tokens)] for name in BUFFER_NAMES}
 
 
-def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChunk], query_len: int, block_size: int) -> list[int]:
+def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChunk], query_len: int, block_size: int,
+                     table_rows: Optional[BlockTableRows] = None) -> list[int]:
     """Lay `chunks` out in a bucket's host buffers (numpy views) as uniform sequences of `query_len` tokens.
 
     Every slot not covered by a chunk is padding aimed at the null block. Returns the flat
-    rows of the tokens whose logits were asked for, in chunk order.
+    rows of the tokens whose logits were asked for, in chunk order. With `table_rows`
+    holding every chunk's block table (`SequenceChunk.table_row`), the tables are copied
+    from there in one gather.
     """
     own_bits, query_starts, causal = _uniform_pattern(len(arrays["seq_lens"]), query_len)
     arrays["input_ids"][:] = 0
@@ -293,8 +296,10 @@ def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChu
     arrays["slot_mapping"][:] = NULL_BLOCK * block_size
     arrays["tree_mask"][:] = own_bits
     arrays["seq_lens"][:] = query_len
-    arrays["block_tables"][:] = NULL_BLOCK
     arrays["query_start_loc"][:] = query_starts
+    if not _gather_block_tables(arrays["block_tables"], chunks, table_rows):
+        arrays["block_tables"][:] = NULL_BLOCK
+        _write_block_tables(arrays["block_tables"], chunks)
     if not chunks:
         return []
     # Tokens, positions and masks are gathered in plain lists and written with one numpy
@@ -311,7 +316,6 @@ def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChu
         masks.extend(chunk.tree_mask if chunk.tree_mask is not None else causal[:n])
     seq_of_token, within = _token_coordinates(lens)
     index = seq_of_token * query_len + within
-    _write_block_tables(arrays["block_tables"], chunks)
     arrays["input_ids"][index] = token_ids
     arrays["positions"][index] = positions
     arrays["slot_mapping"][index] = _cache_slots(arrays["block_tables"], num_cached, seq_of_token, within, block_size)
@@ -342,13 +346,14 @@ def _every_index(n: int) -> list[int]:
     return list(range(n))
 
 
-def fill_ragged_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChunk], block_size: int) -> list[int]:
+def fill_ragged_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChunk], block_size: int,
+                            table_rows: Optional[BlockTableRows] = None) -> list[int]:
     """Lay `chunks` out in a ragged bucket's host buffers (numpy views): their tokens back to back.
 
     The sequences after the chunks are empty (no tokens, length 0, the null block's table);
     the tokens after theirs are padding aimed at the null block. Causal tokens carry no
     tree bits (the kernel's causal rule). Returns the flat rows of the tokens whose logits
-    were asked for, in chunk order.
+    were asked for, in chunk order. Block tables as in `fill_host_inputs`.
     """
     query_lens = [len(chunk.token_ids) for chunk in chunks]
     starts = np.concatenate([[0], np.cumsum(query_lens, dtype=np.int64)])
@@ -358,9 +363,11 @@ def fill_ragged_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[Sequ
     arrays["slot_mapping"][:] = NULL_BLOCK * block_size
     arrays["tree_mask"][:] = 0
     arrays["seq_lens"][:] = 0
-    arrays["block_tables"][:] = NULL_BLOCK
     arrays["query_start_loc"][:] = num_real
     arrays["query_start_loc"][: len(chunks) + 1] = starts
+    if not _gather_block_tables(arrays["block_tables"], chunks, table_rows):
+        arrays["block_tables"][:] = NULL_BLOCK
+        _write_block_tables(arrays["block_tables"], chunks)
     if not chunks:
         return []
     token_ids: list[int] = []
@@ -373,7 +380,6 @@ def fill_ragged_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[Sequ
         positions.extend(chunk.positions)
         masks.extend(chunk.tree_mask if chunk.tree_mask is not None else [0] * n)
         rows.extend(start + i for i in chunk.logits_indices)
-    _write_block_tables(arrays["block_tables"], chunks)
     seq_of_token, within = _token_coordinates(query_lens)
     arrays["input_ids"][:num_real] = token_ids
     arrays["positions"][:num_real] = positions
@@ -406,6 +412,24 @@ def _cache_slots(block_tables: np.ndarray, num_cached: Sequence[int], seq_of_tok
     the whole batch at once, from the block tables already written into `block_tables`."""
     storage = np.asarray(num_cached, dtype=np.int64)[seq_of_token] + within
     return block_tables[seq_of_token, storage // block_size].astype(np.int64) * block_size + storage % block_size
+
+
+def _gather_block_tables(block_tables: np.ndarray, chunks: Sequence[SequenceChunk], table_rows: Optional[BlockTableRows]) -> bool:
+    """The chunks' block tables into the first rows, the null block after them, from `table_rows`
+    (where every row ends with null blocks); False, writing nothing, when a chunk's table is not there."""
+    if table_rows is None:
+        return False
+    rows = [chunk.table_row for chunk in chunks]
+    if None in rows:
+        return False
+    mirrored = table_rows.array
+    width = min(block_tables.shape[1], mirrored.shape[1])
+    if width < mirrored.shape[1] and mirrored[rows, width:].any():
+        return False  # a table longer than the bucket's rows: the caller's writes raise as they should
+    block_tables[: len(rows), :width] = mirrored[rows, :width]
+    block_tables[: len(rows), width:] = NULL_BLOCK
+    block_tables[len(rows) :] = NULL_BLOCK
+    return True
 
 
 def _write_block_tables(block_tables: np.ndarray, chunks: Sequence[SequenceChunk]) -> None:

@@ -34,6 +34,7 @@ class SequenceChunk:
     num_cached: int  # storage index of the first new token
     logits_indices: Sequence[int]  # new-token indices whose logits are wanted
     tree_mask: Optional[Sequence[int]] = None  # per new token ancestor bits; None = causal
+    table_row: Optional[int] = None  # where `block_table` is mirrored in the scheduler's `BlockTableRows`, if it is
 
 
 @dataclass

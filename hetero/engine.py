@@ -161,6 +161,8 @@ class LLMEngine:
             self.runner = build_runner(spec, self.model, self.kv_pool, tp, shape,
                                        self._ranks.report if self._ranks is not None else _unreported)
         graph_runner = self.runner.graph_runner
+        if graph_runner is not None:  # stages the block tables from the scheduler's rows (rank 0's runner)
+            graph_runner.table_rows = self.scheduler.table_rows
         self.cuda_graph_capture_seconds = graph_runner.capture_seconds if graph_runner is not None else 0.0
         if self._ranks is not None:
             self._ranks.wait_for("built")

@@ -38,7 +38,7 @@ def test_a_chains_chunk_is_laid_out_as_any_tree_of_its_shape(num_nodes):
     from hetero.input_layout import build_chunks, tree_layout
     from hetero.scheduler import ScheduledSeq
 
-    seq = SimpleNamespace(num_computed=40, token_ids=list(range(41)), block_table=[3, 5, 9, 11, 12, 13])
+    seq = SimpleNamespace(num_computed=40, token_ids=list(range(41)), block_table=[3, 5, 9, 11, 12, 13], table_row=None)
     chain = TokenTree.chain(list(range(100, 100 + num_nodes)))
     assert chain.is_chain and not TokenTree(np.arange(num_nodes + 1), [*range(-1, num_nodes - 1), -1]).is_chain
     (chunk,), _ = build_chunks([ScheduledSeq(seq, 1, chain)])
