@@ -288,7 +288,8 @@ def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChu
     Every slot not covered by a chunk is padding aimed at the null block. Returns the flat
     rows of the tokens whose logits were asked for, in chunk order. With `table_rows`
     holding every chunk's block table (`SequenceChunk.table_row`), the tables are copied
-    from there in one gather.
+    from there in one gather; when every chunk is `SequenceChunk.sequential`, positions and
+    masks are computed for the whole batch from each token's index in its chunk.
     """
     own_bits, query_starts, causal = _uniform_pattern(len(arrays["seq_lens"]), query_len)
     arrays["input_ids"][:] = 0
@@ -308,18 +309,24 @@ def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChu
     lens = [len(chunk.token_ids) for chunk in chunks]
     num_cached = [chunk.num_cached for chunk in chunks]
     token_ids: list[int] = []
-    positions: list[int] = []
-    masks: list[int] = []
-    for chunk, n in zip(chunks, lens):
-        token_ids.extend(chunk.token_ids)
-        positions.extend(chunk.positions)
-        masks.extend(chunk.tree_mask if chunk.tree_mask is not None else causal[:n])
+    sequential = all(chunk.sequential for chunk in chunks)
+    if sequential:
+        for chunk in chunks:
+            token_ids.extend(chunk.token_ids)
+    else:
+        positions: list[int] = []
+        masks: list[int] = []
+        for chunk, n in zip(chunks, lens):
+            token_ids.extend(chunk.token_ids)
+            positions.extend(chunk.positions)
+            masks.extend(chunk.tree_mask if chunk.tree_mask is not None else causal[:n])
     seq_of_token, within = _token_coordinates(lens)
     index = seq_of_token * query_len + within
+    storage = _storage_indices(num_cached, seq_of_token, within)
     arrays["input_ids"][index] = token_ids
-    arrays["positions"][index] = positions
-    arrays["slot_mapping"][index] = _cache_slots(arrays["block_tables"], num_cached, seq_of_token, within, block_size)
-    arrays["tree_mask"][index] = masks
+    arrays["positions"][index] = storage if sequential else positions
+    arrays["slot_mapping"][index] = _cache_slots(arrays["block_tables"], storage, seq_of_token, block_size)
+    arrays["tree_mask"][index] = _causal_bits(query_len)[within] if sequential else masks
     arrays["seq_lens"][: len(chunks)] = np.asarray(num_cached) + query_len
     # Decode and tree chunks want every token's logits: their rows are the tokens' own slots.
     every = _every_index(query_len)
@@ -337,7 +344,15 @@ def _uniform_pattern(num_seqs: int, query_len: int) -> tuple[np.ndarray, np.ndar
     query_starts = np.arange(0, (num_seqs + 1) * query_len, query_len, dtype=np.int32)
     own_bits.setflags(write=False)
     query_starts.setflags(write=False)
-    return own_bits, query_starts, (np.left_shift(np.int64(2), np.arange(query_len, dtype=np.int64)) - 1).tolist()
+    return own_bits, query_starts, _causal_bits(query_len).tolist()
+
+
+@functools.lru_cache(maxsize=None)
+def _causal_bits(query_len: int) -> np.ndarray:
+    """The causal mask of each of a chunk's first `query_len` tokens, as int64 (shared: read-only)."""
+    bits = np.left_shift(np.int64(2), np.arange(query_len, dtype=np.int64)) - 1
+    bits.setflags(write=False)
+    return bits
 
 
 @functools.lru_cache(maxsize=None)
@@ -383,8 +398,8 @@ def fill_ragged_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[Sequ
     seq_of_token, within = _token_coordinates(query_lens)
     arrays["input_ids"][:num_real] = token_ids
     arrays["positions"][:num_real] = positions
-    arrays["slot_mapping"][:num_real] = _cache_slots(arrays["block_tables"], [chunk.num_cached for chunk in chunks], seq_of_token,
-                                                     within, block_size)
+    storage = _storage_indices([chunk.num_cached for chunk in chunks], seq_of_token, within)
+    arrays["slot_mapping"][:num_real] = _cache_slots(arrays["block_tables"], storage, seq_of_token, block_size)
     arrays["tree_mask"][:num_real] = masks
     arrays["seq_lens"][: len(chunks)] = [chunk.num_cached + n for chunk, n in zip(chunks, query_lens)]
     return rows
@@ -406,11 +421,13 @@ def _coordinates(lens: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     return seq_of_token, within
 
 
-def _cache_slots(block_tables: np.ndarray, num_cached: Sequence[int], seq_of_token: np.ndarray, within: np.ndarray,
-                 block_size: int) -> np.ndarray:
-    """Cache slots of the chunks' new tokens (storage indices `num_cached` onwards, per chunk), for
-    the whole batch at once, from the block tables already written into `block_tables`."""
-    storage = np.asarray(num_cached, dtype=np.int64)[seq_of_token] + within
+def _storage_indices(num_cached: Sequence[int], seq_of_token: np.ndarray, within: np.ndarray) -> np.ndarray:
+    """Storage indices of the chunks' new tokens (`num_cached` onwards, per chunk), for the whole batch at once."""
+    return np.asarray(num_cached, dtype=np.int64)[seq_of_token] + within
+
+
+def _cache_slots(block_tables: np.ndarray, storage: np.ndarray, seq_of_token: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slots of the tokens at `storage` indices, from the block tables already written into `block_tables`."""
     return block_tables[seq_of_token, storage // block_size].astype(np.int64) * block_size + storage % block_size
 
 

@@ -35,6 +35,9 @@ class SequenceChunk:
     logits_indices: Sequence[int]  # new-token indices whose logits are wanted
     tree_mask: Optional[Sequence[int]] = None  # per new token ancestor bits; None = causal
     table_row: Optional[int] = None  # where `block_table` is mirrored in the scheduler's `BlockTableRows`, if it is
+    # Positions num_cached, num_cached + 1, ... and causal attention (no tree mask, or a chain's,
+    # which is the causal one): staging may compute both from the token's index in the chunk.
+    sequential: bool = False
 
 
 @dataclass

@@ -88,7 +88,7 @@ def build_chunks(scheduled: list[ScheduledSeq]) -> tuple[list[SequenceChunk], li
             num_prompt_rows = len(logits_indices)
             if item.samples:
                 logits_indices.append(item.num_new_tokens - 1)
-            chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, logits_indices, None, seq.table_row))
+            chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, logits_indices, None, seq.table_row, True))
             layout.append(ChunkRows(seq, num_prompt_rows, int(item.samples)))
         else:
             # Row 0 is the root (the last known token), row i + 1 is node i.
@@ -100,7 +100,8 @@ def build_chunks(scheduled: list[ScheduledSeq]) -> tuple[list[SequenceChunk], li
             else:
                 depths, masks = tree_layout(tuple(tree.parent_list))
                 positions = [start + depth for depth in depths]
-            chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, list(range(len(tokens))), masks, seq.table_row))
+            chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, list(range(len(tokens))), masks, seq.table_row,
+                                        tree.is_chain))
             layout.append(ChunkRows(seq, 0, len(tokens), item.tree))
     return chunks, layout
 

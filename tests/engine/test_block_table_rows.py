@@ -1,6 +1,9 @@
 """The scheduler's per-row mirror of the block tables (`BlockTableRows`), and the CUDA-graph
-staging that gathers the tables from it: the staged buffers are those of the per-chunk writes."""
+staging that gathers the tables from it and computes sequential chunks' positions and masks:
+the staged buffers are those of the per-chunk writes."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -39,8 +42,9 @@ def _assert_mirrored(table_rows: BlockTableRows, row: int, table) -> None:
 
 
 def _stage_both_ways(engine: LLMEngine, checked: list[int]):
-    """A forward that first checks every chunk's row against its table and lays the chunks out
-    with and without the rows (uniform and ragged), asserting the same buffers."""
+    """A forward that first checks every chunk's row against its table, then lays the chunks
+    out (uniform and ragged) as they are and as chunks with neither a row nor the sequential
+    mark (every table, position and mask written from the chunk's lists), asserting the same buffers."""
     real_forward = engine.runner.forward
     table_rows = engine.scheduler.table_rows
     max_blocks = -(-engine.max_model_len // engine.scheduler.block_size) + 1
@@ -56,17 +60,18 @@ def _stage_both_ways(engine: LLMEngine, checked: list[int]):
         for fill, args, num_tokens in ((fill_host_inputs, (query_len,), num_seqs * query_len),
                                        (fill_ragged_host_inputs, (), ragged_tokens)):
             staged = []
-            for rows in (None, table_rows):
+            plain = [dataclasses.replace(chunk, table_row=None, sequential=False) for chunk in chunks]
+            for laid_out, rows in ((plain, None), (chunks, table_rows)):
                 host = allocate_buffers(num_tokens, num_seqs, max_blocks, "cpu")
                 arrays = {name: t.numpy() for name, t in bucket_view(host, num_seqs, num_tokens).items()}
                 for array in arrays.values():
                     array[:] = 99  # what a previous step left
-                picked = fill(arrays, chunks, *args, engine.scheduler.block_size, rows)
+                picked = fill(arrays, laid_out, *args, engine.scheduler.block_size, rows)
                 staged.append((picked, {name: array.copy() for name, array in arrays.items()}))
             assert staged[0][0] == staged[1][0]
             for name in staged[0][1]:
                 np.testing.assert_array_equal(staged[0][1][name], staged[1][1][name], err_msg=name)
-        checked.append(len(chunks))
+        checked.append(sum(chunk.sequential for chunk in chunks))
         return real_forward(chunks)
 
     engine.runner.forward = forward
@@ -102,7 +107,7 @@ def test_staging_from_the_rows_matches_per_chunk_tables_through_preemption_and_p
         if steps == 10:
             engine.abort_request("r1")
     assert engine.scheduler.num_preemptions > 0
-    assert len(checked) > 20
+    assert len(checked) > 20 and sum(checked) > 40
     table_rows = engine.scheduler.table_rows
     assert sorted(table_rows._free) == list(range(len(table_rows.array)))  # every row given back
     assert not table_rows.array.any()
