@@ -75,15 +75,25 @@ def chain_layout(num_nodes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tree_layout(tuple(range(-1, num_nodes - 1)))
 
 
+@functools.lru_cache(maxsize=MAX_TREE_NODES + 2)
+def every_row(num_tokens: int) -> list[int]:
+    """[0, 1, ..., num_tokens - 1]: a tree chunk's logits indices, its every row (shared: not to be modified)."""
+    return list(range(num_tokens))
+
+
 def build_chunks(scheduled: list[ScheduledSeq]) -> tuple[list[SequenceChunk], list[ChunkRows]]:
-    """The runner's chunks for a scheduled batch, and the logits rows each sequence gets back, in order."""
+    """The runner's chunks for a scheduled batch, and the logits rows each sequence gets back, in order.
+
+    A sequential chunk's positions are a `range` (staging computes them from the storage
+    indices; the eager path extends a list from them).
+    """
     chunks, layout = [], []
     for item in scheduled:
         seq = item.seq
         start = seq.num_computed
         if item.tree is None:
             tokens = seq.token_ids[start : start + item.num_new_tokens]
-            positions = list(range(start, start + item.num_new_tokens))
+            positions = range(start, start + item.num_new_tokens)
             logits_indices = prompt_logprob_indices(item)
             num_prompt_rows = len(logits_indices)
             if item.samples:
@@ -96,11 +106,11 @@ def build_chunks(scheduled: list[ScheduledSeq]) -> tuple[list[SequenceChunk], li
             tokens = [seq.token_ids[-1]] + tree.token_list
             if tree.is_chain:
                 _, masks = chain_layout(len(tree.token_list))
-                positions = list(range(start, start + len(tokens)))
+                positions = range(start, start + len(tokens))
             else:
                 depths, masks = tree_layout(tuple(tree.parent_list))
                 positions = [start + depth for depth in depths]
-            chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, list(range(len(tokens))), masks, seq.table_row,
+            chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, every_row(len(tokens)), masks, seq.table_row,
                                         tree.is_chain))
             layout.append(ChunkRows(seq, 0, len(tokens), item.tree))
     return chunks, layout
