@@ -34,7 +34,7 @@ import torch
 from gpu_target.attention import AttentionMetadata
 from gpu_target.kv_cache import NULL_BLOCK, BlockTableRows, KVCachePool
 from gpu_target.model import AttentionFn, CausalLM
-from gpu_target.runner import DecodeInputs, SequenceChunk
+from gpu_target.runner import DecodeInputs, SequenceChunk, every_index
 
 RAGGED_STEP = 128  # token granularity of the ragged buckets: a prefill's cost grows with its padded tokens
 
@@ -329,7 +329,7 @@ def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChu
     arrays["tree_mask"][index] = _causal_bits(query_len)[within] if sequential else masks
     arrays["seq_lens"][: len(chunks)] = np.asarray(num_cached) + query_len
     # Decode and tree chunks want every token's logits: their rows are the tokens' own slots.
-    every = _every_index(query_len)
+    every = every_index(query_len)
     if all(chunk.logits_indices == every[:n] for chunk, n in zip(chunks, lens)):
         return index.tolist()
     return [b * query_len + i for b, chunk in enumerate(chunks) for i in chunk.logits_indices]
@@ -353,12 +353,6 @@ def _causal_bits(query_len: int) -> np.ndarray:
     bits = np.left_shift(np.int64(2), np.arange(query_len, dtype=np.int64)) - 1
     bits.setflags(write=False)
     return bits
-
-
-@functools.lru_cache(maxsize=None)
-def _every_index(n: int) -> list[int]:
-    """[0, 1, ..., n - 1], to compare chunks' logits indices against (shared: not to be modified)."""
-    return list(range(n))
 
 
 def fill_ragged_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChunk], block_size: int,

@@ -8,6 +8,7 @@ returns the logits of the rows that were asked for.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -24,6 +25,12 @@ logger = logging.getLogger("hetero")
 
 CPU_DEFAULT_KV_GIB = 4.0  # the KV cache's size on the CPU when kv_cache_space is not given
 GPU_ACTIVATION_RESERVE_GIB = 4.0  # GPU memory kept back from the KV cache for activations and CUDA-graph pools
+
+
+@functools.lru_cache(maxsize=None)
+def every_index(n: int) -> list[int]:
+    """[0, 1, ..., n - 1]: the logits indices of a chunk that asks for every row (shared: not to be modified)."""
+    return list(range(n))
 
 
 @dataclass

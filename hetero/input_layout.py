@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Optional
 
-from gpu_target.runner import SequenceChunk
+from gpu_target.runner import SequenceChunk, every_index
 from hetero.core.protocols import MAX_TREE_NODES, TokenTree, tree_row_layout
 from hetero.scheduler import ScheduledSeq, Sequence
 
@@ -75,12 +75,6 @@ def chain_layout(num_nodes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tree_layout(tuple(range(-1, num_nodes - 1)))
 
 
-@functools.lru_cache(maxsize=MAX_TREE_NODES + 2)
-def every_row(num_tokens: int) -> list[int]:
-    """[0, 1, ..., num_tokens - 1]: a tree chunk's logits indices, its every row (shared: not to be modified)."""
-    return list(range(num_tokens))
-
-
 def build_chunks(scheduled: list[ScheduledSeq]) -> tuple[list[SequenceChunk], list[ChunkRows]]:
     """The runner's chunks for a scheduled batch, and the logits rows each sequence gets back, in order.
 
@@ -110,7 +104,7 @@ def build_chunks(scheduled: list[ScheduledSeq]) -> tuple[list[SequenceChunk], li
             else:
                 depths, masks = tree_layout(tuple(tree.parent_list))
                 positions = [start + depth for depth in depths]
-            chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, every_row(len(tokens)), masks, seq.table_row,
+            chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, every_index(len(tokens)), masks, seq.table_row,
                                         tree.is_chain))
             layout.append(ChunkRows(seq, 0, len(tokens), item.tree))
     return chunks, layout
