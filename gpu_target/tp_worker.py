@@ -34,6 +34,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import socket
+import time
 import traceback
 import uuid
 import weakref
@@ -54,6 +55,7 @@ logger = logging.getLogger("hetero")
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 _STOP_TIMEOUT_S = 10.0
+DEATH_POLL_S = 0.02  # how often a death is looked for within DEATH_GRACE_S
 
 
 class RankDiedError(RuntimeError):
@@ -269,15 +271,26 @@ class RankGroup:
 
     def check_alive(self, grace_s: float = 0.0) -> None:
         """RankDiedError naming the first worker that exited, with its own error when it sent one;
-        `grace_s`: first wait that long for one to exit (a collective can fail on a closed
-        connection before the dying process is reaped); RankStalledError once the watchdog found a stall."""
+        `grace_s`: until then, keep looking for one to exit (a collective can fail on a closed
+        connection before the dying process is reaped, and the watchdog's thread may be reaping
+        it at that moment: `is_alive` reads True until that thread records the exit code);
+        RankStalledError once the watchdog found a stall."""
         if self.watchdog.stalled is not None:
             raise RankStalledError(self.watchdog.stalled)
-        if grace_s:
-            exited = multiprocessing.connection.wait([p.sentinel for p in self.processes], grace_s)
+        deadline = time.monotonic() + grace_s
+        while True:
+            self._raise_if_one_exited()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            exited = multiprocessing.connection.wait([p.sentinel for p in self.processes], min(remaining, DEATH_POLL_S))
             for process in self.processes:
                 if process.sentinel in exited:
-                    process.join(grace_s)  # its pipes close before it can be reaped
+                    process.join(DEATH_POLL_S)  # its pipes close before it can be reaped
+            if exited:
+                time.sleep(DEATH_POLL_S)  # reaped by the other thread: its exit code lands shortly
+
+    def _raise_if_one_exited(self) -> None:
         for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
             if not process.is_alive():
                 detail = ""

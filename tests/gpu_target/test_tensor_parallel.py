@@ -6,6 +6,7 @@ start-up; the tests share engines where they can.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import pathlib
 import signal
@@ -470,3 +471,36 @@ def test_a_stalled_rank_at_start_up_is_an_error_naming_each_ranks_phase(tiny_lla
         worker.kill()
         ranks.close()
     assert not worker.is_alive()
+
+
+class _ReapedElsewhere:
+    """A worker that has exited while another thread reaps it: `is_alive` reads True for the
+    first `late` looks (the Popen's exit code not yet recorded), as in that race."""
+
+    def __init__(self, process, late: int):
+        self.process, self.late = process, late
+        self.sentinel, self.pid = process.sentinel, process.pid
+
+    def is_alive(self) -> bool:
+        self.late -= 1
+        return self.late >= 0 or self.process.is_alive()
+
+    def join(self, timeout=None) -> None:
+        pass  # the other thread reaps it
+
+    @property
+    def exitcode(self):
+        return self.process.exitcode
+
+
+def test_a_collective_failure_names_the_rank_whose_exit_is_recorded_late():
+    """A collective fails on the dead peer's closed socket while the watchdog's thread is reaping
+    it: the grace period keeps looking until the exit shows, so the error names rank 1."""
+    process = multiprocessing.get_context("spawn").Process(target=os._exit, args=(3,))
+    process.start()
+    process.join(30)
+    group = RankGroup.__new__(RankGroup)
+    group.watchdog = type("Watchdog", (), {"stalled": None})()
+    group.processes, group.conns = [_ReapedElsewhere(process, late=5)], [type("Conn", (), {"poll": lambda self: False})()]
+    with pytest.raises(RankDiedError, match=r"rank 1 \(pid \d+\) exited with code 3"):
+        group.check_alive(grace_s=tp_watchdog.DEATH_GRACE_S)
