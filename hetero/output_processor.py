@@ -12,7 +12,7 @@ is caught up token by token when it is rendered, which gives the same text.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence as Seq
 
 import torch
 
@@ -33,7 +33,7 @@ class OutputProcessor:
         self.num_generation_tokens = 0
 
     def append_tokens(
-        self, seq: Sequence, new_tokens: list[int], logits: Optional[torch.Tensor], token_rows: list[int], now: float
+        self, seq: Sequence, new_tokens: list[int], logits: Optional[torch.Tensor], token_rows: Seq[int], now: float
     ) -> bool:
         """Append tokens up to the first stop; whether the sequence stopped.
 

@@ -30,7 +30,7 @@ class StepTokens:
     """What a step's logits decided: each sampling sequence's new tokens and the rows that scored them."""
 
     sample_logits: Optional[torch.Tensor] = None  # the sampling rows, which `appends` index
-    appends: list[tuple[Sequence, list[int], list[int]]] = field(default_factory=list)  # (sequence, tokens, rows)
+    appends: list[tuple[Sequence, list[int], Seq[int]]] = field(default_factory=list)  # (sequence, tokens, rows)
     verdicts: list[Verdict] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     accepted_counts: list[int] = field(default_factory=list)
@@ -146,7 +146,7 @@ class BatchVerifier:
                 num_accepted = len(accepted)
             tree_tokens, num_nodes = tree.token_list, len(tree.token_list)
             if tree.is_chain:  # the path is a prefix: its rows follow the root's, its KV is in place
-                accepted_tokens, rows = tree_tokens[:num_accepted], list(range(first, first + num_accepted + 1))
+                accepted_tokens, rows = tree_tokens[:num_accepted], range(first, first + num_accepted + 1)
                 seq.num_computed += 1 + num_accepted
                 trim_blocks(seq, seq.num_computed)
             else:

@@ -70,8 +70,10 @@ def test_stop_and_max_tokens_inside_an_accepted_run(tiny_llama_dir, truth):
     assert out.outputs[0].token_ids == expected[: expected.index(stop_token) + 1]
 
 
-def test_logprobs_under_speculation_match_plain(tiny_llama_dir):
-    """Each emitted token's logprobs come from its own verification row, in every sequence of the batch.
+@pytest.mark.parametrize("shape", ["random", "chain"])
+def test_logprobs_under_speculation_match_plain(tiny_llama_dir, shape):
+    """Each emitted token's logprobs come from its own verification row, in every sequence of the
+    batch (a chain's accepted rows are a range behind its root's).
 
     Batch-invariant on both sides, so a token's logits are bit-identical whatever the step shape.
     """
@@ -79,7 +81,7 @@ def test_logprobs_under_speculation_match_plain(tiny_llama_dir):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
     expected = LLM(**base).generate(PROMPTS[:6], params, use_tqdm=False)
     truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in expected}
-    llm = speculative_llm(tiny_llama_dir, OracleProposer(truth, "random", 12, 0.7, vocab=320, seed=2), batch_invariant=True)
+    llm = speculative_llm(tiny_llama_dir, OracleProposer(truth, shape, 12, 0.7, vocab=320, seed=2), batch_invariant=True)
     llm.llm_engine.spec_control.always_speculate = True
     got = llm.generate(PROMPTS[:6], params, use_tqdm=False)
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
