@@ -103,6 +103,9 @@ class SequenceGroup:
         self.params = params
         self.plain_greedy = is_plain_greedy(params)  # read for every sequence of every step
         self.stop_token_set = frozenset(params.stop_token_ids or ())  # checked against every step's new tokens
+        # Tokens that need no work of their own when appended: no logprobs, no best_of ranking, no stop strings.
+        self.appends_unwatched = (params.logprobs is None and (params.best_of or params.n) == params.n
+                                  and not (params.detokenize and params.stop))
         self.seqs: list[Sequence] = []
         self.num_running = 0  # of its sequences, kept by the scheduler for fair admission
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
