@@ -95,7 +95,7 @@ class GraphHostForward:
         if arrays is None:  # sliced once per bucket, as the graph runner does
             view = bucket_view(self.host, len(chunks), len(chunks) * query_len)
             arrays = self.arrays[(len(chunks), query_len)] = {name: t.numpy() for name, t in view.items()}
-        rows = fill_host_inputs(arrays, chunks, query_len, self.engine.runner.block_size)
+        rows = fill_host_inputs(arrays, chunks, query_len, self.engine.runner.block_size, self.engine.scheduler.table_rows)
         self.staged()
         next_tokens = self.successors[torch.from_numpy(arrays["input_ids"][rows])]
         return torch.nn.functional.one_hot(next_tokens, len(self.successors)).float()

@@ -32,11 +32,10 @@ import numpy as np
 import torch
 
 from gpu_target.attention import AttentionMetadata
-from gpu_target.kv_cache import KVCachePool
+from gpu_target.kv_cache import NULL_BLOCK, BlockTableRows, KVCachePool
 from gpu_target.model import AttentionFn, CausalLM
-from gpu_target.runner import DecodeInputs, SequenceChunk
+from gpu_target.runner import DecodeInputs, SequenceChunk, every_index
 
-NULL_BLOCK = 0
 RAGGED_STEP = 128  # token granularity of the ragged buckets: a prefill's cost grows with its padded tokens
 
 
@@ -105,6 +104,7 @@ class CudaGraphRunner:
         self.device_buffers = allocate_buffers(max_t, max_b, self.max_blocks_per_seq, self.device)
         self.host_buffers = allocate_buffers(max_t, max_b, self.max_blocks_per_seq, "cpu", pin=True)
         self._staging_views: dict[Bucket, tuple[dict[str, np.ndarray], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self.table_rows: Optional[BlockTableRows] = None  # the scheduler's mirror of the chunks' block tables, if given
         # Each graph ends at the final hidden states: logits are computed outside it for the
         # real rows only, so no bucket holds a [B*Q, vocab] float32 output of its own.
         self.graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -203,9 +203,9 @@ class CudaGraphRunner:
         """
         host, copies = self._staging(bucket)
         if isinstance(bucket, Ragged):
-            rows = fill_ragged_host_inputs(host, chunks, self.block_size)
+            rows = fill_ragged_host_inputs(host, chunks, self.block_size, self.table_rows)
         else:
-            rows = fill_host_inputs(host, chunks, bucket[1], self.block_size)
+            rows = fill_host_inputs(host, chunks, bucket[1], self.block_size, self.table_rows)
         for device, pinned in copies:
             device.copy_(pinned, non_blocking=True)
         return rows
@@ -281,11 +281,15 @@ def bucket_view(buffers: dict[str, torch.Tensor], num_seqs: int, num_tokens: int
     return {name: buffers[name][: sizes.get(name, num_tokens)] for name in BUFFER_NAMES}
 
 
-def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChunk], query_len: int, block_size: int) -> list[int]:
+def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChunk], query_len: int, block_size: int,
+                     table_rows: Optional[BlockTableRows] = None) -> list[int]:
     """Lay `chunks` out in a bucket's host buffers (numpy views) as uniform sequences of `query_len` tokens.
 
     Every slot not covered by a chunk is padding aimed at the null block. Returns the flat
-    rows of the tokens whose logits were asked for, in chunk order.
+    rows of the tokens whose logits were asked for, in chunk order. With `table_rows`
+    holding every chunk's block table (`SequenceChunk.table_row`), the tables are copied
+    from there in one gather; when every chunk is `SequenceChunk.sequential`, positions and
+    masks are computed for the whole batch from each token's index in its chunk.
     """
     own_bits, query_starts, causal = _uniform_pattern(len(arrays["seq_lens"]), query_len)
     arrays["input_ids"][:] = 0
@@ -293,8 +297,10 @@ def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChu
     arrays["slot_mapping"][:] = NULL_BLOCK * block_size
     arrays["tree_mask"][:] = own_bits
     arrays["seq_lens"][:] = query_len
-    arrays["block_tables"][:] = NULL_BLOCK
     arrays["query_start_loc"][:] = query_starts
+    if not _gather_block_tables(arrays["block_tables"], chunks, table_rows):
+        arrays["block_tables"][:] = NULL_BLOCK
+        _write_block_tables(arrays["block_tables"], chunks)
     if not chunks:
         return []
     # Tokens, positions and masks are gathered in plain lists and written with one numpy
@@ -303,22 +309,27 @@ def fill_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChu
     lens = [len(chunk.token_ids) for chunk in chunks]
     num_cached = [chunk.num_cached for chunk in chunks]
     token_ids: list[int] = []
-    positions: list[int] = []
-    masks: list[int] = []
-    for chunk, n in zip(chunks, lens):
-        token_ids.extend(chunk.token_ids)
-        positions.extend(chunk.positions)
-        masks.extend(chunk.tree_mask if chunk.tree_mask is not None else causal[:n])
+    sequential = all(chunk.sequential for chunk in chunks)
+    if sequential:
+        for chunk in chunks:
+            token_ids.extend(chunk.token_ids)
+    else:
+        positions: list[int] = []
+        masks: list[int] = []
+        for chunk, n in zip(chunks, lens):
+            token_ids.extend(chunk.token_ids)
+            positions.extend(chunk.positions)
+            masks.extend(chunk.tree_mask if chunk.tree_mask is not None else causal[:n])
     seq_of_token, within = _token_coordinates(lens)
     index = seq_of_token * query_len + within
-    _write_block_tables(arrays["block_tables"], chunks)
+    storage = _storage_indices(num_cached, seq_of_token, within)
     arrays["input_ids"][index] = token_ids
-    arrays["positions"][index] = positions
-    arrays["slot_mapping"][index] = _cache_slots(arrays["block_tables"], num_cached, seq_of_token, within, block_size)
-    arrays["tree_mask"][index] = masks
+    arrays["positions"][index] = storage if sequential else positions
+    arrays["slot_mapping"][index] = _cache_slots(arrays["block_tables"], storage, seq_of_token, block_size)
+    arrays["tree_mask"][index] = _causal_bits(query_len)[within] if sequential else masks
     arrays["seq_lens"][: len(chunks)] = np.asarray(num_cached) + query_len
     # Decode and tree chunks want every token's logits: their rows are the tokens' own slots.
-    every = _every_index(query_len)
+    every = every_index(query_len)
     if all(chunk.logits_indices == every[:n] for chunk, n in zip(chunks, lens)):
         return index.tolist()
     return [b * query_len + i for b, chunk in enumerate(chunks) for i in chunk.logits_indices]
@@ -333,22 +344,25 @@ def _uniform_pattern(num_seqs: int, query_len: int) -> tuple[np.ndarray, np.ndar
     query_starts = np.arange(0, (num_seqs + 1) * query_len, query_len, dtype=np.int32)
     own_bits.setflags(write=False)
     query_starts.setflags(write=False)
-    return own_bits, query_starts, (np.left_shift(np.int64(2), np.arange(query_len, dtype=np.int64)) - 1).tolist()
+    return own_bits, query_starts, _causal_bits(query_len).tolist()
 
 
 @functools.lru_cache(maxsize=None)
-def _every_index(n: int) -> list[int]:
-    """[0, 1, ..., n - 1], to compare chunks' logits indices against (shared: not to be modified)."""
-    return list(range(n))
+def _causal_bits(query_len: int) -> np.ndarray:
+    """The causal mask of each of a chunk's first `query_len` tokens, as int64 (shared: read-only)."""
+    bits = np.left_shift(np.int64(2), np.arange(query_len, dtype=np.int64)) - 1
+    bits.setflags(write=False)
+    return bits
 
 
-def fill_ragged_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChunk], block_size: int) -> list[int]:
+def fill_ragged_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[SequenceChunk], block_size: int,
+                            table_rows: Optional[BlockTableRows] = None) -> list[int]:
     """Lay `chunks` out in a ragged bucket's host buffers (numpy views): their tokens back to back.
 
     The sequences after the chunks are empty (no tokens, length 0, the null block's table);
     the tokens after theirs are padding aimed at the null block. Causal tokens carry no
     tree bits (the kernel's causal rule). Returns the flat rows of the tokens whose logits
-    were asked for, in chunk order.
+    were asked for, in chunk order. Block tables as in `fill_host_inputs`.
     """
     query_lens = [len(chunk.token_ids) for chunk in chunks]
     starts = np.concatenate([[0], np.cumsum(query_lens, dtype=np.int64)])
@@ -358,9 +372,11 @@ def fill_ragged_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[Sequ
     arrays["slot_mapping"][:] = NULL_BLOCK * block_size
     arrays["tree_mask"][:] = 0
     arrays["seq_lens"][:] = 0
-    arrays["block_tables"][:] = NULL_BLOCK
     arrays["query_start_loc"][:] = num_real
     arrays["query_start_loc"][: len(chunks) + 1] = starts
+    if not _gather_block_tables(arrays["block_tables"], chunks, table_rows):
+        arrays["block_tables"][:] = NULL_BLOCK
+        _write_block_tables(arrays["block_tables"], chunks)
     if not chunks:
         return []
     token_ids: list[int] = []
@@ -373,12 +389,11 @@ def fill_ragged_host_inputs(arrays: dict[str, np.ndarray], chunks: Sequence[Sequ
         positions.extend(chunk.positions)
         masks.extend(chunk.tree_mask if chunk.tree_mask is not None else [0] * n)
         rows.extend(start + i for i in chunk.logits_indices)
-    _write_block_tables(arrays["block_tables"], chunks)
     seq_of_token, within = _token_coordinates(query_lens)
     arrays["input_ids"][:num_real] = token_ids
     arrays["positions"][:num_real] = positions
-    arrays["slot_mapping"][:num_real] = _cache_slots(arrays["block_tables"], [chunk.num_cached for chunk in chunks], seq_of_token,
-                                                     within, block_size)
+    storage = _storage_indices([chunk.num_cached for chunk in chunks], seq_of_token, within)
+    arrays["slot_mapping"][:num_real] = _cache_slots(arrays["block_tables"], storage, seq_of_token, block_size)
     arrays["tree_mask"][:num_real] = masks
     arrays["seq_lens"][: len(chunks)] = [chunk.num_cached + n for chunk, n in zip(chunks, query_lens)]
     return rows
@@ -400,12 +415,32 @@ def _coordinates(lens: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     return seq_of_token, within
 
 
-def _cache_slots(block_tables: np.ndarray, num_cached: Sequence[int], seq_of_token: np.ndarray, within: np.ndarray,
-                 block_size: int) -> np.ndarray:
-    """Cache slots of the chunks' new tokens (storage indices `num_cached` onwards, per chunk), for
-    the whole batch at once, from the block tables already written into `block_tables`."""
-    storage = np.asarray(num_cached, dtype=np.int64)[seq_of_token] + within
+def _storage_indices(num_cached: Sequence[int], seq_of_token: np.ndarray, within: np.ndarray) -> np.ndarray:
+    """Storage indices of the chunks' new tokens (`num_cached` onwards, per chunk), for the whole batch at once."""
+    return np.asarray(num_cached, dtype=np.int64)[seq_of_token] + within
+
+
+def _cache_slots(block_tables: np.ndarray, storage: np.ndarray, seq_of_token: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slots of the tokens at `storage` indices, from the block tables already written into `block_tables`."""
     return block_tables[seq_of_token, storage // block_size].astype(np.int64) * block_size + storage % block_size
+
+
+def _gather_block_tables(block_tables: np.ndarray, chunks: Sequence[SequenceChunk], table_rows: Optional[BlockTableRows]) -> bool:
+    """The chunks' block tables into the first rows, the null block after them, from `table_rows`
+    (where every row ends with null blocks); False, writing nothing, when a chunk's table is not there."""
+    if table_rows is None:
+        return False
+    rows = [chunk.table_row for chunk in chunks]
+    if None in rows:
+        return False
+    mirrored = table_rows.array
+    width = min(block_tables.shape[1], mirrored.shape[1])
+    if width < mirrored.shape[1] and mirrored[rows, width:].any():
+        return False  # a table longer than the bucket's rows: the caller's writes raise as they should
+    block_tables[: len(rows), :width] = mirrored[rows, :width]
+    block_tables[: len(rows), width:] = NULL_BLOCK
+    block_tables[len(rows) :] = NULL_BLOCK
+    return True
 
 
 def _write_block_tables(block_tables: np.ndarray, chunks: Sequence[SequenceChunk]) -> None:

@@ -47,6 +47,56 @@ class KVCachePool:
         flat[:, :, dst] = flat[:, :, src]
 
 
+NULL_BLOCK = 0  # never handed out on the GPU: padding tokens write into it, and it ends every block-table row
+
+
+class BlockTableRows:
+    """Every running sequence's block table, kept across steps as a row of one array.
+
+    vLLM V1 keeps its batch's block tables in per-slot arrays updated in place as blocks
+    are allocated and freed (``vllm/v1/worker/block_table.py``), so that a step's inputs
+    take every sequence's table in one gather instead of one write per sequence. Here the
+    scheduler, which owns the tables, mirrors each change into the sequence's row: a row
+    holds the table, then `NULL_BLOCK` to its end, exactly what staging lays out. Rows
+    are handed out per sequence while it holds blocks; the array widens when a table
+    outgrows it.
+    """
+
+    def __init__(self, num_rows: int, width: int = 64):
+        self.array = np.full((num_rows, width), NULL_BLOCK, dtype=np.int32)
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    def assign(self, table: Sequence[int]) -> int:
+        """A free row for a sequence that takes `table` (maybe empty); its index."""
+        if not self._free:  # more sequences hold blocks than the batch has slots: a row more
+            self.array = np.concatenate([self.array, np.full((1, self.array.shape[1]), NULL_BLOCK, np.int32)])
+            self._free.append(len(self.array) - 1)
+        row = self._free.pop()
+        self._widen(len(table))
+        self.array[row, : len(table)] = table
+        return row
+
+    def release(self, row: int, length: int) -> None:
+        """Give back a row whose table (of `length` blocks) was freed."""
+        self.array[row, :length] = NULL_BLOCK
+        self._free.append(row)
+
+    def append(self, row: int, index: int, block: int) -> None:
+        """Block `block` became entry `index` of the row's table."""
+        if index >= self.array.shape[1]:
+            self._widen(index + 1)
+        self.array[row, index] = block
+
+    def drop(self, row: int, index: int) -> None:
+        """Entry `index`, the table's last, was freed."""
+        self.array[row, index] = NULL_BLOCK
+
+    def _widen(self, width: int) -> None:
+        if width > self.array.shape[1]:
+            extra = max(width, 2 * self.array.shape[1]) - self.array.shape[1]
+            self.array = np.pad(self.array, ((0, 0), (0, extra)), constant_values=NULL_BLOCK)
+
+
 class OutOfBlocks(Exception):
     """Raised by the allocator when the pool has no free block; the scheduler preempts."""
 

@@ -8,6 +8,7 @@ returns the logits of the rows that were asked for.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -26,6 +27,12 @@ CPU_DEFAULT_KV_GIB = 4.0  # the KV cache's size on the CPU when kv_cache_space i
 GPU_ACTIVATION_RESERVE_GIB = 4.0  # GPU memory kept back from the KV cache for activations and CUDA-graph pools
 
 
+@functools.lru_cache(maxsize=None)
+def every_index(n: int) -> list[int]:
+    """[0, 1, ..., n - 1]: the logits indices of a chunk that asks for every row (shared: not to be modified)."""
+    return list(range(n))
+
+
 @dataclass
 class SequenceChunk:
     token_ids: Sequence[int]  # the step's new tokens
@@ -34,6 +41,10 @@ class SequenceChunk:
     num_cached: int  # storage index of the first new token
     logits_indices: Sequence[int]  # new-token indices whose logits are wanted
     tree_mask: Optional[Sequence[int]] = None  # per new token ancestor bits; None = causal
+    table_row: Optional[int] = None  # where `block_table` is mirrored in the scheduler's `BlockTableRows`, if it is
+    # Positions num_cached, num_cached + 1, ... and causal attention (no tree mask, or a chain's,
+    # which is the causal one): staging may compute both from the token's index in the chunk.
+    sequential: bool = False
 
 
 @dataclass

@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from cpu_draft.affinity import tp_worker_cpus
@@ -49,6 +48,7 @@ from hetero.proposers import build_proposer
 from hetero.scheduler import ScheduledSeq, Scheduler, Sequence, SequenceGroup
 from hetero.spec.controller import SpeculationController, cut_short
 from hetero.spec.draining import DrainingBatch
+from hetero.spec.step_trees import StepTrees
 from hetero.spec.verifier import BatchVerifier
 
 logger = logging.getLogger("hetero")
@@ -94,6 +94,7 @@ class _StepPlan:
     tokens_before: int = 0  # generated tokens before the step, to count what it emitted
     layout: Optional[list[ChunkRows]] = None  # the logits rows each sequence gets (a single step)
     result: Optional[torch.Tensor] = None  # launched: the rows' logits, or the window's tokens [B, num_steps]
+    trees: Optional[StepTrees] = None  # the trees proposed for the step, flat (those attached, unless some were dropped)
     verified: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # verified: the trees' node counts and accepted drafts
     filled: list[Sequence] = field(default_factory=list)  # verified: sequences that took tokens and go on
 
@@ -161,6 +162,8 @@ class LLMEngine:
             self.runner = build_runner(spec, self.model, self.kv_pool, tp, shape,
                                        self._ranks.report if self._ranks is not None else _unreported)
         graph_runner = self.runner.graph_runner
+        if graph_runner is not None:  # stages the block tables from the scheduler's rows (rank 0's runner)
+            graph_runner.table_rows = self.scheduler.table_rows
         self.cuda_graph_capture_seconds = graph_runner.capture_seconds if graph_runner is not None else 0.0
         if self._ranks is not None:
             self._ranks.wait_for("built")
@@ -283,7 +286,7 @@ class LLMEngine:
                 metrics.time_in_queue = now - metrics.arrival_time
         decoding = [item for item in scheduled if item.samples and item.num_new_tokens == 1]
         plan = _StepPlan(scheduled, decode_only=len(decoding) == len(scheduled))
-        plan.nodes_per_seq = self._attach_trees(decoding, measured=plan.decode_only) if decoding else 0
+        plan.nodes_per_seq, plan.trees = self._attach_trees(decoding, measured=plan.decode_only) if decoding else (0, None)
         plan.unready = bool(plan.nodes_per_seq) and self._proposer_pending and all(item.tree is None for item in decoding)
         plan.tokens_before = self.num_generation_tokens_total
         if plan.decode_only and not plan.nodes_per_seq:
@@ -314,7 +317,7 @@ class LLMEngine:
         scheduled, layout, logits = plan.scheduled, plan.layout, plan.result
         if not plan.decode_only:  # prompt rows to score, prefill chunks that sample nothing
             self._consume_prompt_rows(scheduled, layout, logits)
-        result = self.verifier.sample_and_verify(scheduled, layout, logits)
+        result = self.verifier.sample_and_verify(scheduled, layout, logits, plan.trees)
         if result.verdicts:
             # One call for the step, before the tokens are appended: a stop among them
             # releases its sequence, and the proposer should still learn this last step.
@@ -423,8 +426,8 @@ class LLMEngine:
         """Tokens the sequence may still emit under its max_tokens and max_model_len."""
         return min(seq.group.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids))
 
-    def _attach_trees(self, decoding: list[ScheduledSeq], measured: bool) -> int:
-        """Ask the proposer for a tree per decoding sequence; the nodes granted each (0: no speculation).
+    def _attach_trees(self, decoding: list[ScheduledSeq], measured: bool) -> tuple[int, Optional[StepTrees]]:
+        """Ask the proposer for a tree per decoding sequence; the nodes granted each (0: no speculation), and the trees flat.
 
         A step that also prefills (``measured=False``: admitting a request) verifies trees
         too when speculation is the current verdict, without counting as a probe: in a
@@ -443,10 +446,10 @@ class LLMEngine:
         """
         self._proposer_pending = False
         if self.proposer is None:
-            return 0
+            return 0, None
         per_seq = self.spec_control.nodes_per_sequence(len(decoding), explore=measured, draining=self._draining_batch(decoding))
         if per_seq == 0:
-            return 0
+            return 0, None
         gated = not self.spec_control.always_speculate
         requests = []
         granted = withheld = 0
@@ -463,16 +466,15 @@ class LLMEngine:
             requests.append(ProposalRequest(seq.seq_key, seq.token_ids, seq.num_prompt_tokens, budget))
         self.num_trees_withheld += withheld
         if not granted:
-            return 0
+            return 0, None
         asked = time.perf_counter()
         trees = self.proposer.propose(requests)
         self.draft_wait_seconds += time.perf_counter() - asked
         self._proposer_pending = any(not tree.ready for tree in trees)
         vocab = self.model_config.vocab_size
         # One range check over every node of the step; per tree only when something is out.
-        nonempty = [tree.tokens for tree in trees if tree.token_list]
-        every = np.concatenate(nonempty) if nonempty else None
-        all_in_vocab = every is None or (every.min() >= 0 and every.max() < vocab)
+        flat = StepTrees([tree for tree in trees if tree.token_list])
+        all_in_vocab = flat.in_vocab(vocab)
         for item, request, tree in zip(decoding, requests, trees):
             num_nodes = len(tree.token_list)
             if num_nodes == 0 or num_nodes > request.max_nodes:
@@ -485,7 +487,7 @@ class LLMEngine:
                 item.tree = tree
             else:
                 self.scheduler.trim_blocks(seq, seq.num_computed + 1)
-        return per_seq
+        return per_seq, flat
 
     def _draining_batch(self, decoding: list[ScheduledSeq]) -> Optional[DrainingBatch]:
         """The decoding sequences' progress when the caller waits for all of them and no

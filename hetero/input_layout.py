@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Optional
 
-from gpu_target.runner import SequenceChunk
+from gpu_target.runner import SequenceChunk, every_index
 from hetero.core.protocols import MAX_TREE_NODES, TokenTree, tree_row_layout
 from hetero.scheduler import ScheduledSeq, Sequence
 
@@ -76,19 +76,23 @@ def chain_layout(num_nodes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def build_chunks(scheduled: list[ScheduledSeq]) -> tuple[list[SequenceChunk], list[ChunkRows]]:
-    """The runner's chunks for a scheduled batch, and the logits rows each sequence gets back, in order."""
+    """The runner's chunks for a scheduled batch, and the logits rows each sequence gets back, in order.
+
+    A sequential chunk's positions are a `range` (staging computes them from the storage
+    indices; the eager path extends a list from them).
+    """
     chunks, layout = [], []
     for item in scheduled:
         seq = item.seq
         start = seq.num_computed
         if item.tree is None:
             tokens = seq.token_ids[start : start + item.num_new_tokens]
-            positions = list(range(start, start + item.num_new_tokens))
+            positions = range(start, start + item.num_new_tokens)
             logits_indices = prompt_logprob_indices(item)
             num_prompt_rows = len(logits_indices)
             if item.samples:
                 logits_indices.append(item.num_new_tokens - 1)
-            chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, logits_indices))
+            chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, logits_indices, None, seq.table_row, True))
             layout.append(ChunkRows(seq, num_prompt_rows, int(item.samples)))
         else:
             # Row 0 is the root (the last known token), row i + 1 is node i.
@@ -96,11 +100,12 @@ def build_chunks(scheduled: list[ScheduledSeq]) -> tuple[list[SequenceChunk], li
             tokens = [seq.token_ids[-1]] + tree.token_list
             if tree.is_chain:
                 _, masks = chain_layout(len(tree.token_list))
-                positions = list(range(start, start + len(tokens)))
+                positions = range(start, start + len(tokens))
             else:
                 depths, masks = tree_layout(tuple(tree.parent_list))
                 positions = [start + depth for depth in depths]
-            chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, list(range(len(tokens))), masks))
+            chunks.append(SequenceChunk(tokens, positions, seq.block_table, start, every_index(len(tokens)), masks, seq.table_row,
+                                        tree.is_chain))
             layout.append(ChunkRows(seq, 0, len(tokens), item.tree))
     return chunks, layout
 

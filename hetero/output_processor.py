@@ -12,7 +12,7 @@ is caught up token by token when it is rendered, which gives the same text.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence as Seq
 
 import torch
 
@@ -33,7 +33,7 @@ class OutputProcessor:
         self.num_generation_tokens = 0
 
     def append_tokens(
-        self, seq: Sequence, new_tokens: list[int], logits: Optional[torch.Tensor], token_rows: list[int], now: float
+        self, seq: Sequence, new_tokens: list[int], logits: Optional[torch.Tensor], token_rows: Seq[int], now: float
     ) -> bool:
         """Append tokens up to the first stop; whether the sequence stopped.
 
@@ -43,21 +43,22 @@ class OutputProcessor:
         finishes it. A sequence that goes on has its blocks registered by the caller
         (`Scheduler.register_blocks`), which can do it after launching the next step.
         """
+        group = seq.group
+        metrics = group.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        if group.appends_unwatched and seq.grammar is None:
+            if self._append_unwatched(seq, new_tokens):
+                self.scheduler.register_blocks(seq)
+                return True
+            return False
         params = seq.params
         want = params.logprobs
         ranks_samples = (params.best_of or params.n) > params.n  # best_of picks by cumulative logprob
         if want is not None or ranks_samples:
             chosen = torch.tensor(new_tokens, device=logits.device)
             token_logprobs = raw_logprobs(logits[token_rows], chosen, [want or 0] * len(new_tokens))
-        metrics = seq.group.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
-        if want is None and not ranks_samples and seq.grammar is None and not (params.detokenize and params.stop):
-            if self._append_unwatched(seq, new_tokens):
-                self.scheduler.register_blocks(seq)
-                return True
-            return False
         for i, token in enumerate(new_tokens):
             seq.token_ids.append(token)
             if seq.grammar is not None:
@@ -80,7 +81,8 @@ class OutputProcessor:
         asked at those tokens alone and the rest are appended a run at a time.
         """
         params, group = seq.params, seq.group
-        length_left = min(group.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids))
+        length = len(seq.token_ids)
+        length_left = min(group.max_tokens - (length - seq.num_prompt_tokens), self.max_model_len - length)
         if (len(new_tokens) < length_left and group.stop_token_set.isdisjoint(new_tokens)
                 and (params.ignore_eos or self._eos_set.isdisjoint(new_tokens))):
             seq.token_ids.extend(new_tokens)  # no token can stop it: one run

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from gpu_target.kv_cache import BlockAllocator, OutOfBlocks, extend_block_hashes
+from gpu_target.kv_cache import BlockAllocator, BlockTableRows, OutOfBlocks, extend_block_hashes
 from gpu_target.sampler import is_plain_greedy
 from hetero.detokenizer import DetokenizerState, init_state
 from hetero.outputs import Logprob, RequestMetrics
@@ -53,6 +53,7 @@ class Sequence:
         self.token_ids: list[int] = list(group.prompt_token_ids)
         self.num_prompt_tokens = len(group.prompt_token_ids)
         self.block_table: list[int] = []
+        self.table_row: Optional[int] = None  # its row of the scheduler's `BlockTableRows` while it holds blocks
         self.num_computed = 0  # tokens whose KV is in the cache
         self.block_hashes: list[bytes] = []  # content hashes of full blocks, for the prefix cache
         self.num_registered_blocks = 0  # leading blocks of block_table already in the prefix cache
@@ -102,6 +103,9 @@ class SequenceGroup:
         self.params = params
         self.plain_greedy = is_plain_greedy(params)  # read for every sequence of every step
         self.stop_token_set = frozenset(params.stop_token_ids or ())  # checked against every step's new tokens
+        # Tokens that need no work of their own when appended: no logprobs, no best_of ranking, no stop strings.
+        self.appends_unwatched = (params.logprobs is None and (params.best_of or params.n) == params.n
+                                  and not (params.detokenize and params.stop))
         self.seqs: list[Sequence] = []
         self.num_running = 0  # of its sequences, kept by the scheduler for fair admission
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
@@ -134,6 +138,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.restoring: list[Sequence] = []  # admitted, WAITING_FOR_KV, in admission order
+        self.table_rows = BlockTableRows(max_num_seqs)  # every block table, mirrored for the runner's staging
         self.num_preemptions = 0
         self.num_restore_waits = 0  # times the host waited for a restore, with nothing else to run
 
@@ -173,7 +178,7 @@ class Scheduler:
             # Cached blocks have no logits to score a prompt with, so prompt_logprobs skips them.
             if self.allocator.enable_prefix_caching and seq.params.prompt_logprobs is None:
                 extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, len(seq.token_ids))
-                seq.block_table = self.allocator.match_prefix(seq.block_hashes, len(seq.token_ids))
+                self._take_table(seq, self.allocator.match_prefix(seq.block_hashes, len(seq.token_ids)))
                 seq.num_registered_blocks = len(seq.block_table)  # cached blocks are registered already
                 seq.num_computed = seq.num_registered_blocks * self.block_size
                 seq.group.num_cached_tokens = seq.num_computed
@@ -200,10 +205,22 @@ class Scheduler:
 
     def _unadmit(self, seq: Sequence) -> None:
         """Give back an unscheduled sequence's blocks (they stay cached); it starts afresh."""
-        self.allocator.free_all(seq.block_table)
-        seq.block_table = []
+        self._free_table(seq)
         seq.num_computed = seq.num_registered_blocks = 0
         seq.status = SeqStatus.WAITING
+
+    def _take_table(self, seq: Sequence, table: list[int]) -> None:
+        """Give a sequence without blocks the table `table` (blocks it holds already)."""
+        seq.block_table = table
+        seq.table_row = self.table_rows.assign(table)
+
+    def _free_table(self, seq: Sequence) -> None:
+        """Free all of a sequence's blocks (cached ones stay findable) and its table's row."""
+        self.allocator.free_all(seq.block_table)
+        if seq.table_row is not None:
+            self.table_rows.release(seq.table_row, len(seq.block_table))
+            seq.table_row = None
+        seq.block_table = []
 
     def wait_for_restore(self) -> None:
         """Block the host until the first sequence waiting for restored blocks has them (for
@@ -227,10 +244,15 @@ class Scheduler:
         return self._reserve(seq, num_tokens, preempt=False)
 
     def _reserve(self, seq: Sequence, num_tokens: int, preempt: bool) -> bool:
-        needed = -(-num_tokens // self.block_size) - len(seq.block_table)
+        table = seq.block_table
+        needed = -(-num_tokens // self.block_size) - len(table)
         while needed > 0:
             try:
-                seq.block_table.append(self.allocator.allocate())
+                block = self.allocator.allocate()
+                if seq.table_row is None:
+                    seq.table_row = self.table_rows.assign(())
+                self.table_rows.append(seq.table_row, len(table), block)
+                table.append(block)
                 needed -= 1
             except OutOfBlocks:
                 victim = self._preemption_victim(seq) if preempt else None
@@ -253,8 +275,7 @@ class Scheduler:
         last step's tokens), so that the prefix cache can give them back at its re-admission.
         """
         self.register_blocks(seq)
-        self.allocator.free_all(seq.block_table)
-        seq.block_table = []
+        self._free_table(seq)
         seq.num_computed = seq.num_registered_blocks = 0
         seq.status = SeqStatus.WAITING
         seq.group.num_running -= 1
@@ -265,8 +286,10 @@ class Scheduler:
     def trim_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Free the blocks past the first `num_tokens` storage slots (a compacted or dropped tree)."""
         keep = -(-num_tokens // self.block_size)
-        while len(seq.block_table) > keep:
-            self.allocator.free(seq.block_table.pop())
+        table = seq.block_table
+        while len(table) > keep:
+            self.allocator.free(table.pop())
+            self.table_rows.drop(seq.table_row, len(table))
 
     def reserve_run_ahead(self, decoding: list[ScheduledSeq], max_steps: int, max_model_len: int) -> int:
         """How many decode steps to run before the host looks at the tokens (1: a plain step).
@@ -321,8 +344,7 @@ class Scheduler:
             self.restoring.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.allocator.free_all(seq.block_table)
-        seq.block_table = []
+        self._free_table(seq)
         seq.status = SeqStatus.FINISHED
 
 

@@ -32,10 +32,14 @@ class TokenTree:
 
     def __post_init__(self) -> None:
         self.tokens = _flat(self.tokens, np.int64)
-        self.parents = _flat(self.parents, np.int32)
+        n = len(self.tokens)
+        # `chain` passes the shared parents of an n-node chain, known to be a chain: they are
+        # neither converted nor compared (a proposer makes a chain for every sequence of every step).
+        shared_chain = n <= MAX_TREE_NODES and self.parents is _chain_parent_array(n)
+        if not shared_chain:
+            self.parents = _flat(self.parents, np.int32)
         if self.scores is not None:
             self.scores = _flat(self.scores, np.float32)
-        n = len(self.tokens)
         if len(self.parents) != n or (self.scores is not None and len(self.scores) != n):
             raise ValueError("TokenTree arrays must have one entry per node")
         if n > MAX_TREE_NODES:
@@ -43,12 +47,12 @@ class TokenTree:
         # The arrays as lists too, made once per tree: the engine walks and copies a tree's
         # nodes several times per step, for every sequence, and a `tolist` costs more than
         # the walk it would feed. A Python pass over at most 63 parents is also cheaper than
-        # two numpy reductions.
+        # two numpy reductions. A chain's `parent_list` is shared with every chain of its length.
         self.token_list: list[int] = self.tokens.tolist()
-        self.parent_list: list[int] = self.parents.tolist()
+        self.parent_list: list[int] = _chain_parents(n) if shared_chain else self.parents.tolist()
         # A chain (every proposer's most common shape) is checked by one list comparison; its
         # paths are prefixes, which verification takes without walking them.
-        self.is_chain = self.parent_list == _chain_parents(n)
+        self.is_chain = shared_chain or self.parent_list == _chain_parents(n)
         if not self.is_chain and not all(-1 <= parent < i for i, parent in enumerate(self.parent_list)):
             raise ValueError("TokenTree parents must precede their children (-1 <= parents[i] < i)")
 
@@ -68,8 +72,8 @@ class TokenTree:
 
     @classmethod
     def chain(cls, tokens: Sequence[int]) -> "TokenTree":
-        n = len(tokens)
-        return cls(np.asarray(tokens, np.int64), np.arange(-1, n - 1, dtype=np.int32))
+        """A chain of `tokens`; its parents are the read-only array shared by every chain of its length."""
+        return cls(np.asarray(tokens, np.int64), _chain_parent_array(len(tokens)))
 
     def depths(self) -> np.ndarray:
         """Depth of each node: 1 for children of the root."""
@@ -103,6 +107,14 @@ def _flat(values, dtype) -> np.ndarray:
 def _chain_parents(n: int) -> list[int]:
     """The parents of an n-node chain: -1, 0, 1, ... (shared: callers must not modify it)."""
     return list(range(-1, n - 1))
+
+
+@functools.lru_cache(maxsize=MAX_TREE_NODES + 1)
+def _chain_parent_array(n: int) -> np.ndarray:
+    """`_chain_parents(n)` as a read-only int32 array, shared by the chains `TokenTree.chain` makes."""
+    parents = np.arange(-1, n - 1, dtype=np.int32)
+    parents.flags.writeable = False
+    return parents
 
 
 @functools.lru_cache(maxsize=4096)

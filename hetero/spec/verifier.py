@@ -20,6 +20,7 @@ from gpu_target.sampler import RowContext, sample, target_probs, verify_tree
 from hetero.core.protocols import Verdict
 from hetero.input_layout import ChunkRows, SampleRow, row_offsets
 from hetero.scheduler import ScheduledSeq, Scheduler, Sequence
+from hetero.spec.step_trees import StepTrees
 
 KVMove = tuple[list[int], int, int]  # (block table, source storage index, destination storage index)
 
@@ -29,32 +30,36 @@ class StepTokens:
     """What a step's logits decided: each sampling sequence's new tokens and the rows that scored them."""
 
     sample_logits: Optional[torch.Tensor] = None  # the sampling rows, which `appends` index
-    appends: list[tuple[Sequence, list[int], list[int]]] = field(default_factory=list)  # (sequence, tokens, rows)
+    appends: list[tuple[Sequence, list[int], Seq[int]]] = field(default_factory=list)  # (sequence, tokens, rows)
     verdicts: list[Verdict] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     accepted_counts: list[int] = field(default_factory=list)
     kv_moves: list[KVMove] = field(default_factory=list)
 
 
-def accept_greedy(argmax: np.ndarray, tokens: np.ndarray, parents: np.ndarray, node_offsets: np.ndarray,
+def accept_greedy(argmax: np.ndarray, tokens: np.ndarray, parents: Optional[np.ndarray], node_offsets: np.ndarray,
                   row_starts: np.ndarray) -> np.ndarray:
     """Greedy acceptance over every tree of a step at once: per tree, the deepest node whose
     whole path matches the target's argmaxes (ties to the lowest index; -1: none).
 
     Tree b's nodes are ``tokens[node_offsets[b]:node_offsets[b + 1]]`` with tree-local
-    ``parents`` (-1 for the root's children, parents before children); its rows start at
-    ``argmax[row_starts[b]]`` (the root's), node i's row is ``row_starts[b] + i + 1``. Trees
-    must be non-empty. Same result as `gpu_target.sampler.greedy_accept` per tree.
+    ``parents`` (-1 for the root's children, parents before children; None: every tree is a
+    chain); its rows start at ``argmax[row_starts[b]]`` (the root's), node i's row is
+    ``row_starts[b] + i + 1``. Trees must be non-empty. Same result as
+    `gpu_target.sampler.greedy_accept` per tree.
     """
     sizes = np.diff(node_offsets)
+    firsts = node_offsets[:-1]
+    index = np.arange(len(tokens))
+    if parents is None:
+        return _accept_chains(argmax, tokens, index, sizes, firsts, row_starts)
     tree_of = np.repeat(np.arange(len(sizes)), sizes)
-    first = node_offsets[:-1][tree_of]
+    first = firsts[tree_of]
+    local = index - first
+    if np.array_equal(parents, local - 1):
+        return _accept_chains(argmax, tokens, index, sizes, firsts, row_starts)
     match = tokens == argmax[row_starts[tree_of] + parents + 1]
     span = int(sizes.max()) + 1
-    local = np.arange(len(tokens)) - first
-    if np.array_equal(parents, local - 1):  # every tree a chain: its path is its leading matches
-        first_miss = np.minimum.reduceat(np.where(match, span, local), node_offsets[:-1])
-        return np.minimum(first_miss, sizes) - 1
     # Pointer jumping, one round per doubling of the depth rather than one per level: `up` is
     # a node's 2^r-th ancestor, or past the root the sentinel n (matching, of depth 0, its own
     # ancestor); `whole` says whether every node from just below `up` down to the node
@@ -69,8 +74,18 @@ def accept_greedy(argmax: np.ndarray, tokens: np.ndarray, parents: np.ndarray, n
         depth = depth + depth[up]
         up = up[up]
     depth = np.where(whole[:n], depth[:n], 0)  # depth of each node's matching path (0: its path misses somewhere)
-    best = np.maximum.reduceat(depth * span + (span - 1 - local), node_offsets[:-1])
+    best = np.maximum.reduceat(depth * span + (span - 1 - local), firsts)
     return np.where(best // span > 0, span - 1 - best % span, -1)
+
+
+def _accept_chains(argmax: np.ndarray, tokens: np.ndarray, index: np.ndarray, sizes: np.ndarray, firsts: np.ndarray,
+                   row_starts: np.ndarray) -> np.ndarray:
+    """`accept_greedy` of chains: a chain's path is its leading matches. Node ``index[j]`` of tree b
+    is compared with its parent's row, ``row_starts[b] + j - firsts[b]``; each chain's first
+    miss (or its end) is its accepted length."""
+    match = tokens == argmax[index + np.repeat(row_starts - firsts, sizes)]
+    first_miss = np.minimum.reduceat(np.where(match, len(tokens), index), firsts)
+    return np.minimum(first_miss - firsts, sizes) - 1
 
 
 class BatchVerifier:
@@ -78,8 +93,13 @@ class BatchVerifier:
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
 
-    def sample_and_verify(self, scheduled: list[ScheduledSeq], layout: list[ChunkRows], logits: torch.Tensor) -> StepTokens:
-        """Sample each plain sequence's next token and verify each tree; queue the accepted paths' KV moves."""
+    def sample_and_verify(self, scheduled: list[ScheduledSeq], layout: list[ChunkRows], logits: torch.Tensor,
+                          step_trees: Optional[StepTrees] = None) -> StepTokens:
+        """Sample each plain sequence's next token and verify each tree; queue the accepted paths' KV moves.
+
+        `step_trees`: the step's trees already flat (the engine's, from attaching them), used
+        when they are exactly the trees verified here.
+        """
         _, sample_starts, sample_index = row_offsets(layout)
         # Sequences finished since the step was launched (aborted) are left out, as if never scheduled.
         sampling = [b for b, rows in enumerate(layout) if rows.num_sample_rows and not rows.seq.is_finished]
@@ -103,7 +123,7 @@ class BatchVerifier:
         else:
             plain_tokens = {}
         trees = [b for b in sampling if scheduled[b].tree is not None]
-        greedy_best = self._accept_greedy(scheduled, trees, sample_starts, argmax) if argmax is not None and trees else {}
+        greedy_best = self._accept_greedy(scheduled, trees, sample_starts, argmax, step_trees) if argmax is not None and trees else {}
         # Looked up once: the loop below runs for every sequence of every step, between the
         # device finishing the step and the host launching the next one.
         appends, verdicts, tree_sizes, accepted_counts = result.appends, result.verdicts, result.tree_sizes, result.accepted_counts
@@ -126,7 +146,7 @@ class BatchVerifier:
                 num_accepted = len(accepted)
             tree_tokens, num_nodes = tree.token_list, len(tree.token_list)
             if tree.is_chain:  # the path is a prefix: its rows follow the root's, its KV is in place
-                accepted_tokens, rows = tree_tokens[:num_accepted], list(range(first, first + num_accepted + 1))
+                accepted_tokens, rows = tree_tokens[:num_accepted], range(first, first + num_accepted + 1)
                 seq.num_computed += 1 + num_accepted
                 trim_blocks(seq, seq.num_computed)
             else:
@@ -142,17 +162,12 @@ class BatchVerifier:
 
     @staticmethod
     def _accept_greedy(scheduled: list[ScheduledSeq], trees: list[int], sample_starts: list[int],
-                       argmax: np.ndarray) -> dict[int, int]:
+                       argmax: np.ndarray, step_trees: Optional[StepTrees]) -> dict[int, int]:
         """Each tree's deepest matching node, by `accept_greedy` over the step's flat tree arrays."""
-        node_offsets = np.zeros(len(trees) + 1, dtype=np.int64)
-        node_offsets[1:] = np.cumsum([len(scheduled[b].tree.token_list) for b in trees])
-        best = accept_greedy(
-            argmax,
-            np.concatenate([scheduled[b].tree.tokens for b in trees]).astype(np.int64, copy=False),
-            np.concatenate([scheduled[b].tree.parents for b in trees]).astype(np.int64),
-            node_offsets,
-            np.asarray([sample_starts[b] for b in trees], dtype=np.int64),
-        )
+        verified = [scheduled[b].tree for b in trees]
+        flat = step_trees if step_trees is not None and step_trees.holds(verified) else StepTrees(verified)
+        best = accept_greedy(argmax, flat.tokens, flat.parents, flat.node_offsets,
+                             np.asarray([sample_starts[b] for b in trees], dtype=np.int64))
         return dict(zip(trees, best.tolist()))
 
     def row_contexts(self, rows: ChunkRows, device: torch.device) -> list[RowContext]:

@@ -38,11 +38,12 @@ def test_a_chains_chunk_is_laid_out_as_any_tree_of_its_shape(num_nodes):
     from hetero.input_layout import build_chunks, tree_layout
     from hetero.scheduler import ScheduledSeq
 
-    seq = SimpleNamespace(num_computed=40, token_ids=list(range(41)), block_table=[3, 5, 9, 11, 12, 13])
+    seq = SimpleNamespace(num_computed=40, token_ids=list(range(41)), block_table=[3, 5, 9, 11, 12, 13], table_row=None)
     chain = TokenTree.chain(list(range(100, 100 + num_nodes)))
     assert chain.is_chain and not TokenTree(np.arange(num_nodes + 1), [*range(-1, num_nodes - 1), -1]).is_chain
     (chunk,), _ = build_chunks([ScheduledSeq(seq, 1, chain)])
     depths, masks = tree_layout(tuple(range(-1, num_nodes - 1)) + (-1,))  # the chain plus a second child of the root
     assert chunk.token_ids == [40, *range(100, 100 + num_nodes)]
-    assert chunk.positions == [40 + depth for depth in depths[:-1]]
+    assert list(chunk.positions) == [40 + depth for depth in depths[:-1]]
+    assert chunk.sequential  # staging may compute its positions and masks from the token's index
     assert list(chunk.tree_mask) == list(masks[:-1])

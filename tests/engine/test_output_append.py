@@ -46,3 +46,14 @@ def test_appending_runs_of_tokens_stops_where_checking_each_token_does(seed):
         assert processors[0].num_generation_tokens == processors[1].num_generation_tokens
         if stopped:
             break
+
+
+@pytest.mark.parametrize("params, unwatched", [
+    (SamplingParams(temperature=0.0), True),
+    (SamplingParams(temperature=0.0, stop_token_ids=[3], ignore_eos=True), True),  # stops by token: checked in the run
+    (SamplingParams(temperature=0.0, logprobs=0), False),
+    (SamplingParams(temperature=1.0, n=1, best_of=2), False),  # ranked by cumulative logprob
+    (SamplingParams(temperature=0.0, stop=["x"]), False),  # stop strings need the text as it grows
+])
+def test_which_requests_append_runs_without_per_token_work(params, unwatched):
+    assert _seq(params, 10).group.appends_unwatched is unwatched

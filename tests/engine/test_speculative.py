@@ -1,12 +1,16 @@
 """Tree verification in the engine: speculative output equals plain output, and the KV matches."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from hetero import LLM, SamplingParams
 from hetero.core.config import EngineConfig
+from hetero.core.protocols import TokenTree
 from hetero.engine import LLMEngine
+from hetero.spec import verifier as spec_verifier
+from hetero.spec.step_trees import StepTrees
 from speculation_helpers import PROMPTS, OracleProposer, speculative_llm
 
 MAX_TOKENS = 20
@@ -66,8 +70,10 @@ def test_stop_and_max_tokens_inside_an_accepted_run(tiny_llama_dir, truth):
     assert out.outputs[0].token_ids == expected[: expected.index(stop_token) + 1]
 
 
-def test_logprobs_under_speculation_match_plain(tiny_llama_dir):
-    """Each emitted token's logprobs come from its own verification row, in every sequence of the batch.
+@pytest.mark.parametrize("shape", ["random", "chain"])
+def test_logprobs_under_speculation_match_plain(tiny_llama_dir, shape):
+    """Each emitted token's logprobs come from its own verification row, in every sequence of the
+    batch (a chain's accepted rows are a range behind its root's).
 
     Batch-invariant on both sides, so a token's logits are bit-identical whatever the step shape.
     """
@@ -75,7 +81,7 @@ def test_logprobs_under_speculation_match_plain(tiny_llama_dir):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
     expected = LLM(**base).generate(PROMPTS[:6], params, use_tqdm=False)
     truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in expected}
-    llm = speculative_llm(tiny_llama_dir, OracleProposer(truth, "random", 12, 0.7, vocab=320, seed=2), batch_invariant=True)
+    llm = speculative_llm(tiny_llama_dir, OracleProposer(truth, shape, 12, 0.7, vocab=320, seed=2), batch_invariant=True)
     llm.llm_engine.spec_control.always_speculate = True
     got = llm.generate(PROMPTS[:6], params, use_tqdm=False)
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
@@ -197,3 +203,37 @@ def test_a_full_63_node_tree_verifies(tiny_llama_dir, truth):
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == long_truth
     assert llm.llm_engine.spec_stats.num_accepted_tokens - before >= 63  # a whole 63-node chain was accepted
+
+
+class _DroppingFirstTree(OracleProposer):
+    """Proposes a tree with a token outside the vocabulary for the first sequence of each batch of
+    several: the engine drops that tree and verifies the others."""
+
+    def propose(self, batch):
+        trees = super().propose(batch)
+        if len(batch) > 1 and len(trees[0]):
+            trees[0] = TokenTree(np.full(len(trees[0]), 10**6), trees[0].parents)
+        return trees
+
+
+@pytest.mark.parametrize("shape", ["chain", "random"])
+def test_the_trees_flattened_when_attached_are_the_ones_verified(tiny_llama_dir, truth, monkeypatch, shape):
+    """A step's trees are concatenated once, when the engine attaches them, and the verifier's
+    greedy acceptance reads that; a step that dropped a tree flattens the trees it verifies
+    anew. Outputs equal plain decoding either way."""
+    flattened_by_verifier = []
+
+    class Counted(StepTrees):
+        def __init__(self, trees):
+            flattened_by_verifier.append(len(trees))
+            super().__init__(trees)
+
+    monkeypatch.setattr(spec_verifier, "StepTrees", Counted)
+    for proposer_type, drops in ((OracleProposer, False), (_DroppingFirstTree, True)):
+        llm = speculative_llm(tiny_llama_dir, proposer_type(truth, shape, 6, 0.7, vocab=320, seed=1))
+        llm.llm_engine.spec_control.always_speculate = True
+        flattened_by_verifier.clear()
+        for out in llm.generate(PROMPTS[:6], GREEDY, use_tqdm=False):
+            assert out.outputs[0].token_ids == truth[tuple(out.prompt_token_ids)]
+        assert llm.llm_engine.spec_stats.num_steps > 0
+        assert bool(flattened_by_verifier) == drops
