@@ -127,7 +127,7 @@ def _build_and_load(compiler: str, flags: tuple[str, ...], directory: Path) -> O
         library.draft_int8_quads.restype = ctypes.c_int64
         library.draft_forward.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        library.draft_forward.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
+        library.draft_forward.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr]
         library.draft_to_bf16.argtypes = [ptr, i64, ptr]
         library.draft_matmul.argtypes = [ptr, i64, ptr, ptr, i64, ptr]
         library.draft_profile_enable.argtypes = [i64]

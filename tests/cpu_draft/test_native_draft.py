@@ -35,6 +35,7 @@ from cpu_draft.lean_model import LeanDraftModel
 from cpu_draft.native_model import NativeDraftModel
 from cpu_draft.quantize import quantize_per_channel
 from cpu_draft.slot_kv import SlotHandle, SlotKVCache
+from cpu_draft.top_probs import TOP_K_MAX, top_probabilities
 from gpu_target.loader import (DEFAULT_MODEL_INSTALL_HINT, load_config, load_state_dict, load_tokenizer, parameter_shapes,
                                resolve_model_path)
 from gpu_target.model import build_model
@@ -733,3 +734,27 @@ def test_amx_smollm2_forward_is_the_vector_forward():
         assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).median().item() < 2e-2
     finally:
         native.set_amx(library, True)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("k", [1, 3, 16])
+def test_top_read_in_the_forward_is_torchs_topk_and_softmax_of_its_logits(build, precision, k):
+    """`forward_top` reads the logits it wrote as `top_probabilities` reads them: the same columns in the
+    same order, probabilities to float32 rounding. The head (4500 columns) is cut into several chunks
+    with a ragged tail; rows come from prefill, decode and mixed feeds."""
+    dtype, int8 = PRECISIONS[precision]
+    config = ModelConfig(architecture="llama", num_layers=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, **dict(SHAPES["gqa"], vocab_size=4500))
+    generator = torch.Generator().manual_seed(5)
+    state = {name: (1 + 0.2 * torch.randn(size, generator=generator)) if "norm" in name else 0.08 * torch.randn(size, generator=generator)
+             for name, size in parameter_shapes(config).items()}
+    model = build_model(config, {n: v.to(dtype) for n, v in state.items()}, dtype, "cpu")
+    native_model = NativeDraftModel.build(model, dtype, int8, extra_flags=build)
+    logits, _ = _run_steps(native_model, config, STEPS)
+    tops, _ = _run_steps(lambda *a: native_model.forward_top(*a, k), config, STEPS)
+    for rows, (probs, columns) in zip(logits, tops):
+        want_probs, want_columns = top_probabilities(rows, k)
+        assert torch.equal(columns, want_columns)
+        torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-12)
+    with pytest.raises(ValueError, match="top-k"):
+        _run_steps(lambda *a: native_model.forward_top(*a, TOP_K_MAX + 1), config, STEPS[:1])
