@@ -108,11 +108,13 @@ class SlotDraftKV:
         order = sorted(range(len(handles)), key=lambda i: handles[i].slot)
         handles, cached, feeds_sorted = [handles[i] for i in order], [cached_lens[i] for i in order], [feeds[i] for i in order]
         query_lens = [len(f) for f in feeds_sorted]
-        input_ids = torch.tensor([t for f in feeds_sorted for t in f], dtype=torch.long)
-        positions = torch.tensor([p for start, n in zip(cached, query_lens) for p in range(start, start + n)], dtype=torch.long)
-        last_rows = torch.tensor(_last_rows(query_lens), dtype=torch.long)
+        T, N = sum(query_lens), len(query_lens)
+        # Token ids, positions, slots and last rows in one tensor (one copy from Python), read as views.
+        packed = torch.tensor([t for f in feeds_sorted for t in f]
+                              + [p for start, n in zip(cached, query_lens) for p in range(start, start + n)]
+                              + [h.slot for h, n in zip(handles, query_lens) for _ in range(n)] + _last_rows(query_lens), dtype=torch.long)
+        input_ids, positions, slots, last_rows = packed[:T], packed[T : 2 * T], packed[2 * T : 3 * T], packed[3 * T : 3 * T + N]
         if self.native:  # positions are storage indices; no mask or padding to build
-            slots = torch.tensor([h.slot for h, n in zip(handles, query_lens) for _ in range(n)], dtype=torch.long)
             meta = NativeSlotMetadata(slots, positions)
             if k:
                 outputs = self.model.forward_top(input_ids, positions, self.cache.storage, meta, last_rows, k)

@@ -137,6 +137,7 @@ class Drafter:
         head_ids = None if ids is None else torch.from_numpy(ids)
         # Head column -> token id (None: the head scores the whole vocabulary, column = id).
         self.head_ids = None if head_ids is None else head_ids.to(self.device)
+        self._head_id_array = ids  # the same map in numpy, read on the host (one small index per level)
         if self.kv_layout == "slots":
             self.kv = SlotDraftKV(model, options.dtype, options.kv_cache_bytes, self.max_positions, options.pack_linears, options.int8_weights,
                                   options.native_kernels, options.kv_dtype, head_ids)
@@ -297,20 +298,21 @@ class Drafter:
         if not states:
             return []
         _, columns = self._forward_top([s for _, s, _ in states], [[known[-1]] for _, _, known in states], 1)
-        guesses = self._token_ids(columns[:, 0]).tolist()
+        guesses = [tokens[0] for tokens in self._token_ids(columns)]
         for (_, state, known), guess in zip(states, guesses):
             state.context = known + [guess]
             state.chain = []
         return [seq_id for seq_id, _, _ in states]
 
     # -------------------------------------------------------------- internals
-    def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
-        """Token ids of head columns (the reduced head scores a subset of the vocabulary)."""
-        return columns if self.head_ids is None else self.head_ids[columns]
+    def _token_ids(self, columns: torch.Tensor) -> list[list[int]]:
+        """Token ids of head columns [rows, k] (the reduced head scores a subset of the vocabulary), as lists."""
+        columns = columns.cpu().numpy()
+        return (columns if self._head_id_array is None else self._head_id_array[columns]).tolist()
 
     def _add_levels(self, work: list[_Work], top_probs: torch.Tensor, top_columns: torch.Tensor) -> None:
         """Each sequence's next level from its row of the level's best columns (`_level_width` of them)."""
-        for w, tokens, probs in zip(work, self._token_ids(top_columns).tolist(), top_probs.tolist()):
+        for w, tokens, probs in zip(work, self._token_ids(top_columns), top_probs.tolist()):
             w.builder.add_level(tokens, probs)
 
     def uncached(self, seq_id: SeqId) -> int:

@@ -142,6 +142,7 @@ class NativeDraftModel:
                              self.embed_tokens.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(), self._eps.data_ptr(),
                              ctypes.addressof(layers), head, self.vector_width)
         self._cache_key: Optional[tuple] = None
+        self._logits_buffer = torch.empty(0, dtype=torch.float32)  # `forward_top`'s logits, which only the call reads
 
     @classmethod
     def build(cls, model: CausalLM, dtype: torch.dtype, int8_weights: bool = False,
@@ -215,11 +216,11 @@ class NativeDraftModel:
         """
         return self._run(input_ids, positions, kv_caches, meta, last_rows, 0)[0]
 
-    @torch.inference_mode()
     def forward_top(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, last_rows: torch.Tensor,
                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`, read as `cpu_draft.top_probs.top_probabilities` reads its logits: (probabilities, head columns),
-        each [N, k], best first, from the same call (its threads read the rows they have just written)."""
+        each [N, k], best first, from the same call (its threads read the rows they have just written). The logits
+        themselves land in a buffer kept for the next call (nothing returns them)."""
         if not 1 <= k <= min(TOP_K_MAX, self.head_size):
             raise ValueError(f"the native top-k read takes 1 to {min(TOP_K_MAX, self.head_size)} columns, not {k}")
         _, probs, columns = self._run(input_ids, positions, kv_caches, meta, last_rows, k)
@@ -232,7 +233,12 @@ class NativeDraftModel:
         if not (positions.shape[0] == slots.shape[0] == kv_positions.shape[0] == T):
             raise ValueError(f"input_ids, positions, write_slots and write_positions must have one entry per token ({T})")
         k_ptrs, v_ptrs, kv_format, num_slots, capacity = self._cache_pointers(kv_caches)
-        logits = torch.empty(rows.shape[0], self.head_size, dtype=torch.float32)
+        if not k:
+            logits = torch.empty(rows.shape[0], self.head_size, dtype=torch.float32)
+        else:
+            if self._logits_buffer.numel() < rows.shape[0] * self.head_size:
+                self._logits_buffer = torch.empty(rows.shape[0] * self.head_size, dtype=torch.float32)
+            logits = self._logits_buffer
         probs = torch.empty(rows.shape[0], k, dtype=torch.float32) if k else None
         columns = torch.empty(rows.shape[0], k, dtype=torch.int64) if k else None
         code = self.library.draft_forward(
