@@ -86,7 +86,8 @@ def reset_profile(library: ctypes.CDLL) -> None:
 def read_profile(library: ctypes.CDLL) -> dict:
     """The phase timing summed since the last reset: ``calls``, ``total_s`` (wall time inside the calls),
     ``threads``, and per phase (``embed``, ``qkv`` with rotary and the K/V store, ``attention``, ``o``,
-    ``gate_up`` with silu, ``down``, ``lm_head``) a dict of ``compute_s`` (mean over threads),
+    ``gate_up`` with silu, ``down``, ``lm_head``, ``top_k``: the drafter's read of the logits, in
+    `NativeDraftModel.forward_top` calls only) a dict of ``compute_s`` (mean over threads),
     ``compute_max_s`` (the busiest thread) and ``wait_s`` (mean time at the barrier that ends the phase:
     load imbalance plus the barrier itself)."""
     names = library.draft_profile_names().decode().split(",")

@@ -471,10 +471,10 @@ def test_phase_profile_counts_calls_and_resets(build):
     try:
         native.enable_profile(library)
         native.reset_profile(library)
-        _run_steps(native_model, model.config, STEPS)
+        _run_steps(lambda *a: native_model.forward_top(*a, 2), model.config, STEPS)  # every phase, the top-k read too
         profile = native.read_profile(library)
         assert profile["calls"] == len(STEPS) and profile["threads"] >= 1
-        assert set(profile["phases"]) == {"embed", "qkv", "attention", "o", "gate_up", "down", "lm_head"}
+        assert set(profile["phases"]) == {"embed", "qkv", "attention", "o", "gate_up", "down", "lm_head", "top_k"}
         assert all(p["compute_max_s"] >= p["compute_s"] > 0 and p["wait_s"] >= 0 for p in profile["phases"].values())
         table = native.profile_table(profile)
         assert table["total"] > 0 and table["total"] >= sum(table[n] for n in profile["phases"]) - 1e-9
