@@ -758,3 +758,28 @@ def test_top_read_in_the_forward_is_torchs_topk_and_softmax_of_its_logits(build,
         torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-12)
     with pytest.raises(ValueError, match="top-k"):
         _run_steps(lambda *a: native_model.forward_top(*a, TOP_K_MAX + 1), config, STEPS[:1])
+
+
+def test_top_read_keeps_the_forwards_openmp_threads(build):
+    """The top-k read runs in the forward's own parallel region: no region of another team size, which
+    would make libgomp end the pool threads it leaves out and create them again at the next forward
+    (pytorch/pytorch#32008). Four threads over a head of three 2048-column chunks at batch 1, where a
+    read parallel over its chunks alone would take a team of three (so fails this test, checked)."""
+    config = ModelConfig(architecture="llama", num_layers=1, max_position_embeddings=64, tie_word_embeddings=True,
+                         **dict(SHAPES["gqa"], vocab_size=4500))
+    generator = torch.Generator().manual_seed(0)
+    model = build_model(config, {n: 0.05 * torch.randn(s, generator=generator) for n, s in parameter_shapes(config).items()},
+                        torch.float32, "cpu")
+    native_model = NativeDraftModel.build(model, torch.float32, extra_flags=build)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        step = [([0], [0], [1])]
+        _run_steps(native_model, config, step)
+        before = set(os.listdir("/proc/self/task"))
+        for _ in range(3):  # a pool thread ended after a read would be created again by the next forward, under a new id
+            _run_steps(lambda *a: native_model.forward_top(*a, 2), config, step)
+            _run_steps(native_model, config, step)
+        assert set(os.listdir("/proc/self/task")) == before
+    finally:
+        torch.set_num_threads(threads)
