@@ -34,8 +34,8 @@ column says whether they ran.
 
 ``--profile-native`` turns on the native forward's phase timing (as ``HETERO_NATIVE_PROFILE=1``
 does) and prints, for each native row, milliseconds per forward in each phase (embed, qkv,
-attention, o, gate_up, down, lm_head: mean compute plus the wait at the barrier closing the
-phase), all barrier waits, the busiest thread's excess over the mean, and the rest of the
+attention, o, gate_up, down, lm_head, top_k (the drafter's read of each level's logits): mean
+compute plus the wait at the barrier closing the phase), all barrier waits, the busiest thread's excess over the mean, and the rest of the
 call; the same numbers go to ``bench/results/cpu_draft-<hostname>-profile.csv``. Timing
 adds a few clock reads per phase, so compare ``forward ms`` from runs without it.
 

@@ -14,7 +14,9 @@ memory a token holds). The paged layout keeps the model's dtype: its pool is the
 Both take, per forward, each sequence's handle, its cached length and the tokens to append
 (their K/V land right after the cached ones; positions are storage indices), and return
 the float32 logits of every feed's last token over the head's ids (the whole vocabulary, or
-the reduced one of `cpu_draft.draft_vocab`). Rollback is `truncate`, a length change.
+the reduced one of `cpu_draft.draft_vocab`), or with `forward_top` those logits' k best columns
+and probabilities (`cpu_draft.top_probs`; the native forward reads them in its own call).
+Rollback is `truncate`, a length change.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from cpu_draft.attention import PerForwardAttention
 from cpu_draft.lean_model import LeanDraftModel
 from cpu_draft.native_model import NativeDraftModel, NativeSlotMetadata
 from cpu_draft.slot_kv import SlotHandle, SlotKVCache
+from cpu_draft.top_probs import TOP_K_MAX, top_probabilities
 from gpu_target.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks
 from gpu_target.model import CausalLM
 from gpu_target.runner import ModelRunner, SequenceChunk
@@ -91,21 +94,39 @@ class SlotDraftKV:
     @torch.inference_mode()
     def forward(self, handles: Sequence[SlotHandle], cached_lens: Sequence[int], feeds: Sequence[Sequence[int]]) -> torch.Tensor:
         """Runs the batch in slot order (so consecutive slots attend over a slice) and answers in the caller's."""
+        return self._run(handles, cached_lens, feeds, 0)[0]
+
+    @torch.inference_mode()
+    def forward_top(self, handles: Sequence[SlotHandle], cached_lens: Sequence[int], feeds: Sequence[Sequence[int]],
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits read by `top_probabilities`: in the native forward's own call where it runs."""
+        if not self.native or k > min(TOP_K_MAX, self.model.head_size):
+            return top_probabilities(self.forward(handles, cached_lens, feeds), k)
+        return self._run(handles, cached_lens, feeds, k)
+
+    def _run(self, handles, cached_lens, feeds, k: int) -> tuple[torch.Tensor, ...]:
         order = sorted(range(len(handles)), key=lambda i: handles[i].slot)
         handles, cached, feeds_sorted = [handles[i] for i in order], [cached_lens[i] for i in order], [feeds[i] for i in order]
         query_lens = [len(f) for f in feeds_sorted]
-        input_ids = torch.tensor([t for f in feeds_sorted for t in f], dtype=torch.long)
-        positions = torch.tensor([p for start, n in zip(cached, query_lens) for p in range(start, start + n)], dtype=torch.long)
-        last_rows = torch.tensor(_last_rows(query_lens), dtype=torch.long)
+        T, N = sum(query_lens), len(query_lens)
+        # Token ids, positions, slots and last rows in one tensor (one copy from Python), read as views.
+        packed = torch.tensor([t for f in feeds_sorted for t in f]
+                              + [p for start, n in zip(cached, query_lens) for p in range(start, start + n)]
+                              + [h.slot for h, n in zip(handles, query_lens) for _ in range(n)] + _last_rows(query_lens), dtype=torch.long)
+        input_ids, positions, slots, last_rows = packed[:T], packed[T : 2 * T], packed[2 * T : 3 * T], packed[3 * T : 3 * T + N]
         if self.native:  # positions are storage indices; no mask or padding to build
-            slots = torch.tensor([h.slot for h, n in zip(handles, query_lens) for _ in range(n)], dtype=torch.long)
-            logits = self.model(input_ids, positions, self.cache.storage, NativeSlotMetadata(slots, positions), last_rows)
+            meta = NativeSlotMetadata(slots, positions)
+            if k:
+                outputs = self.model.forward_top(input_ids, positions, self.cache.storage, meta, last_rows, k)
+            else:
+                outputs = (self.model(input_ids, positions, self.cache.storage, meta, last_rows),)
         else:
             meta = self.cache.metadata(handles, cached, query_lens)
-            logits = self.model(input_ids, positions, self.cache.layers, meta, last_rows)
+            outputs = (self.model(input_ids, positions, self.cache.layers, meta, last_rows),)
         if order != sorted(order):
-            logits = logits[torch.tensor(_inverse(order), dtype=torch.long)]
-        return logits
+            inverse = torch.tensor(_inverse(order), dtype=torch.long)
+            outputs = tuple(t[inverse] for t in outputs)
+        return outputs
 
 
 class PagedDraftKV:
@@ -175,6 +196,10 @@ class PagedDraftKV:
             for blocks, start, feed in zip(handles, cached_lens, feeds)
         ]
         return self.runner.forward(chunks)
+
+    def forward_top(self, handles: Sequence[list[int]], cached_lens: Sequence[int], feeds: Sequence[Sequence[int]],
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return top_probabilities(self.forward(handles, cached_lens, feeds), k)
 
 
 def _last_rows(query_lens: Sequence[int]) -> list[int]:

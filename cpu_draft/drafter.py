@@ -137,6 +137,7 @@ class Drafter:
         head_ids = None if ids is None else torch.from_numpy(ids)
         # Head column -> token id (None: the head scores the whole vocabulary, column = id).
         self.head_ids = None if head_ids is None else head_ids.to(self.device)
+        self._head_id_array = ids  # the same map in numpy, read on the host (one small index per level)
         if self.kv_layout == "slots":
             self.kv = SlotDraftKV(model, options.dtype, options.kv_cache_bytes, self.max_positions, options.pack_linears, options.int8_weights,
                                   options.native_kernels, options.kv_dtype, head_ids)
@@ -241,16 +242,16 @@ class Drafter:
                 work.append(_Work(index, state, _TreeBuilder(levels)))
         if not work:
             return trees
-        logits = self._catch_up([w.state for w in work])
+        top = self._catch_up([w.state for w in work], _level_width(work))
         active = work
         while True:
-            self._add_levels(active, logits)
+            self._add_levels(active, *top)
             active = [w for w in active if not w.builder.done]
             if not active:
                 break
             if interrupt is not None and interrupt():
                 return None
-            logits = self._forward([w.state for w in active], [[w.builder.chain[-1]] for w in active])
+            top = self._forward_top([w.state for w in active], [[w.builder.chain[-1]] for w in active], _level_width(active))
         for w in work:
             w.state.chain = w.builder.chain
             trees[w.index] = w.builder.tree()
@@ -296,24 +297,22 @@ class Drafter:
             states.append((seq_id, state, known))
         if not states:
             return []
-        logits = self._forward([s for _, s, _ in states], [[known[-1]] for _, _, known in states])
-        guesses = self._token_ids(logits.argmax(dim=-1)).tolist()
+        _, columns = self._forward_top([s for _, s, _ in states], [[known[-1]] for _, _, known in states], 1)
+        guesses = [tokens[0] for tokens in self._token_ids(columns)]
         for (_, state, known), guess in zip(states, guesses):
             state.context = known + [guess]
             state.chain = []
         return [seq_id for seq_id, _, _ in states]
 
     # -------------------------------------------------------------- internals
-    def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
-        """Token ids of head columns (the reduced head scores a subset of the vocabulary)."""
-        return columns if self.head_ids is None else self.head_ids[columns]
+    def _token_ids(self, columns: torch.Tensor) -> list[list[int]]:
+        """Token ids of head columns [rows, k] (the reduced head scores a subset of the vocabulary), as lists."""
+        columns = columns.cpu().numpy()
+        return (columns if self._head_id_array is None else self._head_id_array[columns]).tolist()
 
-    def _add_levels(self, work: list[_Work], logits: torch.Tensor) -> None:
-        width = max(w.builder.levels[len(w.builder.chain)] for w in work)
-        top_logits, top_columns = torch.topk(logits, width, dim=-1)
-        top_tokens = self._token_ids(top_columns)
-        top_probs = torch.exp(top_logits - torch.logsumexp(logits, dim=-1, keepdim=True))
-        for w, tokens, probs in zip(work, top_tokens.tolist(), top_probs.tolist()):
+    def _add_levels(self, work: list[_Work], top_probs: torch.Tensor, top_columns: torch.Tensor) -> None:
+        """Each sequence's next level from its row of the level's best columns (`_level_width` of them)."""
+        for w, tokens, probs in zip(work, self._token_ids(top_columns), top_probs.tolist()):
             w.builder.add_level(tokens, probs)
 
     def uncached(self, seq_id: SeqId) -> int:
@@ -347,13 +346,13 @@ class Drafter:
                 room -= take
             self._forward(batch, feeds)
 
-    def _catch_up(self, states: list[_SeqState]) -> torch.Tensor:
-        """Feed every sequence's uncached context (at least its root); logits at each root, in order.
+    def _catch_up(self, states: list[_SeqState], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed every sequence's uncached context (at least its root); the k best columns at each root, in order.
 
         Feeds up to `SHORT_FEED_TOKENS` share one forward; longer ones (prompts) are prefilled
         first (`prefill`), leaving their roots to it."""
         self._prefill([s for s in states if len(s.context) - len(s.kv_tokens) > SHORT_FEED_TOKENS])
-        return self._forward(states, [s.context[len(s.kv_tokens) :] for s in states])
+        return self._forward_top(states, [s.context[len(s.kv_tokens) :] for s in states], k)
 
     def _forward(self, states: list[_SeqState], feeds: list[list[int]]) -> torch.Tensor:
         """Append ``feeds`` to the sequences' KV (room already reserved); logits of each feed's last token."""
@@ -362,6 +361,15 @@ class Drafter:
         for state, feed in zip(states, feeds):
             state.kv_tokens.extend(feed)
         return logits
+
+    def _forward_top(self, states: list[_SeqState], feeds: list[list[int]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_forward`, read as (probabilities, head columns) of each feed's last token's k best
+        (`cpu_draft.top_probs`: by the native forward in its own call where it runs)."""
+        cached_lens = [len(state.kv_tokens) for state in states]
+        top = self.kv.forward_top([state.kv for state in states], cached_lens, feeds, k)
+        for state, feed in zip(states, feeds):
+            state.kv_tokens.extend(feed)
+        return top
 
     def _reserve(self, state: _SeqState, num_tokens: int, protected: set) -> bool:
         """Room for ``num_tokens`` of KV; evicts the KV of sequences outside ``protected`` if short."""
@@ -378,6 +386,11 @@ class Drafter:
     def _truncate(self, state: _SeqState, length: int) -> None:
         del state.kv_tokens[length:]
         self.kv.truncate(state.kv, length)
+
+
+def _level_width(work: list[_Work]) -> int:
+    """Nodes of the widest next level among ``work``: the best columns its forward reads."""
+    return max(w.builder.levels[len(w.builder.chain)] for w in work)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

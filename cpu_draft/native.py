@@ -86,7 +86,8 @@ def reset_profile(library: ctypes.CDLL) -> None:
 def read_profile(library: ctypes.CDLL) -> dict:
     """The phase timing summed since the last reset: ``calls``, ``total_s`` (wall time inside the calls),
     ``threads``, and per phase (``embed``, ``qkv`` with rotary and the K/V store, ``attention``, ``o``,
-    ``gate_up`` with silu, ``down``, ``lm_head``) a dict of ``compute_s`` (mean over threads),
+    ``gate_up`` with silu, ``down``, ``lm_head``, ``top_k``: the drafter's read of the logits, in
+    `NativeDraftModel.forward_top` calls only) a dict of ``compute_s`` (mean over threads),
     ``compute_max_s`` (the busiest thread) and ``wait_s`` (mean time at the barrier that ends the phase:
     load imbalance plus the barrier itself)."""
     names = library.draft_profile_names().decode().split(",")
@@ -127,7 +128,7 @@ def _build_and_load(compiler: str, flags: tuple[str, ...], directory: Path) -> O
         library.draft_int8_quads.restype = ctypes.c_int64
         library.draft_forward.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        library.draft_forward.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
+        library.draft_forward.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr]
         library.draft_to_bf16.argtypes = [ptr, i64, ptr]
         library.draft_matmul.argtypes = [ptr, i64, ptr, ptr, i64, ptr]
         library.draft_profile_enable.argtypes = [i64]

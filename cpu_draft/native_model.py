@@ -52,6 +52,7 @@ import torch
 from cpu_draft import native
 from cpu_draft.lean_model import LeanDraftModel
 from cpu_draft.quantize import quantize_per_channel
+from cpu_draft.top_probs import TOP_K_MAX
 from gpu_target.model import CausalLM
 
 logger = logging.getLogger("hetero.cpu_draft.native")
@@ -59,7 +60,8 @@ logger = logging.getLogger("hetero.cpu_draft.native")
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2}
 _ERRORS = {1: "a token id is outside the vocabulary", 2: "a position is outside the rotary table or the KV capacity",
            3: "a slot is outside the KV storage", 4: "a logits row is outside the batch",
-           5: "the weights were packed for another vector width", 6: "the K/V are neither float32 nor bfloat16"}
+           5: "the weights were packed for another vector width", 6: "the K/V are neither float32 nor bfloat16",
+           7: "top_k is out of range"}
 KV_FORMATS = {torch.float32: FORMATS["fp32"], torch.bfloat16: FORMATS["bf16"]}
 
 
@@ -140,6 +142,7 @@ class NativeDraftModel:
                              self.embed_tokens.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(), self._eps.data_ptr(),
                              ctypes.addressof(layers), head, self.vector_width)
         self._cache_key: Optional[tuple] = None
+        self._logits_buffer = torch.empty(0, dtype=torch.float32)  # `forward_top`'s logits, which only the call reads
 
     @classmethod
     def build(cls, model: CausalLM, dtype: torch.dtype, int8_weights: bool = False,
@@ -211,19 +214,40 @@ class NativeDraftModel:
         ``kv_caches``: per layer (K, V), each [slots, kv_heads, capacity, head_dim] float32 or bfloat16
         and contiguous, or the whole `SlotKVCache.storage` [layers, 2, slots, kv_heads, capacity, head_dim].
         """
+        return self._run(input_ids, positions, kv_caches, meta, last_rows, 0)[0]
+
+    def forward_top(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, last_rows: torch.Tensor,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, read as `cpu_draft.top_probs.top_probabilities` reads its logits: (probabilities, head columns),
+        each [N, k], best first, from the same call (its threads read the rows they have just written). The logits
+        themselves land in a buffer kept for the next call (nothing returns them)."""
+        if not 1 <= k <= min(TOP_K_MAX, self.head_size):
+            raise ValueError(f"the native top-k read takes 1 to {min(TOP_K_MAX, self.head_size)} columns, not {k}")
+        _, probs, columns = self._run(input_ids, positions, kv_caches, meta, last_rows, k)
+        return probs, columns
+
+    def _run(self, input_ids, positions, kv_caches, meta, last_rows, k: int):
         ids, positions = _int64(input_ids), _int64(positions)
         slots, kv_positions, rows = _int64(meta.write_slots), _int64(meta.write_positions), _int64(last_rows)
         T = ids.shape[0]
         if not (positions.shape[0] == slots.shape[0] == kv_positions.shape[0] == T):
             raise ValueError(f"input_ids, positions, write_slots and write_positions must have one entry per token ({T})")
         k_ptrs, v_ptrs, kv_format, num_slots, capacity = self._cache_pointers(kv_caches)
-        logits = torch.empty(rows.shape[0], self.head_size, dtype=torch.float32)
+        if not k:
+            logits = torch.empty(rows.shape[0], self.head_size, dtype=torch.float32)
+        else:
+            if self._logits_buffer.numel() < rows.shape[0] * self.head_size:
+                self._logits_buffer = torch.empty(rows.shape[0] * self.head_size, dtype=torch.float32)
+            logits = self._logits_buffer
+        probs = torch.empty(rows.shape[0], k, dtype=torch.float32) if k else None
+        columns = torch.empty(rows.shape[0], k, dtype=torch.int64) if k else None
         code = self.library.draft_forward(
             ctypes.byref(self._model), T, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), kv_positions.data_ptr(),
-            rows.shape[0], rows.data_ptr(), k_ptrs, v_ptrs, kv_format, num_slots, capacity, torch.get_num_threads(), logits.data_ptr())
+            rows.shape[0], rows.data_ptr(), k_ptrs, v_ptrs, kv_format, num_slots, capacity, torch.get_num_threads(), logits.data_ptr(),
+            k, _ptr(probs), _ptr(columns))
         if code:
             raise IndexError(f"native draft forward: {_ERRORS.get(code, f'error {code}')}")
-        return logits
+        return logits, probs, columns
 
     def _cache_pointers(self, kv_caches):
         """Per-layer K and V base pointers (ctypes arrays), K/V format, slots and capacity; reused while the storage is."""

@@ -195,8 +195,8 @@ struct Model {
 // Phase timing (HETERO_NATIVE_PROFILE=1 at load, or draft_profile_enable): per thread, the time each
 // phase computed and then waited at the barrier that ends it, summed over calls. Off, it costs one
 // predictable branch per phase.
-enum Phase : int { P_EMBED, P_QKV, P_ATTN, P_O, P_GATE_UP, P_DOWN, P_HEAD, NUM_PHASES };
-constexpr const char* PHASE_NAMES = "embed,qkv,attention,o,gate_up,down,lm_head";
+enum Phase : int { P_EMBED, P_QKV, P_ATTN, P_O, P_GATE_UP, P_DOWN, P_HEAD, P_TOP, NUM_PHASES };
+constexpr const char* PHASE_NAMES = "embed,qkv,attention,o,gate_up,down,lm_head,top_k";
 constexpr int PROFILE_THREADS = 512;
 
 struct alignas(64) ThreadProfile {
@@ -1162,6 +1162,102 @@ std::unique_ptr<T[]> buffer(int64_t n) {
     return std::unique_ptr<T[]>(new T[std::max<int64_t>(n, 1)]);
 }
 
+// Each logits row's k largest columns and their softmax probabilities, read in the forward's own
+// parallel region (a second region of another team size would make libgomp end and re-create
+// pool threads at every switch: pytorch/pytorch#32008). A row is cut into chunks of TOP_CHUNK
+// columns, spread over the threads; each chunk leaves its maximum, its sum of exp(x - maximum)
+// and its k largest, merged per row in chunk order.
+constexpr int64_t TOP_CHUNK = 2048;
+constexpr int64_t TOP_K_MAX = 16;
+
+struct TopPartial {
+    float max, sum;
+    float vals[TOP_K_MAX];
+    int64_t cols[TOP_K_MAX];
+    int64_t count;
+};
+
+// Insert (v, c) into a descending list of at most k (equal values: the lower column first).
+inline void top_insert(float* vals, int64_t* cols, int64_t& count, int64_t k, float v, int64_t c) {
+    if (count == k && !(v > vals[k - 1] || (v == vals[k - 1] && c < cols[k - 1]))) return;
+    int64_t at = count < k ? count : k - 1;
+    while (at > 0 && (v > vals[at - 1] || (v == vals[at - 1] && c < cols[at - 1]))) {
+        vals[at] = vals[at - 1];
+        cols[at] = cols[at - 1];
+        --at;
+    }
+    vals[at] = v;
+    cols[at] = c;
+    if (count < k) ++count;
+}
+
+// Whether any lane of a comparison's result (all ones or zeros per lane) is set.
+inline bool any_lane(vi32 c) {
+    uint64_t words[sizeof(vi32) / 8];
+    std::memcpy(words, &c, sizeof words);
+    uint64_t any = 0;
+    for (uint64_t w : words) any |= w;
+    return any != 0;
+}
+
+// Columns [begin, end) of row x: their maximum, sum of exp(x - maximum) and k largest. The k-th
+// largest of the lanes' maxima bounds the chunk's k-th largest from below, so the second pass
+// looks at a vector's lanes only where one reaches that bound (raised as the list fills).
+void top_chunk(const float* x, int64_t begin, int64_t end, int64_t k, TopPartial& out) {
+    vf vmax = vf{} - INFINITY;
+    int64_t i = begin;
+    for (; i + VW <= end; i += VW) {
+        const vf v = load_w(x + i);
+        vmax = v > vmax ? v : vmax;
+    }
+    float lanes[VW];
+    std::memcpy(lanes, &vmax, sizeof lanes);
+    std::sort(lanes, lanes + VW, [](float a, float b) { return a > b; });
+    float m = lanes[0];
+    for (int64_t j = i; j < end; ++j) m = std::max(m, x[j]);
+    float threshold = i > begin && k <= VW ? lanes[k - 1] : -INFINITY;
+    vf vsum{};
+    out.count = 0;
+    for (i = begin; i + VW <= end; i += VW) {
+        const vf v = load_w(x + i);
+        vsum += exp_approx(v - m);
+        if (!any_lane(v >= threshold)) continue;
+        float vals[VW];
+        std::memcpy(vals, &v, sizeof vals);
+        for (int l = 0; l < VW; ++l)
+            if (vals[l] >= threshold) {
+                top_insert(out.vals, out.cols, out.count, k, vals[l], i + l);
+                if (out.count == k) threshold = std::max(threshold, out.vals[k - 1]);
+            }
+    }
+    float sum = lane_sum(vsum);
+    for (int64_t j = i; j < end; ++j) {
+        sum += exp_approx(vf{} + (x[j] - m))[0];
+        if (x[j] >= threshold) {
+            top_insert(out.vals, out.cols, out.count, k, x[j], j);
+            if (out.count == k) threshold = std::max(threshold, out.vals[k - 1]);
+        }
+    }
+    out.max = m;
+    out.sum = sum;
+}
+
+// One row's k best columns and their probabilities, from its chunks' partials.
+void top_merge(const TopPartial* part, int64_t chunks, int64_t k, float* probs, int64_t* columns) {
+    float m = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part[c].max);
+    float sum = 0.0f, vals[TOP_K_MAX];
+    int64_t top[TOP_K_MAX], count = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+        sum += part[c].sum * exp_approx(vf{} + (part[c].max - m))[0];
+        for (int64_t j = 0; j < part[c].count; ++j) top_insert(vals, top, count, k, part[c].vals[j], part[c].cols[j]);
+    }
+    for (int64_t j = 0; j < k; ++j) {
+        probs[j] = exp_approx(vf{} + (vals[j] - m))[0] / sum;
+        columns[j] = top[j];
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -1191,10 +1287,14 @@ int64_t draft_set_amx(int64_t on) {
 // K/V of layer l: k_cache[l], v_cache[l], each [num_slots][kv_heads][capacity][head_dim] in kv_format
 // (F32, or BF16: stored rounded to nearest even, widened to float32 when read).
 // logits [n_out][head.n] (float32: the head's rows, the whole vocabulary or a subset of it) are those of rows out_rows. Returns 0, or a code naming a bad input:
-// 1 token id, 2 position, 3 slot, 4 output row, 5 vector width, 6 K/V format.
+// With top_k > 0 it also reads each logits row's top_k largest columns and their softmax
+// probabilities into top_probs and top_cols [n_out][top_k], largest first (equal logits: the lower
+// column first), as the drafter's level reads them.
+// 1 token id, 2 position, 3 slot, 4 output row, 5 vector width, 6 K/V format, 7 top_k.
 int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64_t* rot_pos, const int64_t* slots,
                   const int64_t* kv_pos, int64_t n_out, const int64_t* out_rows, void* const* k_cache,
-                  void* const* v_cache, int64_t kv_format, int64_t num_slots, int64_t capacity, int64_t num_threads, float* logits) {
+                  void* const* v_cache, int64_t kv_format, int64_t num_slots, int64_t capacity, int64_t num_threads, float* logits,
+                  int64_t top_k, float* top_probs, int64_t* top_cols) {
     const Model& md = *model;
     if (md.vector_width != VW) return 5;
     if (kv_format != F32 && kv_format != BF16) return 6;
@@ -1211,6 +1311,7 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
     }
     for (int64_t i = 0; i < n_out; ++i)
         if (out_rows[i] < 0 || out_rows[i] >= T) return 4;
+    if (top_k < 0 || top_k > TOP_K_MAX || top_k > md.head.n) return 7;
     if (T == 0) return 0;
 
     const int64_t H = md.hidden, D = md.head_dim, half = D / 2, KVH = md.num_kv_heads, I = md.intermediate;
@@ -1257,6 +1358,8 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
     auto chunks_done = std::unique_ptr<std::atomic<int32_t>[]>(new std::atomic<int32_t>[pairs]);
     for (int64_t tg = 0; tg < pairs; ++tg) chunks_done[tg].store(0, std::memory_order_relaxed);
     SpinBarrier barrier(max_threads <= usable_cpus() ? SPIN_PAUSES : 0);
+    const int64_t top_chunks = (md.head.n + TOP_CHUNK - 1) / TOP_CHUNK, top_items = top_k ? n_out * top_chunks : 0;
+    auto top_partials = buffer<TopPartial>(top_items);
 
 #pragma omp parallel num_threads(max_threads)
     {
@@ -1450,7 +1553,18 @@ int draft_forward(const Model* model, int64_t T, const int64_t* ids, const int64
                 }
             }
         });
-        clock.computed(P_HEAD);
+        if (top_k) {
+            end_phase(P_HEAD);
+            for (int64_t item = tid; item < top_items; item += nt) {
+                const int64_t row = item / top_chunks, begin = (item % top_chunks) * TOP_CHUNK;
+                top_chunk(logits + row * md.head.n, begin, std::min(md.head.n, begin + TOP_CHUNK), top_k, top_partials[item]);
+            }
+            end_phase(P_TOP);
+            for (int64_t row = tid; row < n_out; row += nt)
+                top_merge(&top_partials[row * top_chunks], top_chunks, top_k, top_probs + row * top_k, top_cols + row * top_k);
+        } else {
+            clock.computed(P_HEAD);
+        }
     }
     if (profile) {
         g_profile_total += now_s() - started;

@@ -35,6 +35,7 @@ from cpu_draft.lean_model import LeanDraftModel
 from cpu_draft.native_model import NativeDraftModel
 from cpu_draft.quantize import quantize_per_channel
 from cpu_draft.slot_kv import SlotHandle, SlotKVCache
+from cpu_draft.top_probs import TOP_K_MAX, top_probabilities
 from gpu_target.loader import (DEFAULT_MODEL_INSTALL_HINT, load_config, load_state_dict, load_tokenizer, parameter_shapes,
                                resolve_model_path)
 from gpu_target.model import build_model
@@ -470,10 +471,10 @@ def test_phase_profile_counts_calls_and_resets(build):
     try:
         native.enable_profile(library)
         native.reset_profile(library)
-        _run_steps(native_model, model.config, STEPS)
+        _run_steps(lambda *a: native_model.forward_top(*a, 2), model.config, STEPS)  # every phase, the top-k read too
         profile = native.read_profile(library)
         assert profile["calls"] == len(STEPS) and profile["threads"] >= 1
-        assert set(profile["phases"]) == {"embed", "qkv", "attention", "o", "gate_up", "down", "lm_head"}
+        assert set(profile["phases"]) == {"embed", "qkv", "attention", "o", "gate_up", "down", "lm_head", "top_k"}
         assert all(p["compute_max_s"] >= p["compute_s"] > 0 and p["wait_s"] >= 0 for p in profile["phases"].values())
         table = native.profile_table(profile)
         assert table["total"] > 0 and table["total"] >= sum(table[n] for n in profile["phases"]) - 1e-9
@@ -733,3 +734,52 @@ def test_amx_smollm2_forward_is_the_vector_forward():
         assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).median().item() < 2e-2
     finally:
         native.set_amx(library, True)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("k", [1, 3, 16])
+def test_top_read_in_the_forward_is_torchs_topk_and_softmax_of_its_logits(build, precision, k):
+    """`forward_top` reads the logits it wrote as `top_probabilities` reads them: the same columns in the
+    same order, probabilities to float32 rounding. The head (4500 columns) is cut into several chunks
+    with a ragged tail; rows come from prefill, decode and mixed feeds."""
+    dtype, int8 = PRECISIONS[precision]
+    config = ModelConfig(architecture="llama", num_layers=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, **dict(SHAPES["gqa"], vocab_size=4500))
+    generator = torch.Generator().manual_seed(5)
+    state = {name: (1 + 0.2 * torch.randn(size, generator=generator)) if "norm" in name else 0.08 * torch.randn(size, generator=generator)
+             for name, size in parameter_shapes(config).items()}
+    model = build_model(config, {n: v.to(dtype) for n, v in state.items()}, dtype, "cpu")
+    native_model = NativeDraftModel.build(model, dtype, int8, extra_flags=build)
+    logits, _ = _run_steps(native_model, config, STEPS)
+    tops, _ = _run_steps(lambda *a: native_model.forward_top(*a, k), config, STEPS)
+    for rows, (probs, columns) in zip(logits, tops):
+        want_probs, want_columns = top_probabilities(rows, k)
+        assert torch.equal(columns, want_columns)
+        torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-12)
+    with pytest.raises(ValueError, match="top-k"):
+        _run_steps(lambda *a: native_model.forward_top(*a, TOP_K_MAX + 1), config, STEPS[:1])
+
+
+def test_top_read_keeps_the_forwards_openmp_threads(build):
+    """The top-k read runs in the forward's own parallel region: no region of another team size, which
+    would make libgomp end the pool threads it leaves out and create them again at the next forward
+    (pytorch/pytorch#32008). Four threads over a head of three 2048-column chunks at batch 1, where a
+    read parallel over its chunks alone would take a team of three (so fails this test, checked)."""
+    config = ModelConfig(architecture="llama", num_layers=1, max_position_embeddings=64, tie_word_embeddings=True,
+                         **dict(SHAPES["gqa"], vocab_size=4500))
+    generator = torch.Generator().manual_seed(0)
+    model = build_model(config, {n: 0.05 * torch.randn(s, generator=generator) for n, s in parameter_shapes(config).items()},
+                        torch.float32, "cpu")
+    native_model = NativeDraftModel.build(model, torch.float32, extra_flags=build)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        step = [([0], [0], [1])]
+        _run_steps(native_model, config, step)
+        before = set(os.listdir("/proc/self/task"))
+        for _ in range(3):  # a pool thread ended after a read would be created again by the next forward, under a new id
+            _run_steps(lambda *a: native_model.forward_top(*a, 2), config, step)
+            _run_steps(native_model, config, step)
+        assert set(os.listdir("/proc/self/task")) == before
+    finally:
+        torch.set_num_threads(threads)
