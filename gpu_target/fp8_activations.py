@@ -72,13 +72,7 @@ def _launch_rms_norm_fp8(x: torch.Tensor, residual: Optional[torch.Tensor], weig
     rows = x.reshape(-1, hidden)
     codes = torch.empty((rows.shape[0], hidden), dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=x.device)
-    if residual is not None:
-        residual_rows = residual.reshape(-1, hidden)
-        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        new_residual_rows = new_residual.view(-1, hidden)
-    else:  # never read or written by the kernel
-        residual_rows = new_residual_rows = rows
-        new_residual = None
+    residual_rows, new_residual, new_residual_rows = fused_ops.residual_buffers(x, residual, rows)
     if rows.shape[0] > 0:
         block = triton.next_power_of_2(hidden)
         fused_ops._jit(_rms_norm_fp8_kernel)[(rows.shape[0],)](

@@ -127,6 +127,16 @@ def add_rms_norm(
     return _launch_rms_norm(x, residual, weight, eps)
 
 
+def residual_buffers(x: torch.Tensor, residual: Optional[torch.Tensor],
+                     rows: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """An add-RMSNorm kernel's residual rows, its new residual (None without one) and that
+    tensor's rows; without a residual both row arguments are `rows`, never read or written."""
+    if residual is None:
+        return rows, None, rows
+    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return residual.reshape(rows.shape), new_residual, new_residual.view(rows.shape)
+
+
 def _launch_rms_norm(
     x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -135,13 +145,7 @@ def _launch_rms_norm(
     normed = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     out_rows = normed.view(-1, hidden)
     has_residual = residual is not None
-    if has_residual:
-        residual_rows = residual.reshape(-1, hidden)
-        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        new_residual_rows = new_residual.view(-1, hidden)
-    else:  # never read or written by the kernel
-        residual_rows = new_residual_rows = rows
-        new_residual = None
+    residual_rows, new_residual, new_residual_rows = residual_buffers(x, residual, rows)
     if rows.shape[0] == 0:
         return normed, new_residual
     block = triton.next_power_of_2(hidden)
