@@ -9,6 +9,7 @@ returns the logits of the rows that were asked for.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -208,6 +209,7 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, max_model_len
         num_blocks = config.num_gpu_blocks_override
         knob = "num_gpu_blocks_override"
     elif device.type == "cuda":
+        gc.collect()  # an engine dropped but still in a reference cycle holds its KV cache until collected (vLLM collects here too)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         ours = torch.cuda.memory_allocated(device)
