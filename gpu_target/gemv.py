@@ -43,7 +43,9 @@ and zero point once a word (`_int4_gemv_segment`); as its x work is per thread a
 its tiles give each thread several rows and split K (`split_k`: each share's sums in fp32,
 added in share order by the last program of the row tile, which also runs the fused
 epilogue, `_split_sum`) where rows alone leave too few programs. The skinny GEMMs'
-`_weight_tile` gives `tl.dot` W in x's dtype (`_int4_tile` for 4-bit W). Quantised W
+`_weight_tile` gives `tl.dot` W in x's dtype; a 4-bit W's K tiles lie in one group, and
+`_int4_codes_tile` gives it the codes less their zero points, exact small integers, whose
+fp32 sums take the group's scale after the MMA (as Marlin applies it). Quantised W
 streams fewer bytes a row than bf16, so its kernels take their tiles per shape from
 gpu_target/gemv_tiles.py (a table the GPU sweep writes, else a heuristic): more rows a
 program, so each program streams tens of KB (`streaming_tile`).
@@ -377,7 +379,7 @@ def _int4_gemv_segment(acc, x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K
     in nibble i), so each thread loads several consecutive words as one vector, and is
     unpacked one nibble position at a time: nibble i of every word is a [BLOCK_N, words]
     tile whose x is x[start + 8j + i]. A code q placed in the mantissa of 1.0 reads 1 + q/16
-    at bits 19..22 (`_int4_tile`) or 1 + q/256 at bits 15..18, so one shift serves two codes,
+    at bits 19..22 or 1 + q/256 at bits 15..18, so one shift serves two codes,
     an odd and an even nibble, and one LOP3 each makes the float. Its product with a bf16 or
     fp16 x is exact in fp32, so one FMA a code sums, over a word's codes,
     G = sum_odd (1 + q_i/16) x_i and H = sum_even (1 + q_i/256) x_i; with their x's sums
@@ -432,56 +434,134 @@ def _int4_gemv_segment(acc, x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K
 
 
 @device_function
-def _int4_tile(w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, HAS_ZEROS: tl.constexpr,
-               GROUP: tl.constexpr, WIDTH: tl.constexpr):
-    """W[rows, start:start + WIDTH] of a 4-bit weight in fp32, as [BLOCK_N, WIDTH / 8, 8]:
-    column start + 8 j + i at [:, j, i], 0 past K or `row_mask`. The WIDTH columns lie in
-    one group (`int4_block_k`), so each row loads one scale and zero point.
+def _int4_codes_tile(x_ptr, w_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, HAS_ZEROS: tl.constexpr,
+                     GROUP: tl.constexpr, INTERPRETED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The codes less their zero point, q - z, of W[rows, start:start + BLOCK_K] of a 4-bit
+    weight, in x's dtype (small integers: exact), columns in `_int4_k_order`, 0 <= q < 16
+    read where masked; the BLOCK_K columns lie in one group (`int4_block_k`), whose scale the
+    skinny GEMM applies to the tile's sums (Marlin's order: Frantar et al., 2024, arXiv:2408.11743).
 
-    W is read as int32 words of eight codes (`weight_arguments`: nibble i of word j is
-    column 8j + i, the bytes' little-endian order), loaded as [BLOCK_N, words, 1] so that
-    each thread unpacks the eight codes of the words it loaded in its own registers. A code
-    q becomes a float without an int-to-float conversion: placed in the mantissa of 1.0 it
-    reads 1 + q/16 (bits 19..22), and one FMA with the group's 16 s and -(16 + z) s gives
-    (q - z) s exactly (all three fit fp32's mantissa)."""
-    words = start // 8 + tl.arange(0, WIDTH // 8)
-    r = rows.to(tl.int64)[:, None, None]
-    packed = tl.load(w_ptr + r * stride_wn + words[None, :, None],
-                     mask=row_mask[:, None, None] & (words < K // 8)[None, :, None], other=0)
-    group = r * stride_sn + start // GROUP
-    group_mask = row_mask[:, None, None] & (tl.full([1, 1, 1], start, tl.int32) < K)  # a GEMV tile's segments may end past K
-    scale = tl.load(s_ptr + group, mask=group_mask, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        zero = tl.load(z_ptr + group, mask=group_mask, other=0).to(tl.float32)
+    W is read as stored, int32 words of eight codes (nibble i of word j is column 8j + i), and
+    each word is converted in PTX by the magic-number trick of FasterTransformer's and Marlin's
+    dequantisers: PRMT puts byte i of the word and of the word shifted by 4 in the two halves
+    of a register, one LOP3 keeps their low nibbles in the mantissa of 128 (bf16 0x4300;
+    fp16: 1024, 0x6400), which then reads 128 + q, and one packed FMA subtracts 128 + z: two
+    codes (columns 8j + 2i and 8j + 2i + 1) a PRMT, a LOP3 and an FMA. Triton's interpreter
+    runs no PTX: there the same integers come from shifts and masks."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    words = tl.multiple_of(start // 8, WORDS) + tl.arange(0, WORDS)
+    w_words = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + words[None, :]
+    if EVEN_K:  # a mask constant along K: each thread loads its words as vectors
+        packed = tl.load(w_words, mask=row_mask[:, None], other=0)
     else:
-        zero = 8.0  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
-    # Nibble i moved to bits 19..22 by one shift, then masked and given 1.0's exponent. The
-    # mask is read from a register (stride_wn >> 31 is 0, but the compiler cannot fold it),
-    # so the and-or is one LOP3: an instruction holds one immediate, and two make two LOP3s.
-    mask = 0x00780000 | (stride_wn >> 31)
-    codes = (packed << tl.maximum(19 - 4 * tl.arange(0, 8), 0)[None, None, :]) >> tl.maximum(
-        4 * tl.arange(0, 8) - 19, 0)[None, None, :]
-    one_plus = ((codes & mask) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 16
-    return tl.fma(one_plus, 16.0 * scale, -(16.0 + zero) * scale)
+        packed = tl.load(w_words, mask=row_mask[:, None] & (words < K // 8)[None, :], other=0)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + rows.to(tl.int64) * stride_sn + start // GROUP, mask=row_mask, other=0).to(tl.int32)
+    else:
+        zero = tl.full(rows.shape, 8, tl.int32)  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
+    dtype = x_ptr.dtype.element_ty
+    if INTERPRETED:
+        nibbles = (packed[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 15
+        codes = (nibbles - zero[:, None, None]).to(tl.float32).to(dtype)
+    else:
+        if dtype == tl.bfloat16:  # the fp16 branch's PTX differs only in its magic number, 1 and type
+            offset = (-128 - zero).to(tl.float32).to(dtype)[:, None]
+            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 s0, s1, t, one;
+                mov.b32 one, 0x3F803F80;
+                shr.u32 s0, $8, 4;
+                shr.u32 s1, $9, 4;
+                prmt.b32 t, $8, $9, 0x4400;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $0, t, one, $10;
+                prmt.b32 t, s0, s1, 0x4400;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $1, t, one, $10;
+                prmt.b32 t, $8, $9, 0x5511;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $2, t, one, $10;
+                prmt.b32 t, s0, s1, 0x5511;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $3, t, one, $10;
+                prmt.b32 t, $8, $9, 0x6622;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $4, t, one, $10;
+                prmt.b32 t, s0, s1, 0x6622;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $5, t, one, $10;
+                prmt.b32 t, $8, $9, 0x7733;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $6, t, one, $10;
+                prmt.b32 t, s0, s1, 0x7733;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $7, t, one, $10;
+                }""", "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [packed, tl.broadcast_to(offset, packed.shape)],
+                dtype=(dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype), is_pure=True, pack=2)
+        else:
+            offset = (-1024 - zero).to(tl.float32).to(dtype)[:, None]
+            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 s0, s1, t, one;
+                mov.b32 one, 0x3C003C00;
+                shr.u32 s0, $8, 4;
+                shr.u32 s1, $9, 4;
+                prmt.b32 t, $8, $9, 0x4400;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $0, t, one, $10;
+                prmt.b32 t, s0, s1, 0x4400;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $1, t, one, $10;
+                prmt.b32 t, $8, $9, 0x5511;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $2, t, one, $10;
+                prmt.b32 t, s0, s1, 0x5511;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $3, t, one, $10;
+                prmt.b32 t, $8, $9, 0x6622;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $4, t, one, $10;
+                prmt.b32 t, s0, s1, 0x6622;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $5, t, one, $10;
+                prmt.b32 t, $8, $9, 0x7733;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $6, t, one, $10;
+                prmt.b32 t, s0, s1, 0x7733;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $7, t, one, $10;
+                }""", "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [packed, tl.broadcast_to(offset, packed.shape)],
+                dtype=(dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype), is_pure=True, pack=2)
+        codes = tl.join(tl.join(tl.join(c0, c1), tl.join(c2, c3)), tl.join(tl.join(c4, c5), tl.join(c6, c7)))
+    return _int4_k_order(tl.reshape(codes, [rows.shape[0], BLOCK_K]), BLOCK_K)
+
+
+@device_function
+def _int4_k_order(t, BLOCK_K: tl.constexpr):
+    """A [R, BLOCK_K] tile's columns in the order the 4-bit skinny GEMM sums them: in each 64
+    columns (eight words of codes), column 8w + i (nibble i of word w = 2c + a) moves to
+    8i + 2c + a, so that each pair of columns an MMA thread holds in one register (2c + a at
+    k, k + 8, ...: the A operand's fragments, PTX ISA "wgmma" and "mma.m16n8k16") is one
+    nibble of two neighbouring words, which `_int4_codes_tile` converts together. Applied alike
+    to x and W's codes, it changes which products an MMA sums together, not the products."""
+    if BLOCK_K % 64 == 0:
+        t = tl.reshape(tl.permute(tl.reshape(t, [t.shape[0], BLOCK_K // 64, 4, 2, 8]), [0, 1, 4, 2, 3]),
+                       [t.shape[0], BLOCK_K])
+    return t
 
 
 @device_function
 def _weight_tile(x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, W_FORMAT: tl.constexpr,
                  HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """W[rows, start:start + BLOCK_K] in x's dtype for the skinny GEMMs' `tl.dot`, 0 where
-    masked: as stored (W_FORMAT 0), FP8 codes (1; their row scale applies after the K loop),
-    or 4-bit codes (2) as (q - z) * s of their group (`_int4_tile`), rounded once from
-    float32 as `Int4Weight.dequantize` rounds them. FP8 goes through fp32, not straight to
-    bf16: E4M3 -> f16 -> f32 -> bf16 are packed conversions, E4M3 -> bf16 one element a time."""
-    if W_FORMAT == 2:  # BLOCK_K divides the group size here (`streaming_tile`)
-        w = tl.reshape(_int4_tile(w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, HAS_ZEROS, GROUP,
-                                  BLOCK_K), [rows.shape[0], BLOCK_K]).to(x_ptr.dtype.element_ty)
-    else:
-        k = start + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=row_mask[:, None] & (k < K)[None, :],
-                    other=0.0)
-        if W_FORMAT == 1:
-            w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
+    masked: as stored (W_FORMAT 0) or FP8 codes (1; their row scale applies after the K
+    loop). 4-bit W takes `_int4_codes_tile`. FP8 goes through fp32, not straight to bf16:
+    E4M3 -> f16 -> f32 -> bf16 are packed conversions, E4M3 -> bf16 one element a time."""
+    k = start + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=row_mask[:, None] & (k < K)[None, :],
+                other=0.0)
+    if W_FORMAT == 1:
+        w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
     return w
 
 
@@ -747,17 +827,27 @@ def _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, cols, row_mask, col_mask, K, stride
                  EVEN_K: tl.constexpr, W_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The fp32 [BLOCK_M, BLOCK_N] product of x's rows with the BLOCK_N rows ``cols`` of W
     (any rows: the fused kernels gather pairs far apart), streamed over K. Each element's
-    sum depends only on the tile's shape and warps, not on which W rows share it. A
-    quantised W's tiles come from `_weight_tile` (always masked); FP8 row scales apply last."""
+    sum depends only on the tile's shape and warps, not on which W rows share it. An FP8 W's
+    tiles come from `_weight_tile` (always masked), its row scales apply last; a 4-bit W's
+    codes less zero points from `_int4_codes_tile`, each K tile's sums scaled by its group's
+    scales (a K tile lies in one group), x's columns put in the codes' order (`_int4_k_order`)."""
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + tl.arange(0, BLOCK_M)[:, None] * stride_xm + ks[None, :]
     w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
     # W_FIRST computes out^T = W x^T, so W's rows fill the MMA's large M dimension.
     acc = tl.zeros([BLOCK_N, BLOCK_M] if W_FIRST else [BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
-        w = _skinny_w_tile(x_ptr, w_ptr, s_ptr, z_ptr, w_tile, cols, col_mask, start, K, stride_wn, stride_sn, W_FORMAT,
-                           HAS_ZEROS, GROUP, EVEN_K, BLOCK_K)
-        acc = _skinny_accumulate(acc, x_tile, w, row_mask, start, K, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_K)
+        if W_FORMAT == 2:  # the tile's codes (q - z), exact; the group's scale on the tile's fp32 sums
+            codes = _int4_codes_tile(x_ptr, w_ptr, z_ptr, cols, col_mask, start, K, stride_wn, stride_sn, HAS_ZEROS, GROUP,
+                                     DOT_IN_FP32, EVEN_K, BLOCK_K)
+            x = _int4_k_order(_skinny_x(x_tile, row_mask, start, K, EVEN_K, BLOCK_K), BLOCK_K)
+            sums = _skinny_dot(tl.zeros_like(acc), x, codes, DOT_IN_FP32, W_FIRST)
+            scale = tl.load(s_ptr + cols.to(tl.int64) * stride_sn + start // GROUP, mask=col_mask, other=0.0).to(tl.float32)
+            acc = tl.fma(sums, scale[:, None] if W_FIRST else scale[None, :], acc)
+        else:
+            w = _skinny_w_tile(x_ptr, w_ptr, s_ptr, z_ptr, w_tile, cols, col_mask, start, K, stride_wn, stride_sn, W_FORMAT,
+                               HAS_ZEROS, GROUP, EVEN_K, BLOCK_K)
+            acc = _skinny_accumulate(acc, x_tile, w, row_mask, start, K, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_K)
     return _skinny_result(acc, s_ptr, cols, col_mask, W_FORMAT, W_FIRST)
 
 
@@ -780,10 +870,22 @@ def _skinny_w_tile(x_ptr, w_ptr, s_ptr, z_ptr, w_tile, cols, col_mask, start, K,
 def _skinny_accumulate(acc, x_tile, w, row_mask, start, K, DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr,
                        W_FIRST: tl.constexpr, BLOCK_K: tl.constexpr):
     """``acc`` plus x's [BLOCK_M, BLOCK_K] tile at K offset ``start`` times W's tile ``w``."""
+    return _skinny_dot(acc, _skinny_x(x_tile, row_mask, start, K, EVEN_K, BLOCK_K), w, DOT_IN_FP32, W_FIRST)
+
+
+@device_function
+def _skinny_x(x_tile, row_mask, start, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x's [BLOCK_M, BLOCK_K] tile at K offset ``start``, 0 past K and M."""
     if EVEN_K:
         x = tl.load(x_tile + start, mask=row_mask[:, None], other=0.0)
     else:
         x = tl.load(x_tile + start, mask=row_mask[:, None] & ((start + tl.arange(0, BLOCK_K)) < K)[None, :], other=0.0)
+    return x
+
+
+@device_function
+def _skinny_dot(acc, x, w, DOT_IN_FP32: tl.constexpr, W_FIRST: tl.constexpr):
+    """``acc`` plus the tiles' product, x w^T (W_FIRST: its transpose, w x^T)."""
     if DOT_IN_FP32:  # Triton's interpreter (see `_interpreting`): exact products, summed per element
         x, w = x.to(tl.float32), w.to(tl.float32)
         if W_FIRST:

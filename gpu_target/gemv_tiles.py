@@ -16,8 +16,11 @@ per shape. A shape it lacks takes `heuristic_gemv_tile` / `heuristic_skinny_tile
   is split (`split_k`: deterministic, gemv.py's `_split_sum`) until the programs are
   4 per SM, each share at least two K tiles.
 - skinny GEMM (2..64 rows): gemv.py's bf16 tile has 64 W rows a program, which leaves a
-  4096-row matrix 64 programs (half the SMs); quantised W streams fewer bytes per row, so
-  32-row programs (16 under N = 4096) cover the GPU.
+  4096-row matrix 64 programs (half the SMs); FP8 W streams fewer bytes per row, so 32-row
+  programs (16 under N = 4096) cover the GPU. 4-bit W: 64 rows a warpgroup (4 warps) over
+  one group of K, 128 columns: its codes convert in the registers of Hopper's warpgroup MMA
+  (wgmma, whose M is 64 rows a warpgroup), and with fewer rows than 16 a warp Triton
+  splits the MMA's warps over x's rows, each converting the same W codes.
 
 Each program's tile must be the same in a fused kernel and in its unfused twin (the sums
 are then bit-identical); both look it up here by the same (format, N, K).
@@ -68,6 +71,8 @@ SKINNY_CANDIDATES = [
     for block_n, block_k, warps, stages in (
         (16, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
         (64, 128, 4, 4), (64, 256, 4, 4), (32, 256, 8, 3), (64, 128, 8, 3), (64, 256, 8, 3), (128, 128, 8, 3),
+        # 16 W rows a warp or more (the 4-bit GEMM's codes convert once): 64 or 128 a warpgroup
+        (64, 128, 4, 2), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 4), (128, 256, 8, 3),
     )
 ]
 
@@ -122,8 +127,16 @@ def heuristic_gemv_tile(fmt: str, n: int, k: int) -> dict:
 
 
 def heuristic_skinny_tile(fmt: str, n: int, k: int, block_m: int) -> dict:
-    """See the module docstring: 32 W rows a program (16 where that leaves under one
-    program per SM), W first in the MMA, a shallower pipeline at BLOCK_M = 64."""
+    """See the module docstring: FP8: 32 W rows a program (16 where that leaves under one
+    program per SM), W first in the MMA, a shallower pipeline at BLOCK_M = 64. 4-bit: 64 rows
+    on 4 warps over 128 columns (fewer rows a program where N leaves under 16 row tiles, on
+    a small model)."""
+    if fmt == "int4":
+        block_n = 64
+        while block_n > 16 and n // block_n < 16:
+            block_n //= 2
+        return dict(block_n=block_n, block_k=min(128, _k_span(k)), num_warps=max(1, block_n // 16), num_stages=3,
+                    w_first=True)
     block_n = 32 if n // 32 >= SMS else 16
     return dict(block_n=block_n, block_k=min(256, _k_span(k)), num_warps=4, num_stages=3 if block_m > 32 else 4,
                 w_first=True)
