@@ -771,29 +771,35 @@ def skinny_gemm(
     bias: Optional[torch.Tensor] = None,  # [N]
     **tile,
 ) -> torch.Tensor:
-    """[M, N] = x W^T (+ bias), in x's dtype, streaming W once with no split-K.
+    """[M, N] = x W^T (+ bias), in x's dtype, streaming W once.
 
     M is padded (by masks, not by memory traffic) to BLOCK_M, a power of two >= 16, the
     smallest `tl.dot` tile; block_n must be >= 16 as well. ``tile`` overrides `streaming_tile`'s
-    choice (block_n, block_k, num_warps, num_stages, w_first), as the sweep does.
+    choice (block_n, block_k, num_warps, num_stages, w_first, split_k: K in that many shares
+    where a tile says so, as the GEMV splits it), as the sweep does.
     """
     M, K = x.shape
     N = weight.shape[0]
     options = _skinny_launch_options(M, weight, tile)
     (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(N, options["BLOCK_N"])
+    partials, counters, k_share = _skinny_split("skinny_gemm", M, N, K, tiles, options, out)
     # M is not specialised (Triton would compile M % 16 == 0 apart from the rest), so each
     # BLOCK_M (16, 32, 64) compiles once, whatever tree sizes a server sees.
-    _jit(_skinny_gemm_kernel, ("M",))[(triton.cdiv(N, options["BLOCK_N"]),)](
+    _jit(_skinny_gemm_kernel, ("M",))[(tiles, options["SPLIT_K"])](
         x,
         w,
         scales,
         zeros,
         bias if bias is not None else out,
         out,
+        partials,
+        counters,
         M,
         N,
         K,
+        k_share,
         x.stride(0),
         stride_wn,
         stride_sn,
@@ -805,28 +811,36 @@ def skinny_gemm(
     return out
 
 
-def _skinny_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-                        HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
-                        DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, W_FIRST: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _skinny_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SHARE, stride_xm,
+                        stride_wn, stride_sn, stride_om, HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr,
+                        HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+                        W_FIRST: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     rows = tl.arange(0, BLOCK_M)  # rows of x (tokens)
     row_mask = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     col_mask = cols < N
-    acc = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, cols, row_mask, col_mask, K, stride_xm, stride_wn, stride_sn, W_FORMAT,
-                       HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    acc, last = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, cols, row_mask, col_mask, M, N, K, K_SHARE,
+                             stride_xm, stride_wn, stride_sn, W_FORMAT, HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K, W_FIRST,
+                             SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @device_function
-def _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, cols, row_mask, col_mask, K, stride_xm, stride_wn, stride_sn,
-                 W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-                 EVEN_K: tl.constexpr, W_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The fp32 [BLOCK_M, BLOCK_N] product of x's rows with the BLOCK_N rows ``cols`` of W
-    (any rows: the fused kernels gather pairs far apart), streamed over K. Each element's
+def _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, cols, row_mask, col_mask, M, N, K, K_SHARE, stride_xm,
+                 stride_wn, stride_sn, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
+                 DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, W_FIRST: tl.constexpr, SPLIT_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(the fp32 [BLOCK_M, BLOCK_N] product of x's rows with the BLOCK_N rows ``cols`` of W
+    (any rows: the fused kernels gather pairs far apart), streamed over K; whether this
+    program holds it). With SPLIT_K > 1 the program sums K_SHARE columns (grid axis 1 picks
+    which) and the last program of the column tile adds the shares' sums in share order
+    (`_split_sum`, over the [SPLIT_K, M, N] fp32 partials); only that one may use the result,
+    the others get ``last`` False. Each element's
     sum depends only on the tile's shape and warps, not on which W rows share it. An FP8 W's
     tiles come from `_weight_tile` (always masked), its row scales apply last; a 4-bit W's
     codes less zero points from `_int4_codes_tile`, each K tile's sums scaled by its group's
@@ -836,7 +850,13 @@ def _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, cols, row_mask, col_mask, K, stride
     w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
     # W_FIRST computes out^T = W x^T, so W's rows fill the MMA's large M dimension.
     acc = tl.zeros([BLOCK_N, BLOCK_M] if W_FIRST else [BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
+    if SPLIT_K > 1:
+        k_start = tl.multiple_of(tl.program_id(1) * K_SHARE, BLOCK_K)  # shares are whole K tiles
+        k_end = tl.minimum(k_start + K_SHARE, K)
+    else:
+        k_start = 0
+        k_end = K
+    for start in range(k_start, k_end, BLOCK_K):
         if W_FORMAT == 2:  # the tile's codes (q - z), exact; the group's scale on the tile's fp32 sums
             codes = _int4_codes_tile(x_ptr, w_ptr, z_ptr, cols, col_mask, start, K, stride_wn, stride_sn, HAS_ZEROS, GROUP,
                                      DOT_IN_FP32, EVEN_K, BLOCK_K)
@@ -848,7 +868,13 @@ def _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, cols, row_mask, col_mask, K, stride
             w = _skinny_w_tile(x_ptr, w_ptr, s_ptr, z_ptr, w_tile, cols, col_mask, start, K, stride_wn, stride_sn, W_FORMAT,
                                HAS_ZEROS, GROUP, EVEN_K, BLOCK_K)
             acc = _skinny_accumulate(acc, x_tile, w, row_mask, start, K, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_K)
-    return _skinny_result(acc, s_ptr, cols, col_mask, W_FORMAT, W_FIRST)
+    acc = _skinny_result(acc, s_ptr, cols, col_mask, W_FORMAT, W_FIRST)
+    if SPLIT_K > 1:
+        at = tl.arange(0, BLOCK_M)[:, None] * N + cols[None, :]  # [x row, W row] of an [M, N] share
+        acc, last = _split_sum(acc, part_ptr, count_ptr, at, row_mask[:, None] & col_mask[None, :], M * N, SPLIT_K)
+    else:
+        last = True
+    return acc, last
 
 
 @device_function
@@ -930,12 +956,20 @@ def _skinny_launch_options(m: int, weight: StreamedWeight, tile: dict) -> dict:
         DOT_IN_FP32=_interpreting(),
         EVEN_K=k % tile["block_k"] == 0,
         W_FIRST=tile["w_first"],
+        SPLIT_K=tile.get("split_k", 1),
         BLOCK_M=block_m,
         BLOCK_N=tile["block_n"],
         BLOCK_K=tile["block_k"],
         num_warps=tile["num_warps"],
         num_stages=tile["num_stages"],
     )
+
+
+def _skinny_split(name: str, m: int, n: int, k: int, tiles: int, options: dict, out: torch.Tensor) -> tuple:
+    """A skinny kernel's split-K arguments (fp32 partials [split_k, m n], counters, each
+    share's K) for ``tiles`` column tiles (`_split_arguments`)."""
+    tile = dict(split_k=options["SPLIT_K"], block_k=options["BLOCK_K"])
+    return _split_arguments(name, m * n, k, tiles, tile, out)[0]
 
 
 def skinny_gemm_silu_and_mul(
@@ -956,15 +990,20 @@ def skinny_gemm_silu_and_mul(
     options = _skinny_launch_options(M, weight, tile)
     (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     out = torch.empty((M, inter), dtype=x.dtype, device=x.device)
-    _jit(_skinny_silu_and_mul_kernel, ("M",))[(triton.cdiv(inter, options["BLOCK_N"] // 2),)](
+    tiles = triton.cdiv(inter, options["BLOCK_N"] // 2)
+    partials, counters, k_share = _skinny_split("skinny_gemm_silu_and_mul", M, N, K, tiles, options, out)
+    _jit(_skinny_silu_and_mul_kernel, ("M",))[(tiles, options["SPLIT_K"])](
         x,
         w,
         scales,
         zeros,
         out,
+        partials,
+        counters,
         M,
         inter,
         K,
+        k_share,
         x.stride(0),
         stride_wn,
         stride_sn,
@@ -975,22 +1014,25 @@ def skinny_gemm_silu_and_mul(
     return out
 
 
-def _skinny_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, inter, K, stride_xm, stride_wn, stride_sn,
-                                stride_om, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
-                                DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, W_FIRST: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _skinny_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, inter, K, K_SHARE, stride_xm,
+                                stride_wn, stride_sn, stride_om, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                                GROUP: tl.constexpr, DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+                                W_FIRST: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     PAIRS: tl.constexpr = BLOCK_N // 2
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     lanes = tl.arange(0, BLOCK_N)
     j = tl.program_id(0) * PAIRS + lanes // 2  # the output column each W row feeds
     w_rows = j + (lanes % 2) * inter  # gate row j, up row I + j
-    acc = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, w_rows, row_mask, j < inter, K, stride_xm, stride_wn, stride_sn, W_FORMAT,
-                       HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
-    gate, up = tl.split(tl.reshape(acc.to(out_ptr.dtype.element_ty), [BLOCK_M, PAIRS, 2]))
-    cols = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, fused_ops._silu_mul(gate, up), mask=row_mask[:, None] & (cols < inter)[None, :])
+    acc, last = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, w_rows, row_mask, j < inter, M, 2 * inter, K,
+                             K_SHARE, stride_xm, stride_wn, stride_sn, W_FORMAT, HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K,
+                             W_FIRST, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if last:
+        gate, up = tl.split(tl.reshape(acc.to(out_ptr.dtype.element_ty), [BLOCK_M, PAIRS, 2]))
+        cols = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out, fused_ops._silu_mul(gate, up), mask=row_mask[:, None] & (cols < inter)[None, :])
 
 
 def skinny_gemm_rotary_and_store_kv(
@@ -1028,7 +1070,8 @@ def skinny_gemm_rotary_and_store_kv(
         raise ValueError(f"skinny_gemm_rotary_and_store_kv: {block_n // 2} rotary pairs per program do not divide {half}")
     (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     q_out = torch.empty((M, num_heads, head_dim), dtype=x.dtype, device=x.device)
-    _jit(_skinny_rotary_kv_kernel, ("M",))[(N // block_n,)](
+    partials, counters, k_share = _skinny_split("skinny_gemm_rotary_and_store_kv", M, N, K, N // block_n, options, q_out)
+    _jit(_skinny_rotary_kv_kernel, ("M",))[(N // block_n, options["SPLIT_K"])](
         x,
         w,
         scales,
@@ -1041,8 +1084,12 @@ def skinny_gemm_rotary_and_store_kv(
         sin,
         positions,
         slot_mapping,
+        partials,
+        counters,
         M,
+        N,
         K,
+        k_share,
         x.stride(0),
         stride_wn,
         stride_sn,
@@ -1059,11 +1106,11 @@ def skinny_gemm_rotary_and_store_kv(
 
 
 def _skinny_rotary_kv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr,
-                             positions_ptr, slots_ptr, M, K, stride_xm, stride_wn, stride_sn, stride_cos, stride_sin,
-                             num_heads, num_kv_heads, half, HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr,
-                             HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-                             EVEN_K: tl.constexpr, W_FIRST: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             positions_ptr, slots_ptr, part_ptr, count_ptr, M, N, K, K_SHARE, stride_xm, stride_wn,
+                             stride_sn, stride_cos, stride_sin, num_heads, num_kv_heads, half, HAS_BIAS: tl.constexpr,
+                             W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
+                             DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, W_FIRST: tl.constexpr,
+                             SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program p owns dimensions d0 .. d0 + BLOCK_N/2 of one head (and their partners + D/2),
     counting the q heads, then the k heads, then the v heads, as the fused weight's rows
     are ordered."""
@@ -1076,33 +1123,35 @@ def _skinny_rotary_kv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, q_out_ptr, k_
     row_mask = rows < M
     lanes = tl.arange(0, BLOCK_N)
     w_rows = head * head_dim + d0 + lanes // 2 + (lanes % 2) * half  # dim d0 + i, then its partner
-    acc = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, w_rows, row_mask, lanes < BLOCK_N, K, stride_xm, stride_wn, stride_sn,
-                       W_FORMAT, HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
-    x1, x2 = tl.split(tl.reshape(acc.to(x_ptr.dtype.element_ty), [BLOCK_M, PAIRS, 2]))
-    dims = d0 + tl.arange(0, PAIRS)[None, :]
-    mask = row_mask[:, None]
-    # Each branch names its own pointers: Triton requires a name assigned in both branches of
-    # an `if` to have one type, and a cache of another dtype than q's makes them differ.
-    if head < num_heads + num_kv_heads:
-        position = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
-        cos = tl.load(cos_ptr + position * stride_cos + dims, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + position * stride_sin + dims, mask=mask, other=0.0).to(tl.float32)
-        first, second = fused_ops._rotate_half(x1, x2, cos, sin)
-        if head < num_heads:
-            q_dst = q_out_ptr + (rows.to(tl.int64)[:, None] * num_heads + head) * head_dim + dims
-            tl.store(q_dst, first, mask=mask)
-            tl.store(q_dst + half, second, mask=mask)
+    acc, last = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, w_rows, row_mask, lanes < BLOCK_N, M, N, K,
+                             K_SHARE, stride_xm, stride_wn, stride_sn, W_FORMAT, HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K,
+                             W_FIRST, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
+        x1, x2 = tl.split(tl.reshape(acc.to(x_ptr.dtype.element_ty), [BLOCK_M, PAIRS, 2]))
+        dims = d0 + tl.arange(0, PAIRS)[None, :]
+        mask = row_mask[:, None]
+        # Each branch names its own pointers: Triton requires a name assigned in both branches of
+        # an `if` to have one type, and a cache of another dtype than q's makes them differ.
+        if head < num_heads + num_kv_heads:
+            position = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
+            cos = tl.load(cos_ptr + position * stride_cos + dims, mask=mask, other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + position * stride_sin + dims, mask=mask, other=0.0).to(tl.float32)
+            first, second = fused_ops._rotate_half(x1, x2, cos, sin)
+            if head < num_heads:
+                q_dst = q_out_ptr + (rows.to(tl.int64)[:, None] * num_heads + head) * head_dim + dims
+                tl.store(q_dst, first, mask=mask)
+                tl.store(q_dst + half, second, mask=mask)
+            else:
+                slot = tl.load(slots_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
+                k_dst = k_cache_ptr + (slot * num_kv_heads + head - num_heads) * head_dim + dims
+                cache_dtype = k_cache_ptr.dtype.element_ty
+                tl.store(k_dst, first.to(cache_dtype), mask=mask)
+                tl.store(k_dst + half, second.to(cache_dtype), mask=mask)
         else:
-            slot = tl.load(slots_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
-            k_dst = k_cache_ptr + (slot * num_kv_heads + head - num_heads) * head_dim + dims
-            cache_dtype = k_cache_ptr.dtype.element_ty
-            tl.store(k_dst, first.to(cache_dtype), mask=mask)
-            tl.store(k_dst + half, second.to(cache_dtype), mask=mask)
-    else:
-        value_slot = tl.load(slots_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
-        v_dst = v_cache_ptr + (value_slot * num_kv_heads + head - num_heads - num_kv_heads) * head_dim + dims
-        value_dtype = v_cache_ptr.dtype.element_ty
-        tl.store(v_dst, x1.to(value_dtype), mask=mask)
-        tl.store(v_dst + half, x2.to(value_dtype), mask=mask)
+            value_slot = tl.load(slots_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
+            v_dst = v_cache_ptr + (value_slot * num_kv_heads + head - num_heads - num_kv_heads) * head_dim + dims
+            value_dtype = v_cache_ptr.dtype.element_ty
+            tl.store(v_dst, x1.to(value_dtype), mask=mask)
+            tl.store(v_dst + half, x2.to(value_dtype), mask=mask)

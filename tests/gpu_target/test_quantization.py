@@ -355,6 +355,49 @@ def test_quantized_skinny_gemm_small_tiles_and_strided_rows(w_first):
     torch.testing.assert_close(got.double(), expected, **_tolerance(torch.bfloat16, "int4"))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4-asym", "int4-g64"])
+@pytest.mark.parametrize("m,n,k,tile", [(5, 37, 296, dict(block_n=16, block_k=32, split_k=3)),
+                                        (19, 70, 520, dict(block_n=64, block_k=128, split_k=2, num_warps=4)),
+                                        (33, 40, 256, dict(block_n=16, block_k=64, split_k=5))])
+def test_split_k_skinny_gemm_matches_dequantised_matmul_and_resets_its_counters(fmt, m, n, k, tile):
+    """The skinny GEMM with K in shares (the last short or empty, K and N past their last whole
+    tiles): the last program of each column tile sums the shares' [M, N] partials."""
+    if fmt == "bf16":
+        x, quantized, b, _ = _kernel_case("fp8", m, n, k, torch.bfloat16, True)
+        weight = quantized.dequantize(torch.bfloat16)
+        expected = F.linear(x.double(), weight.double(), b.double())
+    else:
+        x, weight, b, expected = _kernel_case(fmt, m, n, k, torch.bfloat16, True)
+    got = gemv.skinny_gemm(x, weight, b, **{"num_warps": 1, "num_stages": 2, "w_first": True, **tile})
+    torch.testing.assert_close(got.double(), expected, **_tolerance(torch.bfloat16, fmt))
+    assert not gemv.split_counters(x.device).any()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4-g32"])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_quantized_fused_skinny_gemms_equal_skinny_gemm_then_the_op(fmt, split_k):
+    """The fused skinny GEMMs take the skinny GEMM's tile (K whole or in 3 shares) and give its
+    result followed by the op's own kernel, bit for bit."""
+    from gpu_target import fused_ops
+
+    tile = dict(block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=True, split_k=split_k)
+    x, weight, _, _ = _kernel_case(fmt, 5, 36, 96, torch.bfloat16, False)  # 18 gate/up pairs: a part-filled program
+    expected = fused_ops.silu_and_mul(gemv.skinny_gemm(x * 4, weight, **tile), use_triton=True)
+    assert torch.equal(gemv.skinny_gemm_silu_and_mul(x * 4, weight, **tile), expected)
+
+    heads, kv_heads, head_dim = 3, 1, 16
+    x, weight, b, _ = _kernel_case(fmt, 5, (heads + 2 * kv_heads) * head_dim, 96, torch.bfloat16, True)
+    angles = torch.outer(torch.arange(40, dtype=torch.float64), 0.5 ** torch.arange(head_dim // 2, dtype=torch.float64))
+    cos, sin = angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
+    positions, slots = torch.tensor([29, 30, 30, 31, 7], device=DEVICE), torch.tensor([5, 6, 9, 2, 11], device=DEVICE)
+    caches = [torch.zeros(1, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
+    q, key, value = gemv.skinny_gemm(x, weight, b, **tile).view(5, -1, head_dim).split([heads, kv_heads, kv_heads], 1)
+    expected_q = fused_ops.rotary_and_store_kv(q, key, value, cos, sin, positions, *caches[2:], slots, use_triton=True)
+    got_q = gemv.skinny_gemm_rotary_and_store_kv(x, weight, b, cos, sin, positions, *caches[:2], slots, heads, **tile)
+    assert torch.equal(got_q, expected_q) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0 and not gemv.split_counters(x.device).any()
+
+
 @pytest.mark.parametrize("fmt", ["bf16", *FORMATS])
 @pytest.mark.parametrize("n,k,tile", [(37, 296, dict(block_n=8, block_k=64, split_k=3)),
                                       (64, 256, dict(block_n=16, block_k=128, split_k=2)),
@@ -716,6 +759,7 @@ def test_quantized_tiles_come_from_the_sweeps_table_else_the_heuristic(tmp_path)
     for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)):  # a warpgroup's 64 W rows over one group
         tile = gemv_tiles.heuristic_skinny_tile("int4", n, k, 32)
         assert (tile["block_n"], tile["block_k"], tile["num_warps"]) == (64, 128, 4)
+        assert tile["split_k"] == (1 if n > 8192 else 4 if n == 4096 else 2)  # 64 or 96 column tiles: K in 4 or 2
     assert gemv_tiles.heuristic_skinny_tile("int4", 96, 256, 16)["block_n"] == 16  # a small model's qkv: 6 row tiles
 
 
