@@ -435,9 +435,10 @@ def _int4_gemv_segment(acc, x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K
 
 @device_function
 def _int4_codes_tile(x_ptr, w_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, HAS_ZEROS: tl.constexpr,
-                     GROUP: tl.constexpr, INTERPRETED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+                     GROUP: tl.constexpr, INTERPRETED: tl.constexpr, EVEN_K: tl.constexpr, REORDER: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
     """The codes less their zero point, q - z, of W[rows, start:start + BLOCK_K] of a 4-bit
-    weight, in x's dtype (small integers: exact), columns in `_int4_k_order`, 0 <= q < 16
+    weight, in x's dtype (small integers: exact), columns in `_int4_k_order` with REORDER, 0 <= q < 16
     read where masked; the BLOCK_K columns lie in one group (`int4_block_k`), whose scale the
     skinny GEMM applies to the tile's sums (Marlin's order: Frantar et al., 2024, arXiv:2408.11743).
 
@@ -533,7 +534,10 @@ def _int4_codes_tile(x_ptr, w_ptr, z_ptr, rows, row_mask, start, K, stride_wn, s
                 }""", "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [packed, tl.broadcast_to(offset, packed.shape)],
                 dtype=(dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype), is_pure=True, pack=2)
         codes = tl.join(tl.join(tl.join(c0, c1), tl.join(c2, c3)), tl.join(tl.join(c4, c5), tl.join(c6, c7)))
-    return _int4_k_order(tl.reshape(codes, [rows.shape[0], BLOCK_K]), BLOCK_K)
+    codes = tl.reshape(codes, [rows.shape[0], BLOCK_K])
+    if REORDER:
+        codes = _int4_k_order(codes, BLOCK_K)
+    return codes
 
 
 @device_function
@@ -844,7 +848,8 @@ def _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, cols, row_mask
     sum depends only on the tile's shape and warps, not on which W rows share it. An FP8 W's
     tiles come from `_weight_tile` (always masked), its row scales apply last; a 4-bit W's
     codes less zero points from `_int4_codes_tile`, each K tile's sums scaled by its group's
-    scales (a K tile lies in one group), x's columns put in the codes' order (`_int4_k_order`)."""
+    scales (a K tile lies in one group), x's columns put in the codes' order (`_int4_k_order`,
+    at BLOCK_M <= 32)."""
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + tl.arange(0, BLOCK_M)[:, None] * stride_xm + ks[None, :]
     w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
@@ -856,11 +861,16 @@ def _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, cols, row_mask
     else:
         k_start = 0
         k_end = K
+    # x's columns reordered as the codes' (`_int4_k_order`) pass through registers: at 64 rows
+    # that costs more instructions than the codes' conversion saves (sm_90 SASS, offline compile).
+    REORDER: tl.constexpr = BLOCK_M <= 32
     for start in range(k_start, k_end, BLOCK_K):
         if W_FORMAT == 2:  # the tile's codes (q - z), exact; the group's scale on the tile's fp32 sums
             codes = _int4_codes_tile(x_ptr, w_ptr, z_ptr, cols, col_mask, start, K, stride_wn, stride_sn, HAS_ZEROS, GROUP,
-                                     DOT_IN_FP32, EVEN_K, BLOCK_K)
-            x = _int4_k_order(_skinny_x(x_tile, row_mask, start, K, EVEN_K, BLOCK_K), BLOCK_K)
+                                     DOT_IN_FP32, EVEN_K, REORDER, BLOCK_K)
+            x = _skinny_x(x_tile, row_mask, start, K, EVEN_K, BLOCK_K)
+            if REORDER:
+                x = _int4_k_order(x, BLOCK_K)
             sums = _skinny_dot(tl.zeros_like(acc), x, codes, DOT_IN_FP32, W_FIRST)
             scale = tl.load(s_ptr + cols.to(tl.int64) * stride_sn + start // GROUP, mask=col_mask, other=0.0).to(tl.float32)
             acc = tl.fma(sums, scale[:, None] if W_FIRST else scale[None, :], acc)

@@ -446,15 +446,16 @@ def test_int4_gemv_is_exact_where_every_product_and_sum_is(symmetric, dtype, spl
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [64, 128])
-@pytest.mark.parametrize("tile", [dict(block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=False),
-                                  dict(block_n=64, block_k=128, num_warps=4, num_stages=2, w_first=True)])
-def test_int4_skinny_gemm_is_exact_where_every_product_and_sum_is(symmetric, dtype, group, tile):
-    """As the GEMV's test, for the skinny GEMM (19 rows, N past the last row tile): it multiplies
-    the codes less their zero points (exact in x's dtype; K tiles of 64+ columns reordered alike
-    in x and W, `_int4_k_order`) with x and scales each K tile's fp32 sums by the group's scale,
-    so here it must give the exact product, rounded once."""
+@pytest.mark.parametrize("m,tile", [(19, dict(block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=False)),
+                                    (19, dict(block_n=64, block_k=128, num_warps=4, num_stages=2, w_first=True)),
+                                    (40, dict(block_n=64, block_k=128, num_warps=4, num_stages=2, w_first=True))])
+def test_int4_skinny_gemm_is_exact_where_every_product_and_sum_is(symmetric, dtype, group, m, tile):
+    """As the GEMV's test, for the skinny GEMM (N past the last row tile): it multiplies the
+    codes less their zero points (exact in x's dtype; at up to 32 rows, K tiles of 64+ columns
+    reordered alike in x and W, `_int4_k_order`) with x and scales each K tile's fp32 sums by
+    the group's scale, so here it must give the exact product, rounded once."""
     generator = torch.Generator().manual_seed(11)
-    m, n, k = 19, 80, 384
+    n, k = 80, 384
     codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
     codes[0] = torch.arange(k) % 16
     codes[1] = torch.arange(k) // 8 % 16  # every code in every nibble
