@@ -461,9 +461,16 @@ def _int4_codes_tile(x_ptr, w_ptr, z_ptr, rows, row_mask, start, K, stride_wn, s
     else:
         zero = tl.full(rows.shape, 8, tl.int32)  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
     dtype = x_ptr.dtype.element_ty
-    if INTERPRETED:
-        nibbles = (packed[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 15
-        codes = (nibbles - zero[:, None, None]).to(tl.float32).to(dtype)
+    if INTERPRETED:  # nibble i of each word by a shift and a mask, laid out as the PTX's eight results
+        z = zero[:, None]
+        c0 = (((packed >> 0) & 15) - z).to(tl.float32).to(dtype)
+        c1 = (((packed >> 4) & 15) - z).to(tl.float32).to(dtype)
+        c2 = (((packed >> 8) & 15) - z).to(tl.float32).to(dtype)
+        c3 = (((packed >> 12) & 15) - z).to(tl.float32).to(dtype)
+        c4 = (((packed >> 16) & 15) - z).to(tl.float32).to(dtype)
+        c5 = (((packed >> 20) & 15) - z).to(tl.float32).to(dtype)
+        c6 = (((packed >> 24) & 15) - z).to(tl.float32).to(dtype)
+        c7 = (((packed >> 28) & 15) - z).to(tl.float32).to(dtype)
     else:
         if dtype == tl.bfloat16:  # the fp16 branch's PTX differs only in its magic number, 1 and type
             offset = (-128 - zero).to(tl.float32).to(dtype)[:, None]
@@ -533,7 +540,8 @@ def _int4_codes_tile(x_ptr, w_ptr, z_ptr, rows, row_mask, start, K, stride_wn, s
                 fma.rn.f16x2 $7, t, one, $10;
                 }""", "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [packed, tl.broadcast_to(offset, packed.shape)],
                 dtype=(dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype), is_pure=True, pack=2)
-        codes = tl.join(tl.join(tl.join(c0, c1), tl.join(c2, c3)), tl.join(tl.join(c4, c5), tl.join(c6, c7)))
+    # tl.join adds its axis last, so the outermost join varies fastest: nibble i lands at column 8w + i
+    codes = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
     codes = tl.reshape(codes, [rows.shape[0], BLOCK_K])
     if REORDER:
         codes = _int4_k_order(codes, BLOCK_K)
