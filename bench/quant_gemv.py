@@ -152,7 +152,7 @@ def bench_shape(name: str, n: int, k: int, row_counts: list[int], formats: list[
             rows.append(row)
             print({key: v for key, v in row.items() if key != "w8a8_tile_dict"}, flush=True)
         sweeps = [(1, gemv_tiles.GEMV_CANDIDATES[fmt], gemv)] if "gemv" in sweep else []
-        sweeps += [(m, gemv_tiles.SKINNY_CANDIDATES, skinny_gemm) for m in SKINNY_SWEEP_ROWS] if "skinny" in sweep else []
+        sweeps += [(m, gemv_tiles.SKINNY_CANDIDATES[fmt], skinny_gemm) for m in SKINNY_SWEEP_ROWS] if "skinny" in sweep else []
         for m, candidates, kernel in sweeps:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             swept, seen = [], set()

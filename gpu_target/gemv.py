@@ -43,7 +43,9 @@ and zero point once a word (`_int4_gemv_segment`); as its x work is per thread a
 its tiles give each thread several rows and split K (`split_k`: each share's sums in fp32,
 added in share order by the last program of the row tile, which also runs the fused
 epilogue, `_split_sum`) where rows alone leave too few programs. The skinny GEMMs'
-`_weight_tile` gives `tl.dot` W in x's dtype (`_int4_tile` for 4-bit W). Quantised W
+`_weight_tile` gives `tl.dot` W in x's dtype; a 4-bit W's K tiles lie in one group, and
+`_int4_codes_tile` gives it the codes less their zero points, exact small integers, whose
+fp32 sums take the group's scale after the MMA (as Marlin applies it). Quantised W
 streams fewer bytes a row than bf16, so its kernels take their tiles per shape from
 gpu_target/gemv_tiles.py (a table the GPU sweep writes, else a heuristic): more rows a
 program, so each program streams tens of KB (`streaming_tile`).
@@ -377,7 +379,7 @@ def _int4_gemv_segment(acc, x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K
     in nibble i), so each thread loads several consecutive words as one vector, and is
     unpacked one nibble position at a time: nibble i of every word is a [BLOCK_N, words]
     tile whose x is x[start + 8j + i]. A code q placed in the mantissa of 1.0 reads 1 + q/16
-    at bits 19..22 (`_int4_tile`) or 1 + q/256 at bits 15..18, so one shift serves two codes,
+    at bits 19..22 or 1 + q/256 at bits 15..18, so one shift serves two codes,
     an odd and an even nibble, and one LOP3 each makes the float. Its product with a bf16 or
     fp16 x is exact in fp32, so one FMA a code sums, over a word's codes,
     G = sum_odd (1 + q_i/16) x_i and H = sum_even (1 + q_i/256) x_i; with their x's sums
@@ -432,56 +434,146 @@ def _int4_gemv_segment(acc, x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K
 
 
 @device_function
-def _int4_tile(w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, HAS_ZEROS: tl.constexpr,
-               GROUP: tl.constexpr, WIDTH: tl.constexpr):
-    """W[rows, start:start + WIDTH] of a 4-bit weight in fp32, as [BLOCK_N, WIDTH / 8, 8]:
-    column start + 8 j + i at [:, j, i], 0 past K or `row_mask`. The WIDTH columns lie in
-    one group (`int4_block_k`), so each row loads one scale and zero point.
+def _int4_codes_tile(x_ptr, w_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, HAS_ZEROS: tl.constexpr,
+                     GROUP: tl.constexpr, INTERPRETED: tl.constexpr, EVEN_K: tl.constexpr, REORDER: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """The codes less their zero point, q - z, of W[rows, start:start + BLOCK_K] of a 4-bit
+    weight, in x's dtype (small integers: exact), columns in `_int4_k_order` with REORDER, 0 <= q < 16
+    read where masked; the BLOCK_K columns lie in one group (`int4_block_k`), whose scale the
+    skinny GEMM applies to the tile's sums (Marlin's order: Frantar et al., 2024, arXiv:2408.11743).
 
-    W is read as int32 words of eight codes (`weight_arguments`: nibble i of word j is
-    column 8j + i, the bytes' little-endian order), loaded as [BLOCK_N, words, 1] so that
-    each thread unpacks the eight codes of the words it loaded in its own registers. A code
-    q becomes a float without an int-to-float conversion: placed in the mantissa of 1.0 it
-    reads 1 + q/16 (bits 19..22), and one FMA with the group's 16 s and -(16 + z) s gives
-    (q - z) s exactly (all three fit fp32's mantissa)."""
-    words = start // 8 + tl.arange(0, WIDTH // 8)
-    r = rows.to(tl.int64)[:, None, None]
-    packed = tl.load(w_ptr + r * stride_wn + words[None, :, None],
-                     mask=row_mask[:, None, None] & (words < K // 8)[None, :, None], other=0)
-    group = r * stride_sn + start // GROUP
-    group_mask = row_mask[:, None, None] & (tl.full([1, 1, 1], start, tl.int32) < K)  # a GEMV tile's segments may end past K
-    scale = tl.load(s_ptr + group, mask=group_mask, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        zero = tl.load(z_ptr + group, mask=group_mask, other=0).to(tl.float32)
+    W is read as stored, int32 words of eight codes (nibble i of word j is column 8j + i), and
+    each word is converted in PTX by the magic-number trick of FasterTransformer's and Marlin's
+    dequantisers: PRMT puts byte i of the word and of the word shifted by 4 in the two halves
+    of a register, one LOP3 keeps their low nibbles in the mantissa of 128 (bf16 0x4300;
+    fp16: 1024, 0x6400), which then reads 128 + q, and one packed FMA subtracts 128 + z: two
+    codes (columns 8j + 2i and 8j + 2i + 1) a PRMT, a LOP3 and an FMA. Triton's interpreter
+    runs no PTX: there the same integers come from shifts and masks."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    words = tl.multiple_of(start // 8, WORDS) + tl.arange(0, WORDS)
+    w_words = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + words[None, :]
+    if EVEN_K:  # a mask constant along K: each thread loads its words as vectors
+        packed = tl.load(w_words, mask=row_mask[:, None], other=0)
     else:
-        zero = 8.0  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
-    # Nibble i moved to bits 19..22 by one shift, then masked and given 1.0's exponent. The
-    # mask is read from a register (stride_wn >> 31 is 0, but the compiler cannot fold it),
-    # so the and-or is one LOP3: an instruction holds one immediate, and two make two LOP3s.
-    mask = 0x00780000 | (stride_wn >> 31)
-    codes = (packed << tl.maximum(19 - 4 * tl.arange(0, 8), 0)[None, None, :]) >> tl.maximum(
-        4 * tl.arange(0, 8) - 19, 0)[None, None, :]
-    one_plus = ((codes & mask) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 16
-    return tl.fma(one_plus, 16.0 * scale, -(16.0 + zero) * scale)
+        packed = tl.load(w_words, mask=row_mask[:, None] & (words < K // 8)[None, :], other=0)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + rows.to(tl.int64) * stride_sn + start // GROUP, mask=row_mask, other=0).to(tl.int32)
+    else:
+        zero = tl.full(rows.shape, 8, tl.int32)  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
+    dtype = x_ptr.dtype.element_ty
+    if INTERPRETED:  # nibble i of each word by a shift and a mask, laid out as the PTX's eight results
+        z = zero[:, None]
+        c0 = (((packed >> 0) & 15) - z).to(tl.float32).to(dtype)
+        c1 = (((packed >> 4) & 15) - z).to(tl.float32).to(dtype)
+        c2 = (((packed >> 8) & 15) - z).to(tl.float32).to(dtype)
+        c3 = (((packed >> 12) & 15) - z).to(tl.float32).to(dtype)
+        c4 = (((packed >> 16) & 15) - z).to(tl.float32).to(dtype)
+        c5 = (((packed >> 20) & 15) - z).to(tl.float32).to(dtype)
+        c6 = (((packed >> 24) & 15) - z).to(tl.float32).to(dtype)
+        c7 = (((packed >> 28) & 15) - z).to(tl.float32).to(dtype)
+    else:
+        if dtype == tl.bfloat16:  # the fp16 branch's PTX differs only in its magic number, 1 and type
+            offset = (-128 - zero).to(tl.float32).to(dtype)[:, None]
+            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 s0, s1, t, one;
+                mov.b32 one, 0x3F803F80;
+                shr.u32 s0, $8, 4;
+                shr.u32 s1, $9, 4;
+                prmt.b32 t, $8, $9, 0x4400;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $0, t, one, $10;
+                prmt.b32 t, s0, s1, 0x4400;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $1, t, one, $10;
+                prmt.b32 t, $8, $9, 0x5511;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $2, t, one, $10;
+                prmt.b32 t, s0, s1, 0x5511;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $3, t, one, $10;
+                prmt.b32 t, $8, $9, 0x6622;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $4, t, one, $10;
+                prmt.b32 t, s0, s1, 0x6622;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $5, t, one, $10;
+                prmt.b32 t, $8, $9, 0x7733;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $6, t, one, $10;
+                prmt.b32 t, s0, s1, 0x7733;
+                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $7, t, one, $10;
+                }""", "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [packed, tl.broadcast_to(offset, packed.shape)],
+                dtype=(dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype), is_pure=True, pack=2)
+        else:
+            offset = (-1024 - zero).to(tl.float32).to(dtype)[:, None]
+            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 s0, s1, t, one;
+                mov.b32 one, 0x3C003C00;
+                shr.u32 s0, $8, 4;
+                shr.u32 s1, $9, 4;
+                prmt.b32 t, $8, $9, 0x4400;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $0, t, one, $10;
+                prmt.b32 t, s0, s1, 0x4400;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $1, t, one, $10;
+                prmt.b32 t, $8, $9, 0x5511;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $2, t, one, $10;
+                prmt.b32 t, s0, s1, 0x5511;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $3, t, one, $10;
+                prmt.b32 t, $8, $9, 0x6622;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $4, t, one, $10;
+                prmt.b32 t, s0, s1, 0x6622;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $5, t, one, $10;
+                prmt.b32 t, $8, $9, 0x7733;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $6, t, one, $10;
+                prmt.b32 t, s0, s1, 0x7733;
+                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
+                fma.rn.f16x2 $7, t, one, $10;
+                }""", "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [packed, tl.broadcast_to(offset, packed.shape)],
+                dtype=(dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype), is_pure=True, pack=2)
+    # tl.join adds its axis last, so the outermost join varies fastest: nibble i lands at column 8w + i
+    codes = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    codes = tl.reshape(codes, [rows.shape[0], BLOCK_K])
+    if REORDER:
+        codes = _int4_k_order(codes, BLOCK_K)
+    return codes
+
+
+@device_function
+def _int4_k_order(t, BLOCK_K: tl.constexpr):
+    """A [R, BLOCK_K] tile's columns in the order the 4-bit skinny GEMM sums them: in each 64
+    columns (eight words of codes), column 8w + i (nibble i of word w = 2c + a) moves to
+    8i + 2c + a, so that each pair of columns an MMA thread holds in one register (2c + a at
+    k, k + 8, ...: the A operand's fragments, PTX ISA "wgmma" and "mma.m16n8k16") is one
+    nibble of two neighbouring words, which `_int4_codes_tile` converts together. Applied alike
+    to x and W's codes, it changes which products an MMA sums together, not the products."""
+    if BLOCK_K % 64 == 0:
+        t = tl.reshape(tl.permute(tl.reshape(t, [t.shape[0], BLOCK_K // 64, 4, 2, 8]), [0, 1, 4, 2, 3]),
+                       [t.shape[0], BLOCK_K])
+    return t
 
 
 @device_function
 def _weight_tile(x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, W_FORMAT: tl.constexpr,
                  HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """W[rows, start:start + BLOCK_K] in x's dtype for the skinny GEMMs' `tl.dot`, 0 where
-    masked: as stored (W_FORMAT 0), FP8 codes (1; their row scale applies after the K loop),
-    or 4-bit codes (2) as (q - z) * s of their group (`_int4_tile`), rounded once from
-    float32 as `Int4Weight.dequantize` rounds them. FP8 goes through fp32, not straight to
-    bf16: E4M3 -> f16 -> f32 -> bf16 are packed conversions, E4M3 -> bf16 one element a time."""
-    if W_FORMAT == 2:  # BLOCK_K divides the group size here (`streaming_tile`)
-        w = tl.reshape(_int4_tile(w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, HAS_ZEROS, GROUP,
-                                  BLOCK_K), [rows.shape[0], BLOCK_K]).to(x_ptr.dtype.element_ty)
-    else:
-        k = start + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=row_mask[:, None] & (k < K)[None, :],
-                    other=0.0)
-        if W_FORMAT == 1:
-            w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
+    masked: as stored (W_FORMAT 0) or FP8 codes (1; their row scale applies after the K
+    loop). 4-bit W takes `_int4_codes_tile`. FP8 goes through fp32, not straight to bf16:
+    E4M3 -> f16 -> f32 -> bf16 are packed conversions, E4M3 -> bf16 one element a time."""
+    k = start + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=row_mask[:, None] & (k < K)[None, :],
+                other=0.0)
+    if W_FORMAT == 1:
+        w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
     return w
 
 
@@ -691,29 +783,35 @@ def skinny_gemm(
     bias: Optional[torch.Tensor] = None,  # [N]
     **tile,
 ) -> torch.Tensor:
-    """[M, N] = x W^T (+ bias), in x's dtype, streaming W once with no split-K.
+    """[M, N] = x W^T (+ bias), in x's dtype, streaming W once.
 
     M is padded (by masks, not by memory traffic) to BLOCK_M, a power of two >= 16, the
     smallest `tl.dot` tile; block_n must be >= 16 as well. ``tile`` overrides `streaming_tile`'s
-    choice (block_n, block_k, num_warps, num_stages, w_first), as the sweep does.
+    choice (block_n, block_k, num_warps, num_stages, w_first, split_k: K in that many shares
+    where a tile says so, as the GEMV splits it), as the sweep does.
     """
     M, K = x.shape
     N = weight.shape[0]
     options = _skinny_launch_options(M, weight, tile)
     (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(N, options["BLOCK_N"])
+    partials, counters, k_share = _skinny_split("skinny_gemm", M, N, K, tiles, options, out)
     # M is not specialised (Triton would compile M % 16 == 0 apart from the rest), so each
     # BLOCK_M (16, 32, 64) compiles once, whatever tree sizes a server sees.
-    _jit(_skinny_gemm_kernel, ("M",))[(triton.cdiv(N, options["BLOCK_N"]),)](
+    _jit(_skinny_gemm_kernel, ("M",))[(tiles, options["SPLIT_K"])](
         x,
         w,
         scales,
         zeros,
         bias if bias is not None else out,
         out,
+        partials,
+        counters,
         M,
         N,
         K,
+        k_share,
         x.stride(0),
         stride_wn,
         stride_sn,
@@ -725,40 +823,76 @@ def skinny_gemm(
     return out
 
 
-def _skinny_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-                        HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
-                        DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, W_FIRST: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _skinny_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SHARE, stride_xm,
+                        stride_wn, stride_sn, stride_om, HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr,
+                        HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+                        W_FIRST: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     rows = tl.arange(0, BLOCK_M)  # rows of x (tokens)
     row_mask = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     col_mask = cols < N
-    acc = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, cols, row_mask, col_mask, K, stride_xm, stride_wn, stride_sn, W_FORMAT,
-                       HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    acc, last = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, cols, row_mask, col_mask, M, N, K, K_SHARE,
+                             stride_xm, stride_wn, stride_sn, W_FORMAT, HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K, W_FIRST,
+                             SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @device_function
-def _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, cols, row_mask, col_mask, K, stride_xm, stride_wn, stride_sn,
-                 W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-                 EVEN_K: tl.constexpr, W_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The fp32 [BLOCK_M, BLOCK_N] product of x's rows with the BLOCK_N rows ``cols`` of W
-    (any rows: the fused kernels gather pairs far apart), streamed over K. Each element's
-    sum depends only on the tile's shape and warps, not on which W rows share it. A
-    quantised W's tiles come from `_weight_tile` (always masked); FP8 row scales apply last."""
+def _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, cols, row_mask, col_mask, M, N, K, K_SHARE, stride_xm,
+                 stride_wn, stride_sn, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
+                 DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, W_FIRST: tl.constexpr, SPLIT_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(the fp32 [BLOCK_M, BLOCK_N] product of x's rows with the BLOCK_N rows ``cols`` of W
+    (any rows: the fused kernels gather pairs far apart), streamed over K; whether this
+    program holds it). With SPLIT_K > 1 the program sums K_SHARE columns (grid axis 1 picks
+    which) and the last program of the column tile adds the shares' sums in share order
+    (`_split_sum`, over the [SPLIT_K, M, N] fp32 partials); only that one may use the result,
+    the others get ``last`` False. Each element's
+    sum depends only on the tile's shape and warps, not on which W rows share it. An FP8 W's
+    tiles come from `_weight_tile` (always masked), its row scales apply last; a 4-bit W's
+    codes less zero points from `_int4_codes_tile`, each K tile's sums scaled by its group's
+    scales (a K tile lies in one group), x's columns put in the codes' order (`_int4_k_order`,
+    at BLOCK_M <= 32)."""
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + tl.arange(0, BLOCK_M)[:, None] * stride_xm + ks[None, :]
     w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
     # W_FIRST computes out^T = W x^T, so W's rows fill the MMA's large M dimension.
     acc = tl.zeros([BLOCK_N, BLOCK_M] if W_FIRST else [BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        w = _skinny_w_tile(x_ptr, w_ptr, s_ptr, z_ptr, w_tile, cols, col_mask, start, K, stride_wn, stride_sn, W_FORMAT,
-                           HAS_ZEROS, GROUP, EVEN_K, BLOCK_K)
-        acc = _skinny_accumulate(acc, x_tile, w, row_mask, start, K, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_K)
-    return _skinny_result(acc, s_ptr, cols, col_mask, W_FORMAT, W_FIRST)
+    if SPLIT_K > 1:
+        k_start = tl.multiple_of(tl.program_id(1) * K_SHARE, BLOCK_K)  # shares are whole K tiles
+        k_end = tl.minimum(k_start + K_SHARE, K)
+    else:
+        k_start = 0
+        k_end = K
+    # x's columns reordered as the codes' (`_int4_k_order`) pass through registers: at 64 rows
+    # that costs more instructions than the codes' conversion saves (sm_90 SASS, offline compile).
+    REORDER: tl.constexpr = BLOCK_M <= 32
+    for start in range(k_start, k_end, BLOCK_K):
+        if W_FORMAT == 2:  # the tile's codes (q - z), exact; the group's scale on the tile's fp32 sums
+            codes = _int4_codes_tile(x_ptr, w_ptr, z_ptr, cols, col_mask, start, K, stride_wn, stride_sn, HAS_ZEROS, GROUP,
+                                     DOT_IN_FP32, EVEN_K, REORDER, BLOCK_K)
+            x = _skinny_x(x_tile, row_mask, start, K, EVEN_K, BLOCK_K)
+            if REORDER:
+                x = _int4_k_order(x, BLOCK_K)
+            sums = _skinny_dot(tl.zeros_like(acc), x, codes, DOT_IN_FP32, W_FIRST)
+            scale = tl.load(s_ptr + cols.to(tl.int64) * stride_sn + start // GROUP, mask=col_mask, other=0.0).to(tl.float32)
+            acc = tl.fma(sums, scale[:, None] if W_FIRST else scale[None, :], acc)
+        else:
+            w = _skinny_w_tile(x_ptr, w_ptr, s_ptr, z_ptr, w_tile, cols, col_mask, start, K, stride_wn, stride_sn, W_FORMAT,
+                               HAS_ZEROS, GROUP, EVEN_K, BLOCK_K)
+            acc = _skinny_accumulate(acc, x_tile, w, row_mask, start, K, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_K)
+    acc = _skinny_result(acc, s_ptr, cols, col_mask, W_FORMAT, W_FIRST)
+    if SPLIT_K > 1:
+        at = tl.arange(0, BLOCK_M)[:, None] * N + cols[None, :]  # [x row, W row] of an [M, N] share
+        acc, last = _split_sum(acc, part_ptr, count_ptr, at, row_mask[:, None] & col_mask[None, :], M * N, SPLIT_K)
+    else:
+        last = True
+    return acc, last
 
 
 @device_function
@@ -780,10 +914,22 @@ def _skinny_w_tile(x_ptr, w_ptr, s_ptr, z_ptr, w_tile, cols, col_mask, start, K,
 def _skinny_accumulate(acc, x_tile, w, row_mask, start, K, DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr,
                        W_FIRST: tl.constexpr, BLOCK_K: tl.constexpr):
     """``acc`` plus x's [BLOCK_M, BLOCK_K] tile at K offset ``start`` times W's tile ``w``."""
+    return _skinny_dot(acc, _skinny_x(x_tile, row_mask, start, K, EVEN_K, BLOCK_K), w, DOT_IN_FP32, W_FIRST)
+
+
+@device_function
+def _skinny_x(x_tile, row_mask, start, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x's [BLOCK_M, BLOCK_K] tile at K offset ``start``, 0 past K and M."""
     if EVEN_K:
         x = tl.load(x_tile + start, mask=row_mask[:, None], other=0.0)
     else:
         x = tl.load(x_tile + start, mask=row_mask[:, None] & ((start + tl.arange(0, BLOCK_K)) < K)[None, :], other=0.0)
+    return x
+
+
+@device_function
+def _skinny_dot(acc, x, w, DOT_IN_FP32: tl.constexpr, W_FIRST: tl.constexpr):
+    """``acc`` plus the tiles' product, x w^T (W_FIRST: its transpose, w x^T)."""
     if DOT_IN_FP32:  # Triton's interpreter (see `_interpreting`): exact products, summed per element
         x, w = x.to(tl.float32), w.to(tl.float32)
         if W_FIRST:
@@ -828,12 +974,20 @@ def _skinny_launch_options(m: int, weight: StreamedWeight, tile: dict) -> dict:
         DOT_IN_FP32=_interpreting(),
         EVEN_K=k % tile["block_k"] == 0,
         W_FIRST=tile["w_first"],
+        SPLIT_K=tile.get("split_k", 1),
         BLOCK_M=block_m,
         BLOCK_N=tile["block_n"],
         BLOCK_K=tile["block_k"],
         num_warps=tile["num_warps"],
         num_stages=tile["num_stages"],
     )
+
+
+def _skinny_split(name: str, m: int, n: int, k: int, tiles: int, options: dict, out: torch.Tensor) -> tuple:
+    """A skinny kernel's split-K arguments (fp32 partials [split_k, m n], counters, each
+    share's K) for ``tiles`` column tiles (`_split_arguments`)."""
+    tile = dict(split_k=options["SPLIT_K"], block_k=options["BLOCK_K"])
+    return _split_arguments(name, m * n, k, tiles, tile, out)[0]
 
 
 def skinny_gemm_silu_and_mul(
@@ -854,15 +1008,20 @@ def skinny_gemm_silu_and_mul(
     options = _skinny_launch_options(M, weight, tile)
     (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     out = torch.empty((M, inter), dtype=x.dtype, device=x.device)
-    _jit(_skinny_silu_and_mul_kernel, ("M",))[(triton.cdiv(inter, options["BLOCK_N"] // 2),)](
+    tiles = triton.cdiv(inter, options["BLOCK_N"] // 2)
+    partials, counters, k_share = _skinny_split("skinny_gemm_silu_and_mul", M, N, K, tiles, options, out)
+    _jit(_skinny_silu_and_mul_kernel, ("M",))[(tiles, options["SPLIT_K"])](
         x,
         w,
         scales,
         zeros,
         out,
+        partials,
+        counters,
         M,
         inter,
         K,
+        k_share,
         x.stride(0),
         stride_wn,
         stride_sn,
@@ -873,22 +1032,25 @@ def skinny_gemm_silu_and_mul(
     return out
 
 
-def _skinny_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, inter, K, stride_xm, stride_wn, stride_sn,
-                                stride_om, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
-                                DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, W_FIRST: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _skinny_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, inter, K, K_SHARE, stride_xm,
+                                stride_wn, stride_sn, stride_om, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                                GROUP: tl.constexpr, DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+                                W_FIRST: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     PAIRS: tl.constexpr = BLOCK_N // 2
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     lanes = tl.arange(0, BLOCK_N)
     j = tl.program_id(0) * PAIRS + lanes // 2  # the output column each W row feeds
     w_rows = j + (lanes % 2) * inter  # gate row j, up row I + j
-    acc = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, w_rows, row_mask, j < inter, K, stride_xm, stride_wn, stride_sn, W_FORMAT,
-                       HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
-    gate, up = tl.split(tl.reshape(acc.to(out_ptr.dtype.element_ty), [BLOCK_M, PAIRS, 2]))
-    cols = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, fused_ops._silu_mul(gate, up), mask=row_mask[:, None] & (cols < inter)[None, :])
+    acc, last = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, w_rows, row_mask, j < inter, M, 2 * inter, K,
+                             K_SHARE, stride_xm, stride_wn, stride_sn, W_FORMAT, HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K,
+                             W_FIRST, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if last:
+        gate, up = tl.split(tl.reshape(acc.to(out_ptr.dtype.element_ty), [BLOCK_M, PAIRS, 2]))
+        cols = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out, fused_ops._silu_mul(gate, up), mask=row_mask[:, None] & (cols < inter)[None, :])
 
 
 def skinny_gemm_rotary_and_store_kv(
@@ -926,7 +1088,8 @@ def skinny_gemm_rotary_and_store_kv(
         raise ValueError(f"skinny_gemm_rotary_and_store_kv: {block_n // 2} rotary pairs per program do not divide {half}")
     (w, scales, zeros, stride_wn, stride_sn), formats = weight_arguments(weight)
     q_out = torch.empty((M, num_heads, head_dim), dtype=x.dtype, device=x.device)
-    _jit(_skinny_rotary_kv_kernel, ("M",))[(N // block_n,)](
+    partials, counters, k_share = _skinny_split("skinny_gemm_rotary_and_store_kv", M, N, K, N // block_n, options, q_out)
+    _jit(_skinny_rotary_kv_kernel, ("M",))[(N // block_n, options["SPLIT_K"])](
         x,
         w,
         scales,
@@ -939,8 +1102,12 @@ def skinny_gemm_rotary_and_store_kv(
         sin,
         positions,
         slot_mapping,
+        partials,
+        counters,
         M,
+        N,
         K,
+        k_share,
         x.stride(0),
         stride_wn,
         stride_sn,
@@ -957,11 +1124,11 @@ def skinny_gemm_rotary_and_store_kv(
 
 
 def _skinny_rotary_kv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr,
-                             positions_ptr, slots_ptr, M, K, stride_xm, stride_wn, stride_sn, stride_cos, stride_sin,
-                             num_heads, num_kv_heads, half, HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr,
-                             HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-                             EVEN_K: tl.constexpr, W_FIRST: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             positions_ptr, slots_ptr, part_ptr, count_ptr, M, N, K, K_SHARE, stride_xm, stride_wn,
+                             stride_sn, stride_cos, stride_sin, num_heads, num_kv_heads, half, HAS_BIAS: tl.constexpr,
+                             W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
+                             DOT_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, W_FIRST: tl.constexpr,
+                             SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program p owns dimensions d0 .. d0 + BLOCK_N/2 of one head (and their partners + D/2),
     counting the q heads, then the k heads, then the v heads, as the fused weight's rows
     are ordered."""
@@ -974,33 +1141,35 @@ def _skinny_rotary_kv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, q_out_ptr, k_
     row_mask = rows < M
     lanes = tl.arange(0, BLOCK_N)
     w_rows = head * head_dim + d0 + lanes // 2 + (lanes % 2) * half  # dim d0 + i, then its partner
-    acc = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, w_rows, row_mask, lanes < BLOCK_N, K, stride_xm, stride_wn, stride_sn,
-                       W_FORMAT, HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K, W_FIRST, BLOCK_M, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
-    x1, x2 = tl.split(tl.reshape(acc.to(x_ptr.dtype.element_ty), [BLOCK_M, PAIRS, 2]))
-    dims = d0 + tl.arange(0, PAIRS)[None, :]
-    mask = row_mask[:, None]
-    # Each branch names its own pointers: Triton requires a name assigned in both branches of
-    # an `if` to have one type, and a cache of another dtype than q's makes them differ.
-    if head < num_heads + num_kv_heads:
-        position = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
-        cos = tl.load(cos_ptr + position * stride_cos + dims, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + position * stride_sin + dims, mask=mask, other=0.0).to(tl.float32)
-        first, second = fused_ops._rotate_half(x1, x2, cos, sin)
-        if head < num_heads:
-            q_dst = q_out_ptr + (rows.to(tl.int64)[:, None] * num_heads + head) * head_dim + dims
-            tl.store(q_dst, first, mask=mask)
-            tl.store(q_dst + half, second, mask=mask)
+    acc, last = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, w_rows, row_mask, lanes < BLOCK_N, M, N, K,
+                             K_SHARE, stride_xm, stride_wn, stride_sn, W_FORMAT, HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K,
+                             W_FIRST, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
+        x1, x2 = tl.split(tl.reshape(acc.to(x_ptr.dtype.element_ty), [BLOCK_M, PAIRS, 2]))
+        dims = d0 + tl.arange(0, PAIRS)[None, :]
+        mask = row_mask[:, None]
+        # Each branch names its own pointers: Triton requires a name assigned in both branches of
+        # an `if` to have one type, and a cache of another dtype than q's makes them differ.
+        if head < num_heads + num_kv_heads:
+            position = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
+            cos = tl.load(cos_ptr + position * stride_cos + dims, mask=mask, other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + position * stride_sin + dims, mask=mask, other=0.0).to(tl.float32)
+            first, second = fused_ops._rotate_half(x1, x2, cos, sin)
+            if head < num_heads:
+                q_dst = q_out_ptr + (rows.to(tl.int64)[:, None] * num_heads + head) * head_dim + dims
+                tl.store(q_dst, first, mask=mask)
+                tl.store(q_dst + half, second, mask=mask)
+            else:
+                slot = tl.load(slots_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
+                k_dst = k_cache_ptr + (slot * num_kv_heads + head - num_heads) * head_dim + dims
+                cache_dtype = k_cache_ptr.dtype.element_ty
+                tl.store(k_dst, first.to(cache_dtype), mask=mask)
+                tl.store(k_dst + half, second.to(cache_dtype), mask=mask)
         else:
-            slot = tl.load(slots_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
-            k_dst = k_cache_ptr + (slot * num_kv_heads + head - num_heads) * head_dim + dims
-            cache_dtype = k_cache_ptr.dtype.element_ty
-            tl.store(k_dst, first.to(cache_dtype), mask=mask)
-            tl.store(k_dst + half, second.to(cache_dtype), mask=mask)
-    else:
-        value_slot = tl.load(slots_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
-        v_dst = v_cache_ptr + (value_slot * num_kv_heads + head - num_heads - num_kv_heads) * head_dim + dims
-        value_dtype = v_cache_ptr.dtype.element_ty
-        tl.store(v_dst, x1.to(value_dtype), mask=mask)
-        tl.store(v_dst + half, x2.to(value_dtype), mask=mask)
+            value_slot = tl.load(slots_ptr + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
+            v_dst = v_cache_ptr + (value_slot * num_kv_heads + head - num_heads - num_kv_heads) * head_dim + dims
+            value_dtype = v_cache_ptr.dtype.element_ty
+            tl.store(v_dst, x1.to(value_dtype), mask=mask)
+            tl.store(v_dst + half, x2.to(value_dtype), mask=mask)

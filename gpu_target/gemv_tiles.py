@@ -4,7 +4,7 @@ bf16 weights keep gemv.py's own tiles. For FP8 and 4-bit weights a tile is looke
 (format, N, K) for the GEMV and (format, N, K, BLOCK_M) for the skinny GEMM in
 `gemv_tiles.json`, next to this module, which `python -m bench.quant_gemv --sweep
 --write-tiles` writes on the GPU from the fastest of `GEMV_CANDIDATES` / `SKINNY_CANDIDATES`
-per shape. A shape it lacks takes `heuristic_gemv_tile` / `heuristic_skinny_tile`:
+(per format) per shape. A shape it lacks takes `heuristic_gemv_tile` / `heuristic_skinny_tile`:
 
 - GEMV (1 row): a weight-only GEMV is bound by streaming W, so each program must keep many
   bytes in flight and stream tens of KB, and the grid must cover the 132 SMs a few times.
@@ -16,8 +16,13 @@ per shape. A shape it lacks takes `heuristic_gemv_tile` / `heuristic_skinny_tile
   is split (`split_k`: deterministic, gemv.py's `_split_sum`) until the programs are
   4 per SM, each share at least two K tiles.
 - skinny GEMM (2..64 rows): gemv.py's bf16 tile has 64 W rows a program, which leaves a
-  4096-row matrix 64 programs (half the SMs); quantised W streams fewer bytes per row, so
-  32-row programs (16 under N = 4096) cover the GPU.
+  4096-row matrix 64 programs (half the SMs); FP8 W streams fewer bytes per row, so 32-row
+  programs (16 under N = 4096) cover the GPU. 4-bit W: 64 rows a warpgroup (4 warps) over
+  one group of K, 128 columns: its codes convert in the registers of Hopper's warpgroup MMA
+  (wgmma, whose M is 64 rows a warpgroup), and with fewer rows than 16 a warp Triton
+  splits the MMA's warps over x's rows, each converting the same W codes. A 4096-row
+  matrix then has 64 programs, so K is split (`split_k`, gemv.py's `_split_sum` as the
+  GEMV's) until the programs cover the SMs.
 
 Each program's tile must be the same in a fused kernel and in its unfused twin (the sums
 are then bit-identical); both look it up here by the same (format, N, K).
@@ -43,7 +48,7 @@ SMS = 132  # an H100 SXM's streaming multiprocessors: the heuristic's grid targe
 FORMAT_NAMES = {1: "fp8", 2: "int4"}  # gemv.py's W_FORMAT values of the quantised formats
 
 # Candidates bench.quant_gemv --sweep times per shape (the heuristic's tile is among them):
-# the GEMV's per format, the skinny GEMM's for both.
+# the GEMV's and the skinny GEMM's per format.
 GEMV_CANDIDATES = {
     "fp8": [
         dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, split_k=1)
@@ -63,13 +68,25 @@ GEMV_CANDIDATES = {
         )
     ],
 }
-SKINNY_CANDIDATES = [
-    dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, w_first=True)
-    for block_n, block_k, warps, stages in (
-        (16, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
-        (64, 128, 4, 4), (64, 256, 4, 4), (32, 256, 8, 3), (64, 128, 8, 3), (64, 256, 8, 3), (128, 128, 8, 3),
-    )
-]
+SKINNY_CANDIDATES = {
+    "fp8": [
+        dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, w_first=True)
+        for block_n, block_k, warps, stages in (
+            (16, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
+            (64, 128, 4, 4), (64, 256, 4, 4), (32, 256, 8, 3), (64, 128, 8, 3), (64, 256, 8, 3), (128, 128, 8, 3),
+        )
+    ],
+    # 4-bit: 16 W rows a warp or more (each code converts once), 64 or 128 a warpgroup, K split
+    # where the column tiles alone leave SMs idle
+    "int4": [
+        dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, w_first=True, split_k=split_k)
+        for block_n, block_k, warps, stages, split_k in (
+            (64, 128, 4, 2, 1), (64, 128, 4, 3, 1), (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (128, 128, 4, 3, 1),
+            (128, 128, 8, 3, 1), (128, 128, 8, 4, 1), (128, 256, 8, 3, 1), (64, 128, 4, 3, 2), (64, 128, 4, 3, 4),
+            (64, 256, 4, 3, 2), (128, 128, 8, 3, 2), (128, 128, 8, 3, 4), (128, 128, 4, 3, 2), (128, 128, 4, 3, 4),
+        )
+    ],
+}
 
 
 W8A8_CANDIDATES = [
@@ -122,8 +139,21 @@ def heuristic_gemv_tile(fmt: str, n: int, k: int) -> dict:
 
 
 def heuristic_skinny_tile(fmt: str, n: int, k: int, block_m: int) -> dict:
-    """See the module docstring: 32 W rows a program (16 where that leaves under one
-    program per SM), W first in the MMA, a shallower pipeline at BLOCK_M = 64."""
+    """See the module docstring: FP8: 32 W rows a program (16 where that leaves under one
+    program per SM), W first in the MMA, a shallower pipeline at BLOCK_M = 64. 4-bit: 64 rows
+    on 4 warps over 128 columns (fewer rows a program where N leaves under 16 row tiles, on
+    a small model), K split in 2 or 4 shares of two K tiles or more while the programs are
+    fewer than the SMs."""
+    if fmt == "int4":
+        block_n = 64
+        while block_n > 16 and n // block_n < 16:
+            block_n //= 2
+        block_k = min(128, _k_span(k))
+        split_k = 1
+        while split_k < 4 and -(-n // block_n) * split_k < SMS and k // (2 * split_k) >= block_k:
+            split_k *= 2
+        return dict(block_n=block_n, block_k=block_k, num_warps=max(1, block_n // 16), num_stages=3, w_first=True,
+                    split_k=split_k)
     block_n = 32 if n // 32 >= SMS else 16
     return dict(block_n=block_n, block_k=min(256, _k_span(k)), num_warps=4, num_stages=3 if block_m > 32 else 4,
                 w_first=True)

@@ -2,7 +2,8 @@
 
 - 1 row: `gemv.gemv` (CUDA, or Triton's interpreter in tests), W dequantised in registers
   (W8A16: a GEMV streams W and nothing else, so converting x would only add a kernel).
-- 2..64 rows, 4-bit: `gemv.skinny_gemm`, W dequantised in registers, tiles per shape from
+- 2..64 rows, 4-bit: `gemv.skinny_gemm`, the codes less zero points converted in registers
+  and the group scales applied to the MMA's sums, tiles per shape from
   gpu_target/gemv_tiles.py. 4-bit weights whose K or group size is not a multiple of 8
   take the last path.
 - 2..64 rows, FP8: the kernel gemv_tiles.py's `fp8_path` names for the shape and BLOCK_M,

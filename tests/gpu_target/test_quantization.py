@@ -298,6 +298,7 @@ FORMATS = {
     "int4-asym": lambda w: int4.quantize_int4(w, 128),
     "int4-sym": lambda w: int4.quantize_int4(w, 128, symmetric=True),
     "int4-g32": lambda w: int4.quantize_int4(w, 32),
+    "int4-g64": lambda w: int4.quantize_int4(w, 64),
 }
 
 
@@ -306,15 +307,15 @@ def _kernel_case(fmt: str, m: int, n: int, k: int, dtype: torch.dtype, bias: boo
     x = torch.randn(m, k, generator=generator).to(DEVICE, dtype)
     weight = FORMATS[fmt]((torch.randn(n, k, generator=generator) / k**0.5).to(DEVICE))
     b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
-    # The reference: W dequantised to the compute dtype, then a float32 matmul.
-    expected = F.linear(x.float(), weight.dequantize(dtype).float(), None if b is None else b.float())
+    # The reference: W dequantised exactly (codes times scales, in float32), then a float64 matmul;
+    # the kernels never round W to x's dtype (scales apply to fp32 sums), so only the output's rounding remains.
+    expected = F.linear(x.double(), weight.dequantize(torch.float32).double(), None if b is None else b.double())
     return x, weight, b, expected
 
 
 def _tolerance(dtype: torch.dtype, fmt: str) -> dict:
     ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
-    # FP8 scales each output once after the sum, the reference each rounded weight: a few ulps apart.
-    return dict(rtol=4 * ulp if fmt == "fp8" else ulp, atol=2e-2 if dtype == torch.bfloat16 else 4e-3)
+    return dict(rtol=ulp, atol=2e-2 if dtype == torch.bfloat16 else 4e-3)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -324,23 +325,23 @@ def test_quantized_gemv_matches_dequantised_matmul(fmt, dtype, n, k, bias):
     x, weight, b, expected = _kernel_case(fmt, 1, n, k, dtype, bias)
     got = gemv.gemv(x, weight, b)
     assert got.shape == (1, n) and got.dtype == dtype
-    torch.testing.assert_close(got.float(), expected, **_tolerance(dtype, fmt))
+    torch.testing.assert_close(got.double(), expected, **_tolerance(dtype, fmt))
 
 
 def test_quantized_gemv_small_tiles_cover_every_row_and_column():
     x, weight, _, expected = _kernel_case("int4-g32", 1, 9, 72, torch.float16, False)
     got = gemv.gemv(x, weight, block_n=4, block_k=16, num_warps=1)
-    torch.testing.assert_close(got.float(), expected, **_tolerance(torch.float16, "int4"))
+    torch.testing.assert_close(got.double(), expected, **_tolerance(torch.float16, "int4"))
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,n,k,bias", [(2, 37, 296, False), (17, 70, 256, True), (64, 33, 136, False)])
+@pytest.mark.parametrize("m,n,k,bias", [(2, 37, 296, False), (17, 70, 256, True), (33, 130, 520, True), (64, 33, 136, False)])
 def test_quantized_skinny_gemm_matches_dequantised_matmul(fmt, dtype, m, n, k, bias):
     x, weight, b, expected = _kernel_case(fmt, m, n, k, dtype, bias)
     got = gemv.skinny_gemm(x, weight, b)
     assert got.shape == (m, n) and got.dtype == dtype
-    torch.testing.assert_close(got.float(), expected, **_tolerance(dtype, fmt))
+    torch.testing.assert_close(got.double(), expected, **_tolerance(dtype, fmt))
 
 
 @pytest.mark.parametrize("w_first", [False, True])
@@ -350,8 +351,51 @@ def test_quantized_skinny_gemm_small_tiles_and_strided_rows(w_first):
     wide[:, :96] = x
     view = wide[:, :96]  # rows 128 apart
     got = gemv.skinny_gemm(view, weight, block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=w_first)
-    expected = F.linear(x.float(), weight.dequantize(torch.bfloat16).float())
-    torch.testing.assert_close(got.float(), expected, **_tolerance(torch.bfloat16, "int4"))
+    expected = F.linear(x.double(), weight.dequantize(torch.float32).double())
+    torch.testing.assert_close(got.double(), expected, **_tolerance(torch.bfloat16, "int4"))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4-asym", "int4-g64"])
+@pytest.mark.parametrize("m,n,k,tile", [(5, 37, 296, dict(block_n=16, block_k=32, split_k=3)),
+                                        (19, 70, 520, dict(block_n=64, block_k=128, split_k=2, num_warps=4)),
+                                        (33, 40, 256, dict(block_n=16, block_k=64, split_k=5))])
+def test_split_k_skinny_gemm_matches_dequantised_matmul_and_resets_its_counters(fmt, m, n, k, tile):
+    """The skinny GEMM with K in shares (the last short or empty, K and N past their last whole
+    tiles): the last program of each column tile sums the shares' [M, N] partials."""
+    if fmt == "bf16":
+        x, quantized, b, _ = _kernel_case("fp8", m, n, k, torch.bfloat16, True)
+        weight = quantized.dequantize(torch.bfloat16)
+        expected = F.linear(x.double(), weight.double(), b.double())
+    else:
+        x, weight, b, expected = _kernel_case(fmt, m, n, k, torch.bfloat16, True)
+    got = gemv.skinny_gemm(x, weight, b, **{"num_warps": 1, "num_stages": 2, "w_first": True, **tile})
+    torch.testing.assert_close(got.double(), expected, **_tolerance(torch.bfloat16, fmt))
+    assert not gemv.split_counters(x.device).any()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4-g32"])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_quantized_fused_skinny_gemms_equal_skinny_gemm_then_the_op(fmt, split_k):
+    """The fused skinny GEMMs take the skinny GEMM's tile (K whole or in 3 shares) and give its
+    result followed by the op's own kernel, bit for bit."""
+    from gpu_target import fused_ops
+
+    tile = dict(block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=True, split_k=split_k)
+    x, weight, _, _ = _kernel_case(fmt, 5, 36, 96, torch.bfloat16, False)  # 18 gate/up pairs: a part-filled program
+    expected = fused_ops.silu_and_mul(gemv.skinny_gemm(x * 4, weight, **tile), use_triton=True)
+    assert torch.equal(gemv.skinny_gemm_silu_and_mul(x * 4, weight, **tile), expected)
+
+    heads, kv_heads, head_dim = 3, 1, 16
+    x, weight, b, _ = _kernel_case(fmt, 5, (heads + 2 * kv_heads) * head_dim, 96, torch.bfloat16, True)
+    angles = torch.outer(torch.arange(40, dtype=torch.float64), 0.5 ** torch.arange(head_dim // 2, dtype=torch.float64))
+    cos, sin = angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
+    positions, slots = torch.tensor([29, 30, 30, 31, 7], device=DEVICE), torch.tensor([5, 6, 9, 2, 11], device=DEVICE)
+    caches = [torch.zeros(1, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
+    q, key, value = gemv.skinny_gemm(x, weight, b, **tile).view(5, -1, head_dim).split([heads, kv_heads, kv_heads], 1)
+    expected_q = fused_ops.rotary_and_store_kv(q, key, value, cos, sin, positions, *caches[2:], slots, use_triton=True)
+    got_q = gemv.skinny_gemm_rotary_and_store_kv(x, weight, b, cos, sin, positions, *caches[:2], slots, heads, **tile)
+    assert torch.equal(got_q, expected_q) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0 and not gemv.split_counters(x.device).any()
 
 
 @pytest.mark.parametrize("fmt", ["bf16", *FORMATS])
@@ -364,11 +408,11 @@ def test_split_k_gemv_matches_dequantised_matmul_and_resets_its_counters(fmt, n,
     if fmt == "bf16":
         x, quantized, b, _ = _kernel_case("fp8", 1, n, k, torch.bfloat16, True)
         weight = quantized.dequantize(torch.bfloat16)
-        expected = F.linear(x.float(), weight.float(), b.float())
+        expected = F.linear(x.double(), weight.double(), b.double())
     else:
         x, weight, b, expected = _kernel_case(fmt, 1, n, k, torch.bfloat16, True)
     got = gemv.gemv(x, weight, b, num_warps=1, **tile)
-    torch.testing.assert_close(got.float(), expected, **_tolerance(torch.bfloat16, fmt))
+    torch.testing.assert_close(got.double(), expected, **_tolerance(torch.bfloat16, fmt))
     assert not gemv.split_counters(x.device).any()
 
 
@@ -399,6 +443,36 @@ def test_int4_gemv_is_exact_where_every_product_and_sum_is(symmetric, dtype, spl
         assert torch.equal(got, exact.to(dtype))
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("m,tile", [(19, dict(block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=False)),
+                                    (19, dict(block_n=64, block_k=128, num_warps=4, num_stages=2, w_first=True)),
+                                    (40, dict(block_n=64, block_k=128, num_warps=4, num_stages=2, w_first=True))])
+def test_int4_skinny_gemm_is_exact_where_every_product_and_sum_is(symmetric, dtype, group, m, tile):
+    """As the GEMV's test, for the skinny GEMM (N past the last row tile): it multiplies the
+    codes less their zero points (exact in x's dtype; at up to 32 rows, K tiles of 64+ columns
+    reordered alike in x and W, `_int4_k_order`) with x and scales each K tile's fp32 sums by
+    the group's scale, so here it must give the exact product, rounded once."""
+    generator = torch.Generator().manual_seed(11)
+    n, k = 80, 384
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    codes[0] = torch.arange(k) % 16
+    codes[1] = torch.arange(k) // 8 % 16  # every code in every nibble
+    scales = (2.0 ** torch.randint(-6, 0, (n, k // group), generator=generator)).half()
+    zeros = None if symmetric else torch.randint(0, 16, (n, k // group), generator=generator, dtype=torch.uint8)
+    weight = int4.Int4Weight(int4.pack_nibbles(codes).to(DEVICE), scales.to(DEVICE),
+                             None if zeros is None else zeros.to(DEVICE), group)
+    x = torch.randint(-4, 5, (m, k), generator=generator).to(DEVICE, dtype)
+    exact = x.double() @ weight.dequantize(torch.float32).double().t()
+    got = gemv.skinny_gemm(x, weight, **tile)
+    if dtype == torch.bfloat16 and gemv._interpreting():  # rounds toward zero there (see the GEMV's test)
+        torch.testing.assert_close(got.double(), exact, rtol=2.0**-7, atol=0)
+        assert (got.double().abs() <= exact.abs()).all()
+    else:
+        assert torch.equal(got, exact.to(dtype))
+
+
 def test_int4_gemv_reads_x_at_any_offset():
     """The 4-bit GEMV loads x eight bytes at a time: a view that starts between them is copied."""
     x, weight, _, expected = _kernel_case("int4-asym", 1, 16, 256, torch.bfloat16, False)
@@ -406,7 +480,7 @@ def test_int4_gemv_reads_x_at_any_offset():
     wide[:, 1:] = x
     view = wide[:, 1:]
     assert view.data_ptr() % 8
-    torch.testing.assert_close(gemv.gemv(view, weight).float(), expected, **_tolerance(torch.bfloat16, "int4"))
+    torch.testing.assert_close(gemv.gemv(view, weight).double(), expected, **_tolerance(torch.bfloat16, "int4"))
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4-g32"])
@@ -683,6 +757,11 @@ def test_quantized_tiles_come_from_the_sweeps_table_else_the_heuristic(tmp_path)
     assert gemv_tiles.heuristic_gemv_tile("int4", 96, 256) == dict(block_n=4, block_k=128, num_warps=2, num_stages=1,
                                                                   split_k=1)  # a small model's: 24 programs, two K tiles
     assert gemv_tiles.heuristic_gemv_tile("fp8", 64, 256)["block_n"] == 2
+    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)):  # a warpgroup's 64 W rows over one group
+        tile = gemv_tiles.heuristic_skinny_tile("int4", n, k, 32)
+        assert (tile["block_n"], tile["block_k"], tile["num_warps"]) == (64, 128, 4)
+        assert tile["split_k"] == (1 if n > 8192 else 4 if n == 4096 else 2)  # 64 or 96 column tiles: K in 4 or 2
+    assert gemv_tiles.heuristic_skinny_tile("int4", 96, 256, 16)["block_n"] == 16  # a small model's qkv: 6 row tiles
 
 
 def test_int4_k_tiles_fit_the_groups():
