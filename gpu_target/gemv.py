@@ -433,6 +433,24 @@ def _int4_gemv_segment(acc, x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K
     return tl.fma(scale, tl.fma(h, 256.0, tl.fma(g, 16.0, -tl.fma(zero, (x_odd + x_even)[None, :], ones))), acc)
 
 
+def _int4_codes_ptx(magic: str, one: str, packed_type: str) -> str:
+    """The PTX of `_int4_codes_tile`: words $8 and $9 (two elements of W's packed tile) to their
+    eight codes less zero points, $0..$7 (nibble i of both words in $i's two halves), $10 the
+    packed -(magic + z). Per pair of codes: PRMT puts byte i of each word (or of each word
+    shifted by 4) in the two halves, LOP3 keeps its low nibble in the mantissa of ``magic``'s
+    halves (then they read magic + q) and a packed FMA by ``one`` adds $10."""
+    lines = ["{", ".reg .b32 s0, s1, t, one;", f"mov.b32 one, {one};", "shr.u32 s0, $8, 4;", "shr.u32 s1, $9, 4;"]
+    for byte, selector in enumerate(("0x4400", "0x5511", "0x6622", "0x7733")):
+        for half, (low, high) in enumerate((("$8", "$9"), ("s0", "s1"))):
+            lines += [f"prmt.b32 t, {low}, {high}, {selector};", f"lop3.b32 t, t, 0x000F000F, {magic}, 0xEA;",
+                      f"fma.rn.{packed_type} ${2 * byte + half}, t, one, $10;"]
+    return "\n".join(lines + ["}"])
+
+
+INT4_CODES_PTX_BF16 = tl.constexpr(_int4_codes_ptx("0x43004300", "0x3F803F80", "bf16x2"))  # 128 + q, bf16 1.0
+INT4_CODES_PTX_F16 = tl.constexpr(_int4_codes_ptx("0x64006400", "0x3C003C00", "f16x2"))  # 1024 + q, fp16 1.0
+
+
 @device_function
 def _int4_codes_tile(x_ptr, w_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn, HAS_ZEROS: tl.constexpr,
                      GROUP: tl.constexpr, INTERPRETED: tl.constexpr, EVEN_K: tl.constexpr, REORDER: tl.constexpr,
@@ -472,73 +490,16 @@ def _int4_codes_tile(x_ptr, w_ptr, z_ptr, rows, row_mask, start, K, stride_wn, s
         c6 = (((packed >> 24) & 15) - z).to(tl.float32).to(dtype)
         c7 = (((packed >> 28) & 15) - z).to(tl.float32).to(dtype)
     else:
-        if dtype == tl.bfloat16:  # the fp16 branch's PTX differs only in its magic number, 1 and type
-            offset = (-128 - zero).to(tl.float32).to(dtype)[:, None]
+        # (a constexpr string passed straight on: assigned to a local it would become a tensor)
+        if dtype == tl.bfloat16:
+            offset = tl.broadcast_to((-128 - zero).to(tl.float32).to(dtype)[:, None], packed.shape)
             c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-                """{
-                .reg .b32 s0, s1, t, one;
-                mov.b32 one, 0x3F803F80;
-                shr.u32 s0, $8, 4;
-                shr.u32 s1, $9, 4;
-                prmt.b32 t, $8, $9, 0x4400;
-                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-                fma.rn.bf16x2 $0, t, one, $10;
-                prmt.b32 t, s0, s1, 0x4400;
-                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-                fma.rn.bf16x2 $1, t, one, $10;
-                prmt.b32 t, $8, $9, 0x5511;
-                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-                fma.rn.bf16x2 $2, t, one, $10;
-                prmt.b32 t, s0, s1, 0x5511;
-                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-                fma.rn.bf16x2 $3, t, one, $10;
-                prmt.b32 t, $8, $9, 0x6622;
-                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-                fma.rn.bf16x2 $4, t, one, $10;
-                prmt.b32 t, s0, s1, 0x6622;
-                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-                fma.rn.bf16x2 $5, t, one, $10;
-                prmt.b32 t, $8, $9, 0x7733;
-                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-                fma.rn.bf16x2 $6, t, one, $10;
-                prmt.b32 t, s0, s1, 0x7733;
-                lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-                fma.rn.bf16x2 $7, t, one, $10;
-                }""", "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [packed, tl.broadcast_to(offset, packed.shape)],
+                INT4_CODES_PTX_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [packed, offset],
                 dtype=(dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype), is_pure=True, pack=2)
         else:
-            offset = (-1024 - zero).to(tl.float32).to(dtype)[:, None]
+            offset = tl.broadcast_to((-1024 - zero).to(tl.float32).to(dtype)[:, None], packed.shape)
             c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-                """{
-                .reg .b32 s0, s1, t, one;
-                mov.b32 one, 0x3C003C00;
-                shr.u32 s0, $8, 4;
-                shr.u32 s1, $9, 4;
-                prmt.b32 t, $8, $9, 0x4400;
-                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
-                fma.rn.f16x2 $0, t, one, $10;
-                prmt.b32 t, s0, s1, 0x4400;
-                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
-                fma.rn.f16x2 $1, t, one, $10;
-                prmt.b32 t, $8, $9, 0x5511;
-                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
-                fma.rn.f16x2 $2, t, one, $10;
-                prmt.b32 t, s0, s1, 0x5511;
-                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
-                fma.rn.f16x2 $3, t, one, $10;
-                prmt.b32 t, $8, $9, 0x6622;
-                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
-                fma.rn.f16x2 $4, t, one, $10;
-                prmt.b32 t, s0, s1, 0x6622;
-                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
-                fma.rn.f16x2 $5, t, one, $10;
-                prmt.b32 t, $8, $9, 0x7733;
-                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
-                fma.rn.f16x2 $6, t, one, $10;
-                prmt.b32 t, s0, s1, 0x7733;
-                lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;
-                fma.rn.f16x2 $7, t, one, $10;
-                }""", "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [packed, tl.broadcast_to(offset, packed.shape)],
+                INT4_CODES_PTX_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [packed, offset],
                 dtype=(dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype), is_pure=True, pack=2)
     # tl.join adds its axis last, so the outermost join varies fastest: nibble i lands at column 8w + i
     codes = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
