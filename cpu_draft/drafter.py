@@ -134,10 +134,10 @@ class Drafter:
         self.max_positions = min(model.config.max_position_embeddings, options.max_model_len or model.config.max_position_embeddings)
         self.kv_layout = default_layout(self.device, options.kv_layout)
         ids = draft_head_ids(model.config.vocab_size, options.draft_vocab_size, options.token_map, options.keep_token_ids)
-        head_ids = None if ids is None else torch.from_numpy(ids)
-        # Head column -> token id (None: the head scores the whole vocabulary, column = id).
-        self.head_ids = None if head_ids is None else head_ids.to(self.device)
-        self._head_id_array = ids  # the same map in numpy, read on the host (one small index per level)
+        # Head column -> token id (None: the head scores the whole vocabulary, column = id), read
+        # on the host: one small index per level.
+        self._head_id_array = ids
+        head_ids = self.head_ids
         if self.kv_layout == "slots":
             self.kv = SlotDraftKV(model, options.dtype, options.kv_cache_bytes, self.max_positions, options.pack_linears, options.int8_weights,
                                   options.native_kernels, options.kv_dtype, head_ids)
@@ -303,6 +303,11 @@ class Drafter:
             state.context = known + [guess]
             state.chain = []
         return [seq_id for seq_id, _, _ in states]
+
+    @property
+    def head_ids(self) -> Optional[torch.Tensor]:
+        """The reduced head's token id per column (None: the whole vocabulary, column = id)."""
+        return None if self._head_id_array is None else torch.from_numpy(self._head_id_array)
 
     # -------------------------------------------------------------- internals
     def _token_ids(self, columns: torch.Tensor) -> list[list[int]]:
