@@ -101,14 +101,17 @@ class DraftService:
     capacity: DraftCapacity = field(default_factory=DraftCapacity)
     offered: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # per sequence: (context length, chain) last proposed
     unserved: set[int] = field(default_factory=set)  # stale sequences the last proposal answered without a tree (a prompt to prefill)
+    decoded_plainly: set[int] = field(default_factory=set)  # told of tokens by SYNC (plain steps) since their last proposal
     depth: Optional[int] = None  # the depth `DraftCapacity.plan` chose at the last proposal (None: the budget's)
 
-    def apply_updates(self, arrays) -> None:
+    def apply_updates(self, arrays, plain: bool = False) -> None:
+        """Take a message's context updates and releases; ``plain``: a SYNC's, of steps decoded without trees."""
         for seq_id in arrays["released"].tolist():
             self.contexts.pop(seq_id, None)
             self.predrafted.pop(seq_id, None)
             self.offered.pop(seq_id, None)
             self.unserved.discard(seq_id)
+            self.decoded_plainly.discard(seq_id)
             self.capacity.forget(seq_id)
             self.stale.discard(seq_id)
             self.drafter.release(seq_id)
@@ -119,6 +122,8 @@ class DraftService:
             context = self.contexts[update.seq_id] = context[: update.keep] + update.new_tokens
             self.stale.add(update.seq_id)
             self.unserved.discard(update.seq_id)
+            if plain:
+                self.decoded_plainly.add(update.seq_id)
             offered = self.offered.pop(update.seq_id, None)
             if offered is not None and len(context) > offered[0]:  # the tree was verified: how much of its chain held
                 start, chain = offered
@@ -174,7 +179,7 @@ class DraftService:
         right after the reply, with the hits' next trees, from the guess of the token this step
         decodes for them (`draft_ahead`)."""
         trees: dict[int, TokenTree] = {}
-        misses, prefilling = [], set()
+        misses, not_ready = [], set()
         self.stale.difference_update(seq_id for seq_id, _ in batch)
         self.budget = max((max_nodes for _, max_nodes in batch), default=self.budget) or self.budget
         depth = len(tree_levels(self.budget, self.drafter.options.tree_width))
@@ -196,21 +201,25 @@ class DraftService:
             if self.overlap and self.drafter.uncached(seq_id) > SHORT_FEED_TOKENS:
                 self.stale.add(seq_id)  # a prompt to prefill: no tree now, `catch_up` drafts one after the reply
                 self.unserved.add(seq_id)
-                prefilling.add(seq_id)
+                not_ready.add(seq_id)
                 continue
             misses.append((seq_id, max_nodes))
         if self.overlap and misses and not self.capacity.draft_now_pays([s for s, _ in misses], len(batch), self.depth):
             self.stale.update(seq_id for seq_id, _ in misses)
             self.unserved.update(seq_id for seq_id, _ in misses)
+            # Back from plain steps before `catch_up` drafted for it: not ready yet, as a prompt is.
+            not_ready.update(seq_id for seq_id, _ in misses if seq_id in self.decoded_plainly)
             misses = []
+        self.decoded_plainly.difference_update(seq_id for seq_id, _ in batch)
         trees.update(zip((s for s, _ in misses), self.drafter.draft(misses)))
         for seq_id, tree in trees.items():
             chain = self.drafter.last_chain(seq_id)
             if len(tree) and chain:
                 self.offered[seq_id] = (len(self.contexts[seq_id]), list(chain))
-        # A prompt still prefilling is pending (the engine does not judge speculation by it); a miss
+        # A prompt still prefilling, or a sequence back from plain steps whose catch-up a step's
+        # messages cut short, is pending (the engine does not judge speculation by it); a miss
         # left for later is an empty tree: its step is what speculation costs here.
-        return [trees.get(seq_id, TokenTree.pending() if seq_id in prefilling else TokenTree.empty()) for seq_id, _ in batch]
+        return [trees.get(seq_id, TokenTree.pending() if seq_id in not_ready else TokenTree.empty()) for seq_id, _ in batch]
 
     def _planned(self, max_nodes: int) -> int:
         """``max_nodes`` cut to the planned depth's levels."""
@@ -277,7 +286,7 @@ class _Loop:
             started = time.monotonic()
             stats = self.service.stats
             hits, misses = stats.predraft_hits, stats.predraft_misses
-            self.service.apply_updates(message.arrays)
+            self.service.apply_updates(message.arrays, plain=message.kind == SYNC)
             if message.kind == SYNC:
                 answered = None
                 self.service.catch_up(self.pending)

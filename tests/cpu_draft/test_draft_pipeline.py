@@ -237,3 +237,32 @@ def test_a_miss_at_batch_1_is_drafted_before_the_reply(tiny_llama_dir):
     trees = service.propose([(2, 4)])  # batch 1: waiting for its draft beats a step without a tree
     assert len(trees[0]) == 4 and service.stats.predraft_misses == 1
     assert service.drafter.context(2) == second and not service.unserved
+
+
+def test_sequences_back_from_plain_steps_before_their_catch_up_are_pending_not_empty(tiny_llama_dir):
+    """A proposal right after a plain window that cut the catch-up short: its trees are not
+    ready (the engine does not judge speculation by that step), and they are drafted after the reply."""
+    service = _service(tiny_llama_dir)
+    service.apply_updates(update_arrays([ContextUpdate(1, 0, PROMPT), ContextUpdate(2, 0, PROMPT[5:])]))
+    service.catch_up(lambda: None)
+    service.propose([(1, 4), (2, 4)])
+    service.draft_ahead([(1, 4), (2, 4)], lambda: None)
+    accepted = {s: service.predrafted[s].context for s in (1, 2)}  # both chains accepted, with the guessed bonus
+    plain_tokens = [3, 4, 5]
+    service.apply_updates(update_arrays([ContextUpdate(s, len(service.contexts[s]), accepted[s][len(service.contexts[s]):] + plain_tokens)
+                                         for s in (1, 2)]), plain=True)
+    service.capacity = DraftCapacity()  # measured (not on this clock): both fit a step of 7 ms, but waiting for their trees does not pay
+    service.capacity.observe_cycle(0.007)
+    service.capacity.observe_levels(0.0036, 4, 1)
+    for seq_id in (1, 2):
+        service.capacity.observe_accepted(seq_id, 1, 4)
+    waiting = SimpleNamespace(kind=PROPOSE, arrays=update_arrays([]))
+    service.catch_up(lambda: waiting)  # the proposal is already waiting: no catch-up
+    trees = service.propose([(1, 4), (2, 4)])
+    assert [(len(t), t.ready) for t in trees] == [(0, False), (0, False)]
+    service.draft_ahead([(1, 4), (2, 4)], lambda: None)  # after the reply, as the worker's loop does
+    service.catch_up(lambda: None)
+    assert all(service.predrafted[s].context[:-1] == accepted[s] + plain_tokens for s in (1, 2))
+
+    service.apply_updates(update_arrays([ContextUpdate(1, len(accepted[1]) + 3, [9])]))  # the guess missed
+    assert service.propose([(1, 4), (2, 4)])[0].ready  # only the first proposal after plain steps waits for the catch-up
