@@ -89,6 +89,7 @@ class _StepPlan:
     decode_only: bool  # no prefill chunk: a step the controller may measure
     nodes_per_seq: int = 0  # tree nodes granted per sequence (0: no speculation)
     unready: bool = False  # speculative, but no tree came back because the proposer was not ready (`TokenTree.pending`)
+    draft_wait_s: float = 0.0  # the time the launch waited for the proposer's trees
     num_steps: int = 1  # decode steps run ahead (1: a single step)
     rooms: list[int] = field(default_factory=list)  # the sequences' remaining lengths, for `cut_short`
     tokens_before: int = 0  # generated tokens before the step, to count what it emitted
@@ -238,7 +239,8 @@ class LLMEngine:
         part of the step in flight dropped.
         """
         started = self.clock()
-        plan = self._in_flight if self._in_flight is not None else self._launch(wait_for_restores=True)
+        launched_before = self._in_flight is not None
+        plan = self._in_flight if launched_before else self._launch(wait_for_restores=True)
         self._in_flight = None
         if plan is None:
             self._last_step_end = None  # idle: the wait before the next step is not work
@@ -249,7 +251,10 @@ class LLMEngine:
         self._register_filled(plan)
         self.spec_stats.record_batch(*plan.verified)
         outputs = self._outputs(touched)
-        self._record_step(plan, started)
+        # The draft wait is the step's whose trees it waited for: under async scheduling that
+        # step was launched by the last call, and this call's time holds the next one's wait.
+        next_wait = self._in_flight.draft_wait_s if self._in_flight is not None else 0.0
+        self._record_step(plan, started, (plan.draft_wait_s if launched_before else 0.0) - next_wait)
         return outputs
 
     def _launch(self, wait_for_restores: bool = False) -> Optional[_StepPlan]:
@@ -286,7 +291,9 @@ class LLMEngine:
                 metrics.time_in_queue = now - metrics.arrival_time
         decoding = [item for item in scheduled if item.samples and item.num_new_tokens == 1]
         plan = _StepPlan(scheduled, decode_only=len(decoding) == len(scheduled))
+        waited = self.draft_wait_seconds
         plan.nodes_per_seq, plan.trees = self._attach_trees(decoding, measured=plan.decode_only) if decoding else (0, None)
+        plan.draft_wait_s = self.draft_wait_seconds - waited
         plan.unready = bool(plan.nodes_per_seq) and self._proposer_pending and all(item.tree is None for item in decoding)
         plan.tokens_before = self.num_generation_tokens_total
         if plan.decode_only and not plan.nodes_per_seq:
@@ -387,8 +394,9 @@ class LLMEngine:
                 self.groups.pop(output.request_id, None)
         return outputs
 
-    def _record_step(self, plan: _StepPlan, started: float) -> None:
-        """Show the controller the step's cost and tokens.
+    def _record_step(self, plan: _StepPlan, started: float, moved_wait_s: float) -> None:
+        """Show the controller the step's cost and tokens; ``moved_wait_s``: draft wait that
+        belongs to this step but was timed in another call (less the next step's wait timed here).
 
         The controller compares whole steps: scheduling, building outputs and the caller's
         work between steps cost once per step, which a multi-step window spreads over many
@@ -401,7 +409,7 @@ class LLMEngine:
         tokens_per_seq = plan.nodes_per_seq + 1 if plan.nodes_per_seq else self.num_scheduler_steps
         emitted = self.num_generation_tokens_total - plan.tokens_before
         if self.proposer is not None and plan.decode_only and not plan.unready and not cut_short(plan.rooms, tokens_per_seq):
-            seconds = self._step_seconds(started, finished)
+            seconds = self._step_seconds(started, finished) + moved_wait_s
             self.spec_control.record_step(len(plan.scheduled), plan.nodes_per_seq > 0, emitted, seconds)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step of %d sequences: %d trees, %d tokens, %.2f ms (%.2f ms waiting for drafts in all)",
@@ -467,9 +475,9 @@ class LLMEngine:
         self.num_trees_withheld += withheld
         if not granted:
             return 0, None
-        asked = time.perf_counter()
+        asked = self.clock()
         trees = self.proposer.propose(requests)
-        self.draft_wait_seconds += time.perf_counter() - asked
+        self.draft_wait_seconds += self.clock() - asked
         self._proposer_pending = any(not tree.ready for tree in trees)
         vocab = self.model_config.vocab_size
         # One range check over every node of the step; per tree only when something is out.

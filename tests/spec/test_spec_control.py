@@ -1,6 +1,7 @@
 """The speculation controller: node budget per sequence and the measured on/off decision."""
 import random
 import statistics
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -558,6 +559,47 @@ def test_engine_counts_the_callers_time_and_leaves_out_windows_cut_short(tiny_ll
     # Caller time up to the step's own counts; a longer gap is idle time and does not.
     assert seconds == [0.013, 0.013, 0.010, 0.013, 0.013]
     assert [(n, speculated, tokens) for n, speculated, tokens, _ in spy.records] == [(1, False, 4)] * 5
+
+
+class _AlternatingSpy(_PlainSpy):
+    """Speculates (2 nodes) at every other step, plainly between; keeps what the engine records."""
+
+    def nodes_per_sequence(self, num_seqs, explore=True, draining=None):
+        self.asked.append((num_seqs, draining))
+        return 2 if len(self.asked) % 2 else 0
+
+
+class _SlowProposer(_IdleProposer):
+    """Empty trees after a draft wait of 40 ms on the engine's clock."""
+
+    def __init__(self, clock):
+        self.clock = clock
+
+    def propose(self, batch):
+        self.clock.now += 0.040
+        return [TokenTree.empty() for _ in batch]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_draft_wait_counts_for_the_step_that_waited_for_it(tiny_llama_dir, async_scheduling):
+    """Under async scheduling the next step is proposed (and waits for drafts) before this
+    one is recorded: that wait must not make a plain window look slow."""
+    from hetero.core.config import EngineConfig
+    from hetero.engine import LLMEngine
+    from hetero.core.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", num_scheduler_steps=4,
+                          async_scheduling=async_scheduling)
+    clock = SimpleNamespace(now=0.0)
+    engine = LLMEngine(config, proposer=_SlowProposer(clock))
+    engine.spec_control = spy = _AlternatingSpy()
+    engine.clock = lambda: clock.now
+    engine.add_request("r", "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    recorded = [(speculated, round(seconds, 6)) for _, speculated, _, seconds in spy.records]
+    assert {True, False} <= {speculated for speculated, _ in recorded}
+    assert all(seconds == (0.040 if speculated else 0.0) for speculated, seconds in recorded), recorded
 
 
 def test_offline_generate_drains_its_batch_once_no_request_waits(tiny_llama_dir):
