@@ -84,12 +84,14 @@ class DraftCapacity:
         Waiting ``w`` seconds delays all ``batch_size`` sequences, whose step of ``cycle_s``
         yields about E tokens each; the misses' trees add about E - 1 tokens each, E being
         1 + their accepted share x ``depth``. It pays while ``w < cycle_s * m (E - 1) / (B E)``:
-        at batch 1 a few milliseconds of drafting, in a large batch almost never. True until
-        measured."""
+        at batch 1 a few milliseconds of drafting, in a large batch almost never. Until
+        measured, only at batch 1: a wait of unknown length would hold up the whole batch (the
+        cycle is measured between proposals in a row, so a batch probing speculation after
+        each plain window would otherwise wait for every tree at every probe)."""
         if not misses:
             return False
         if self.cycle_s is None or self.level_s is None:
-            return True
+            return batch_size == 1
         wait = depth * self._seconds_per_row() * (self.row_overhead + len(misses))
         gain = sum(self.expected_tokens(s, depth) for s in misses) / len(misses) - 1.0  # E - 1
         return wait < self.cycle_s * len(misses) * gain / (batch_size * (1.0 + gain))

@@ -101,7 +101,7 @@ class DraftService:
     capacity: DraftCapacity = field(default_factory=DraftCapacity)
     offered: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # per sequence: (context length, chain) last proposed
     unserved: set[int] = field(default_factory=set)  # stale sequences the last proposal answered without a tree (a prompt to prefill)
-    decoded_plainly: set[int] = field(default_factory=set)  # told of tokens by SYNC (plain steps) since their last proposal
+    fresh: set[int] = field(default_factory=set)  # new, or told of tokens by SYNC (steps without trees), since their last proposal
     depth: Optional[int] = None  # the depth `DraftCapacity.plan` chose at the last proposal (None: the budget's)
 
     def apply_updates(self, arrays, plain: bool = False) -> None:
@@ -111,19 +111,20 @@ class DraftService:
             self.predrafted.pop(seq_id, None)
             self.offered.pop(seq_id, None)
             self.unserved.discard(seq_id)
-            self.decoded_plainly.discard(seq_id)
+            self.fresh.discard(seq_id)
             self.capacity.forget(seq_id)
             self.stale.discard(seq_id)
             self.drafter.release(seq_id)
         for update in read_updates(arrays):
+            new = update.seq_id not in self.contexts
             context = self.contexts.get(update.seq_id, [])
             if update.keep > len(context):
                 raise RuntimeError(f"sequence {update.seq_id}: told to keep {update.keep} tokens of {len(context)}")
             context = self.contexts[update.seq_id] = context[: update.keep] + update.new_tokens
             self.stale.add(update.seq_id)
             self.unserved.discard(update.seq_id)
-            if plain:
-                self.decoded_plainly.add(update.seq_id)
+            if plain or new:
+                self.fresh.add(update.seq_id)
             offered = self.offered.pop(update.seq_id, None)
             if offered is not None and len(context) > offered[0]:  # the tree was verified: how much of its chain held
                 start, chain = offered
@@ -207,17 +208,17 @@ class DraftService:
         if self.overlap and misses and not self.capacity.draft_now_pays([s for s, _ in misses], len(batch), self.depth):
             self.stale.update(seq_id for seq_id, _ in misses)
             self.unserved.update(seq_id for seq_id, _ in misses)
-            # Back from plain steps before `catch_up` drafted for it: not ready yet, as a prompt is.
-            not_ready.update(seq_id for seq_id, _ in misses if seq_id in self.decoded_plainly)
+            # New or back from plain steps, and `catch_up` has not drafted for it yet: not ready, as a prompt is.
+            not_ready.update(seq_id for seq_id, _ in misses if seq_id in self.fresh)
             misses = []
-        self.decoded_plainly.difference_update(seq_id for seq_id, _ in batch)
+        self.fresh.difference_update(seq_id for seq_id, _ in batch)
         trees.update(zip((s for s, _ in misses), self.drafter.draft(misses)))
         for seq_id, tree in trees.items():
             chain = self.drafter.last_chain(seq_id)
             if len(tree) and chain:
                 self.offered[seq_id] = (len(self.contexts[seq_id]), list(chain))
-        # A prompt still prefilling, or a sequence back from plain steps whose catch-up a step's
-        # messages cut short, is pending (the engine does not judge speculation by it); a miss
+        # A prompt still prefilling, or a sequence new or back from plain steps whose catch-up
+        # the proposal cut short, is pending (the engine does not judge speculation by it); a miss
         # left for later is an empty tree: its step is what speculation costs here.
         return [trees.get(seq_id, TokenTree.pending() if seq_id in not_ready else TokenTree.empty()) for seq_id, _ in batch]
 

@@ -78,6 +78,7 @@ def test_a_worker_short_of_cores_drafts_for_the_best_sequences_only(tiny_llama_d
     service = DraftService(Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32)), overlap=True, budget=4)
     prompts = {seq_id: list(range(10 + seq_id, 20 + seq_id)) for seq_id in range(4)}
     service.apply_updates(update_arrays([ContextUpdate(s, 0, p) for s, p in prompts.items()]))
+    service.catch_up(lambda: None)  # the prompts' first trees, drafted between messages
     trees = service.propose([(s, 4) for s in prompts])
     assert all(len(t) == 4 for t in trees)  # unmeasured: every sequence
     service.capacity.observe_cycle(0.010)
@@ -94,7 +95,8 @@ def test_a_worker_short_of_cores_drafts_for_the_best_sequences_only(tiny_llama_d
 
 def test_a_batch_waits_for_missed_trees_only_where_they_are_worth_the_wait():
     capacity = DraftCapacity()
-    assert capacity.draft_now_pays([1], 1, depth=4)  # unmeasured: draft them, as before any measurement
+    assert capacity.draft_now_pays([1], 1, depth=4)  # unmeasured: at batch 1 draft them, as before any measurement
+    assert not capacity.draft_now_pays(list(range(8)), 8, depth=4)  # and in a batch, a wait of unknown length does not
     capacity.observe_cycle(0.007)  # a 7 ms verification step
     capacity.observe_levels(0.004, levels=4, rows=1)  # 1 ms per depth level at one row
     assert capacity.draft_now_pays([1], 1, depth=4)  # batch 1: 4 ms of drafting buys ~4 tokens in a 7 ms step
@@ -109,6 +111,7 @@ def test_a_worker_short_of_cores_drafts_shallower_trees_for_more_sequences(tiny_
     service = DraftService(Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32)), overlap=True, budget=4)
     prompts = {seq_id: list(range(10 + seq_id, 20 + seq_id)) for seq_id in range(4)}
     service.apply_updates(update_arrays([ContextUpdate(s, 0, p) for s, p in prompts.items()]))
+    service.catch_up(lambda: None)
     assert all(len(t) == 4 for t in service.propose([(s, 4) for s in prompts]))  # unmeasured: every sequence, full depth
     service.draft_ahead([(s, 4) for s in prompts], lambda: None)
     guessed = {s: service.predrafted[s].context[len(p):] for s, p in prompts.items()}
@@ -122,6 +125,6 @@ def test_a_worker_short_of_cores_drafts_shallower_trees_for_more_sequences(tiny_
     assert all(service.capacity.acceptance_rate(s) == 1.0 for s in prompts)
     trees = service.propose([(s, 4) for s in prompts])
     assert service.depth == 2 and [len(t) for t in trees] == [2, 2, 2, 2]  # the full trees drafted ahead, shrunk
-    assert service.stats.predraft_hits == 4
+    assert service.stats.predraft_hits == 8 and service.stats.predraft_misses == 0
     service.draft_ahead([(s, 4) for s in prompts], lambda: None)
     assert all(len(service.predrafted[s].tree) == 2 for s in prompts)  # drafted ahead to the planned depth

@@ -108,10 +108,9 @@ def test_the_coordinator_keeps_one_core_in_eight_and_pins_itself_off_the_draft(m
 def test_a_prompt_to_prefill_gets_no_tree_now_and_is_drafted_after_the_reply(tiny_llama_dir):
     service = _service(tiny_llama_dir)
     service.apply_updates(update_arrays([ContextUpdate(1, 0, PROMPT), ContextUpdate(2, 0, PROMPT[:5])]))
-    trees = service.propose([(1, 4), (2, 4)])
-    assert len(trees[0]) == 0 and len(trees[1]) == 4  # the long prompt waits for its prefill; the short one is drafted
-    assert not trees[0].ready and trees[1].ready  # "not ready yet", which the engine's controller does not judge
-    assert [t.ready for t in read_trees(tree_arrays(trees, []))] == [False, True]  # and so it crosses the channel
+    trees = service.propose([(1, 4)])
+    assert len(trees[0]) == 0 and not trees[0].ready  # the long prompt waits for its prefill: "not ready yet", which the engine's controller does not judge
+    assert [t.ready for t in read_trees(tree_arrays(trees + [service.propose([(2, 4)])[0]], []))] == [False, True]  # the short one is drafted; so it crosses the channel
     assert service.stale == {1} and service.unserved == {1}
     service.catch_up(lambda: None)
     # the engine decodes the prompt's next token meanwhile: the tree is drafted from the draft's guess of it
