@@ -88,7 +88,7 @@ class _StepPlan:
     scheduled: list[ScheduledSeq]
     decode_only: bool  # no prefill chunk: a step the controller may measure
     nodes_per_seq: int = 0  # tree nodes granted per sequence (0: no speculation)
-    unready: bool = False  # speculative, but no tree came back because the proposer was not ready (`TokenTree.pending`)
+    unready: bool = False  # asked for trees, none came back because the proposer was not ready (`TokenTree.pending`): a plain window, not judged
     draft_wait_s: float = 0.0  # the time the launch waited for the proposer's trees
     num_steps: int = 1  # decode steps run ahead (1: a single step)
     rooms: list[int] = field(default_factory=list)  # the sequences' remaining lengths, for `cut_short`
@@ -296,6 +296,10 @@ class LLMEngine:
         plan.draft_wait_s = self.draft_wait_seconds - waited
         plan.unready = bool(plan.nodes_per_seq) and self._proposer_pending and all(item.tree is None for item in decoding)
         plan.tokens_before = self.num_generation_tokens_total
+        if plan.decode_only and plan.unready:
+            # No tree anywhere, the proposer still preparing them (a draft worker prefilling
+            # prompts): a plain window beats single steps and leaves the worker uninterrupted.
+            plan.nodes_per_seq, plan.trees = 0, None
         if plan.decode_only and not plan.nodes_per_seq:
             plan.num_steps = self.scheduler.reserve_run_ahead(scheduled, self.num_scheduler_steps, self.max_model_len)
         return plan

@@ -970,13 +970,17 @@ def test_steps_without_a_tree_because_the_proposer_was_not_ready_are_not_judged(
     from hetero.engine import LLMEngine
     from hetero.core.sampling_params import SamplingParams
 
-    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", async_scheduling=async_scheduling)
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", async_scheduling=async_scheduling,
+                          num_scheduler_steps=4)
     engine = LLMEngine(config, proposer=_WarmingProposer())
     engine.spec_control = spy = _SpeculatingSpy()
     engine.add_request("r", "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    emitted = []
     for _ in range(6):
-        engine.step()  # the prefill, two steps whose trees were pending, three whose proposer had nothing
+        engine.step()  # the prefill, two windows run while the trees were pending, three steps whose proposer had nothing
+        emitted.append(engine.num_generation_tokens_total)
     assert engine.proposer.asked == (6 if async_scheduling else 5)  # async: the sixth call launched the next step too
+    assert emitted == [1, 5, 9, 10, 11, 12]  # a pending answer runs a plain window, not a single step
     # An empty answer is what speculation delivered (one token at a verification's cost); a pending one is not.
     assert [(n, speculated, tokens) for n, speculated, tokens, _ in spy.records] == [(1, True, 1)] * 3
 
