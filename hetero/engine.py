@@ -88,7 +88,7 @@ class _StepPlan:
     scheduled: list[ScheduledSeq]
     decode_only: bool  # no prefill chunk: a step the controller may measure
     nodes_per_seq: int = 0  # tree nodes granted per sequence (0: no speculation)
-    unready: bool = False  # asked for trees, none came back because the proposer was not ready (`TokenTree.pending`): a plain window, not judged
+    unready: bool = False  # asked for trees, none came back because the proposer was not ready (`TokenTree.pending`): not judged
     draft_wait_s: float = 0.0  # the time the launch waited for the proposer's trees
     num_steps: int = 1  # decode steps run ahead (1: a single step)
     rooms: list[int] = field(default_factory=list)  # the sequences' remaining lengths, for `cut_short`
@@ -178,6 +178,7 @@ class LLMEngine:
         self.num_trees_withheld = 0  # sequence-steps whose tree DraftBackoff withheld (drafts that kept missing)
         self.draft_wait_seconds = 0.0  # time the engine waited for the proposer's trees
         self._proposer_pending = False  # the last proposal had trees the proposer was not ready to draft
+        self._unready_steps = 0  # single steps in a row that got only pending trees (then a plain window)
         self.clock = time.perf_counter  # step timing for the controller (tests replace it)
         self.async_scheduling = config.async_scheduling
         self._in_flight: Optional[_StepPlan] = None  # the step launched ahead (async scheduling)
@@ -297,9 +298,14 @@ class LLMEngine:
         plan.unready = bool(plan.nodes_per_seq) and self._proposer_pending and all(item.tree is None for item in decoding)
         plan.tokens_before = self.num_generation_tokens_total
         if plan.decode_only and plan.unready:
-            # No tree anywhere, the proposer still preparing them (a draft worker prefilling
-            # prompts): a plain window beats single steps and leaves the worker uninterrupted.
-            plan.nodes_per_seq, plan.trees = 0, None
+            # No tree anywhere, the proposer still preparing them. Once: a single step (a draft
+            # worker catching up after a plain window needs about one). Twice in a row (it is
+            # prefilling prompts): a plain window, which beats single steps and leaves it uninterrupted.
+            if self._unready_steps:
+                plan.nodes_per_seq, plan.trees = 0, None
+            self._unready_steps = 0 if self._unready_steps else 1
+        elif plan.decode_only:
+            self._unready_steps = 0
         if plan.decode_only and not plan.nodes_per_seq:
             plan.num_steps = self.scheduler.reserve_run_ahead(scheduled, self.num_scheduler_steps, self.max_model_len)
         return plan

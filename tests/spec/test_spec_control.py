@@ -954,14 +954,14 @@ class _SpeculatingSpy(_PlainSpy):
 
 
 class _WarmingProposer(_IdleProposer):
-    """Not ready for its first two proposals (a draft worker prefilling the prompt), then ready with nothing."""
+    """Not ready for its first four proposals (a draft worker prefilling the prompt), then ready with nothing."""
 
     def __init__(self):
         self.asked = 0
 
     def propose(self, batch):
         self.asked += 1
-        return [TokenTree.pending() if self.asked <= 2 else TokenTree.empty() for _ in batch]
+        return [TokenTree.pending() if self.asked <= 4 else TokenTree.empty() for _ in batch]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -976,11 +976,12 @@ def test_steps_without_a_tree_because_the_proposer_was_not_ready_are_not_judged(
     engine.spec_control = spy = _SpeculatingSpy()
     engine.add_request("r", "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     emitted = []
-    for _ in range(6):
-        engine.step()  # the prefill, two windows run while the trees were pending, three steps whose proposer had nothing
+    for _ in range(8):
+        engine.step()  # the prefill, four steps whose trees were pending, three whose proposer had nothing
         emitted.append(engine.num_generation_tokens_total)
-    assert engine.proposer.asked == (6 if async_scheduling else 5)  # async: the sixth call launched the next step too
-    assert emitted == [1, 5, 9, 10, 11, 12]  # a pending answer runs a plain window, not a single step
+    assert engine.proposer.asked == (8 if async_scheduling else 7)  # async: the eighth call launched the next step too
+    # The second pending answer in a row runs a plain window of 4 instead of a single step.
+    assert emitted == [1, 2, 6, 7, 11, 12, 13, 14]
     # An empty answer is what speculation delivered (one token at a verification's cost); a pending one is not.
     assert [(n, speculated, tokens) for n, speculated, tokens, _ in spy.records] == [(1, True, 1)] * 3
 
