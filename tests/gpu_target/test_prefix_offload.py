@@ -2,7 +2,8 @@
 
 Lossless: outputs are the same with prefix caching on or off and the offload tier on or
 off, also when a tiny KV cache evicts all the time; a block restored from the CPU holds
-bit for bit the KV it was offloaded with, never another sequence's.
+bit for bit the KV it was offloaded with, never another sequence's. The engines run on the
+CPU in float32 (exact equality) with caches sized in blocks, also on a GPU host.
 """
 from __future__ import annotations
 
@@ -431,7 +432,7 @@ def _run_turns(llm: LLM, chats) -> list[list[int]]:
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_outputs_are_identical_with_caching_and_offload_on_or_off_under_eviction(tiny_llama_dir, batch_invariant):
     chats = _conversations(num=6, turns=3)
-    common = dict(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, max_num_seqs=3,
+    common = dict(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=3,
                   kv_cache_space=_kv_blocks(tiny_llama_dir, 12), batch_invariant=batch_invariant)
     runs = {
         "off": LLM(**common, enable_prefix_caching=False),
@@ -471,7 +472,7 @@ def test_outputs_are_identical_with_copies_running_as_late_as_the_device_may(tin
     landing steps late: blocks are evicted and rewritten while their copies are pending,
     requests wait for their restores while others run, and outputs still match."""
     chats = _conversations(num=6, turns=3, seed=2)
-    common = dict(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, max_num_seqs=3,
+    common = dict(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=3,
                   kv_cache_space=_kv_blocks(tiny_llama_dir, 12))
     plain = LLM(**common, enable_prefix_caching=False)
     monkeypatch.setattr(kv_offload, "HostKVPool", _late(ticks_out, ticks_in))
@@ -490,7 +491,7 @@ def test_outputs_are_identical_with_copies_running_as_late_as_the_device_may(tin
 def _engine_with_late_restores(tiny_llama_dir, monkeypatch, ticks_in: int) -> LLMEngine:
     monkeypatch.setattr(kv_offload, "HostKVPool", _late(0, ticks_in))
     return LLMEngine(EngineConfig(
-        model=str(tiny_llama_dir), dtype="float32", max_model_len=96, batch_invariant=True,
+        model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=96, batch_invariant=True,
         kv_cache_space=_kv_blocks(tiny_llama_dir, 8), enable_prefix_cache_offload=True,
         cpu_offload_gib=_kv_blocks(tiny_llama_dir, 32),
     ))
@@ -508,7 +509,7 @@ def _evicted_prefix(engine: LLMEngine, rng: random.Random) -> list[int]:
 
 def _fresh(tiny_llama_dir) -> LLMEngine:
     """An engine without prefix caching: it computes every prompt."""
-    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=96, batch_invariant=True,
+    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=96, batch_invariant=True,
                                   enable_prefix_caching=False))
 
 
@@ -589,7 +590,7 @@ def test_aborting_a_request_waiting_for_its_restore_frees_everything(tiny_llama_
 
 def test_offload_with_speculation_and_preemption_stays_lossless(tiny_llama_dir):
     chats = _conversations(num=5, turns=3, seed=1)
-    common = dict(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, max_num_seqs=4,
+    common = dict(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
                   kv_cache_space=_kv_blocks(tiny_llama_dir, 10), speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     plain = LLM(**common, enable_prefix_caching=False)
     offload = LLM(**common, enable_prefix_cache_offload=True, cpu_offload_gib=_kv_blocks(tiny_llama_dir, 30))
@@ -623,7 +624,7 @@ def test_a_restored_prefix_is_the_kv_a_fresh_run_computes(tiny_llama_dir):
     rng = random.Random(5)
     prefix = [rng.randrange(3, 320) for _ in range(3 * BLOCK)]
     prompt = prefix + [7, 8, 9]
-    common = dict(model=str(tiny_llama_dir), dtype="float32", max_model_len=96, batch_invariant=True,
+    common = dict(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=96, batch_invariant=True,
                   kv_cache_space=_kv_blocks(tiny_llama_dir, 6))
     # 24 CPU blocks hold every full block computed here (3 + 3 x 5): the tier is inclusive.
     engine = LLMEngine(EngineConfig(**common, enable_prefix_cache_offload=True, cpu_offload_gib=_kv_blocks(tiny_llama_dir, 24)))
@@ -643,7 +644,7 @@ def test_a_restored_prefix_is_the_kv_a_fresh_run_computes(tiny_llama_dir):
 # ------------------------------------------------------- counters and flags
 def test_metrics_count_prefix_cache_tokens_by_tier(tiny_llama_dir):
     engine = LLMEngine(EngineConfig(
-        model=str(tiny_llama_dir), dtype="float32", max_model_len=96, kv_cache_space=_kv_blocks(tiny_llama_dir, 6),
+        model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=96, kv_cache_space=_kv_blocks(tiny_llama_dir, 6),
         enable_prefix_cache_offload=True, cpu_offload_gib=_kv_blocks(tiny_llama_dir, 24),  # every full block computed
     ))
     rng = random.Random(2)
@@ -669,7 +670,7 @@ def test_metrics_count_prefix_cache_tokens_by_tier(tiny_llama_dir):
 
 
 def test_engine_logs_hit_counts(tiny_llama_dir, caplog):
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, apc_offload_enable_hit_cnt=True)
+    llm = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=128, apc_offload_enable_hit_cnt=True)
     prompt = {"prompt_token_ids": list(range(3, 3 + 5 * BLOCK + 1))}  # 6 blocks, 5 of them full
     with caplog.at_level(logging.INFO, logger="hetero"):
         for _ in range(17):  # 102 prompt blocks
