@@ -97,10 +97,10 @@ def random_config(shape: str) -> ModelConfig:
 
 
 def load_drafter(args, dtype: torch.dtype, int8: bool, max_num_seqs: int, kv_layout: str, kernels: str = "native",
-                 kv_dtype: Optional[str] = None) -> Drafter:
+                 kv_dtype: Optional[str] = None, prefill_forward_tokens: Optional[int] = None) -> Drafter:
     options = DraftModelOptions(dtype=dtype, int8_weights=int8, kv_cache_bytes=int(args.kv_cache_gib * 2**30), max_num_seqs=max_num_seqs,
                                 kv_layout=kv_layout, pack_linears=args.pack_linears, native_kernels=kernels == "native",
-                                kv_dtype=kv_dtype, draft_vocab_size=args.draft_vocab)
+                                kv_dtype=kv_dtype, draft_vocab_size=args.draft_vocab, prefill_forward_tokens=prefill_forward_tokens)
     if args.random_shape is None:
         return Drafter.load(args.model, options)
     config = random_config(args.random_shape)

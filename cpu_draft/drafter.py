@@ -60,6 +60,7 @@ class DraftModelOptions:
     keep_token_ids: tuple[int, ...] = ()  # ids the reduced head always scores (special tokens)
     max_model_len: Optional[int] = None  # the longest context drafted; None: the draft's max_position_embeddings
     cuda_graphs: bool = True  # paged layout on CUDA: replay CUDA graphs for the drafting forwards
+    prefill_forward_tokens: Optional[int] = None  # prompt tokens per prefill forward; None: the device's (PREFILL_FORWARD_TOKENS)
 
 
 def tree_levels(max_nodes: int, width: int) -> list[int]:
@@ -341,7 +342,8 @@ class Drafter:
                 return True
             if interrupt is not None and interrupt():
                 return False
-            batch, feeds, room = [], [], PREFILL_FORWARD_TOKENS.get(self.device.type, PREFILL_FORWARD_TOKENS["cuda"])
+            batch, feeds = [], []
+            room = self.options.prefill_forward_tokens or PREFILL_FORWARD_TOKENS.get(self.device.type, PREFILL_FORWARD_TOKENS["cuda"])
             for state in pending:
                 take = min(len(state.context) - 1 - len(state.kv_tokens), room)
                 if take <= 0:

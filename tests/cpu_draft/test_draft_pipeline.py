@@ -120,14 +120,11 @@ def test_a_prompt_to_prefill_gets_no_tree_now_and_is_drafted_after_the_reply(tin
     assert len(service.propose([(1, 4)])[0]) == 4 and service.stats.predraft_hits == 1
 
 
-def test_prefill_in_several_forwards_leaves_the_kv_of_one_prefill(tiny_llama_dir, monkeypatch):
-    from cpu_draft import drafter as drafter_module
-
-    whole = Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32))
+def test_prefill_in_several_forwards_leaves_the_kv_of_one_prefill(tiny_llama_dir):
+    whole = Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32, prefill_forward_tokens=64))
     whole.set_context(1, PROMPT)
     assert whole.prefill([1])
-    monkeypatch.setitem(drafter_module.PREFILL_FORWARD_TOKENS, "cpu", 7)
-    chunked = Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32))
+    chunked = Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32, prefill_forward_tokens=7))
     chunked.set_context(1, PROMPT)
     polls = iter([False, True])
     assert not chunked.prefill([1], interrupt=lambda: next(polls, False))  # stopped after one forward of 7
