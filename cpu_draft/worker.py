@@ -241,11 +241,21 @@ class DraftService:
         if not extended or pending() is not None and not self.needed_by(pending(), extended):
             return
         requests = [(seq_id, budgets[seq_id]) for seq_id in extended]
-        trees = self.drafter.draft(requests, interrupt=self._interrupt(pending, extended))
+        interrupt, polls = self._interrupt(pending, extended), 0
+
+        def counted_interrupt() -> bool:
+            nonlocal polls
+            polls += 1
+            return interrupt()
+
+        trees = self.drafter.draft(requests, interrupt=counted_interrupt)
+        # Its forwards: the guess's, the first level's and one more per poll that let drafting go
+        # on. An interrupted draft counts too: learning from finished ones alone, the capacity
+        # plan would keep planning the drafts that overrun the step (they are the ones cut off).
+        levels = max(len(tree_levels(n, self.drafter.options.tree_width)) for _, n in requests) if trees is not None else polls
+        self.capacity.observe_levels(time.perf_counter() - started, levels + 1, len(requests))
         if trees is None:
             return
-        levels = max(len(tree_levels(n, self.drafter.options.tree_width)) for _, n in requests)
-        self.capacity.observe_levels(time.perf_counter() - started, levels + 1, len(requests))
         for (seq_id, max_nodes), tree in zip(requests, trees):
             self.predrafted[seq_id] = _Predrafted(list(self.drafter.context(seq_id)), max_nodes, tree)
             self.stale.discard(seq_id)

@@ -2,11 +2,13 @@
 those accepted most first; the rest get no tree."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from cpu_draft.draft_capacity import DraftCapacity
 from cpu_draft.drafter import DraftModelOptions, Drafter
-from cpu_draft.messages import ContextUpdate, update_arrays
+from cpu_draft.messages import SYNC, ContextUpdate, update_arrays
 from cpu_draft.worker import DraftService
 
 
@@ -128,3 +130,18 @@ def test_a_worker_short_of_cores_drafts_shallower_trees_for_more_sequences(tiny_
     assert service.stats.predraft_hits == 8 and service.stats.predraft_misses == 0
     service.draft_ahead([(s, 4) for s in prompts], lambda: None)
     assert all(len(service.predrafted[s].tree) == 2 for s in prompts)  # drafted ahead to the planned depth
+
+
+def test_a_draft_ahead_cut_off_by_the_next_message_still_measures_its_levels(tiny_llama_dir):
+    """The plan must learn from the drafts that overran the step, not only from those that finished."""
+    service = DraftService(Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32)), overlap=True, budget=4)
+    prompts = {seq_id: list(range(10 + seq_id, 20 + seq_id)) for seq_id in range(2)}
+    service.apply_updates(update_arrays([ContextUpdate(s, 0, p) for s, p in prompts.items()]))
+    service.catch_up(lambda: None)
+    service.propose([(s, 4) for s in prompts])
+    service.capacity = DraftCapacity()
+    other = SimpleNamespace(kind=SYNC, arrays=update_arrays([ContextUpdate(5, 0, [1, 2])]))
+    polls = iter([None, None])  # the checks before drafting; at the first level's end a message for another sequence waits
+    service.draft_ahead([(s, 4) for s in prompts], lambda: next(polls, other))
+    assert not service.predrafted  # cut off
+    assert service.capacity.level_s is not None and service.capacity.level_rows == 2
