@@ -306,12 +306,7 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, count_ptr, rows, 
     With SPLIT_K > 1 the program sums K_SHARE columns (grid axis 1 picks which) and returns
     ``last``: whether it was the last of its row tile to finish, and then holds the whole
     sums (`_split_sum`); only that program may use the result."""
-    if SPLIT_K > 1:
-        k_start = tl.multiple_of(tl.program_id(1) * K_SHARE, BLOCK_K)  # shares are whole K tiles
-        k_end = tl.minimum(k_start + K_SHARE, K)
-    else:
-        k_start = 0
-        k_end = K
+    k_start, k_end = _k_share(K, K_SHARE, SPLIT_K, BLOCK_K)
     if W_FORMAT == 2:
         # K tiles of whole groups are streamed a group at a time (unrolled: the segments' loads are independent)
         SEG: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP
@@ -347,6 +342,19 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, count_ptr, rows, 
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     return y.to(x_ptr.dtype.element_ty), last
+
+
+@device_function
+def _k_share(K, K_SHARE, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K columns [start, end) this program sums: all of K, or with SPLIT_K > 1 the share
+    that grid axis 1 picks (shares are whole K tiles)."""
+    if SPLIT_K > 1:
+        k_start = tl.multiple_of(tl.program_id(1) * K_SHARE, BLOCK_K)
+        k_end = tl.minimum(k_start + K_SHARE, K)
+    else:
+        k_start = 0
+        k_end = K
+    return k_start, k_end
 
 
 @device_function
@@ -824,12 +832,7 @@ def _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, cols, row_mask
     w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
     # W_FIRST computes out^T = W x^T, so W's rows fill the MMA's large M dimension.
     acc = tl.zeros([BLOCK_N, BLOCK_M] if W_FIRST else [BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SPLIT_K > 1:
-        k_start = tl.multiple_of(tl.program_id(1) * K_SHARE, BLOCK_K)  # shares are whole K tiles
-        k_end = tl.minimum(k_start + K_SHARE, K)
-    else:
-        k_start = 0
-        k_end = K
+    k_start, k_end = _k_share(K, K_SHARE, SPLIT_K, BLOCK_K)
     # x's columns reordered as the codes' (`_int4_k_order`) pass through registers: at 64 rows
     # that costs more instructions than the codes' conversion saves (sm_90 SASS, offline compile).
     REORDER: tl.constexpr = BLOCK_M <= 32
