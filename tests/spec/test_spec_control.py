@@ -986,6 +986,42 @@ def test_steps_without_a_tree_because_the_proposer_was_not_ready_are_not_judged(
     assert [(n, speculated, tokens) for n, speculated, tokens, _ in spy.records] == [(1, True, 1)] * 3
 
 
+class _CatchingUpProposer(_IdleProposer):
+    """As the draft worker: told of plain steps (`observe`), its next answer is pending (the
+    proposal arrives before its catch-up ran); otherwise a chain for each sequence."""
+
+    def __init__(self):
+        self.told, self.chains = False, 0
+
+    def observe(self, batch):
+        self.told = True
+
+    def propose(self, batch):
+        if self.told:
+            self.told = False
+            return [TokenTree.pending() for _ in batch]
+        self.chains += len(batch)
+        return [TokenTree.chain([1, 2]) for _ in batch]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_proposer_pending_after_each_plain_window_still_gets_to_speculate(tiny_llama_dir, async_scheduling):
+    """The first pending answer gets a single step, not a window: a window would tell the
+    worker of more plain tokens, and its next answer would be pending again, for ever."""
+    from hetero.core.config import EngineConfig
+    from hetero.engine import LLMEngine
+    from hetero.core.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", async_scheduling=async_scheduling,
+                          num_scheduler_steps=4)
+    engine = LLMEngine(config, proposer=_CatchingUpProposer())
+    engine.spec_control = _SpeculatingSpy()
+    engine.add_request("r", "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        engine.step()  # the prefill (the worker is told of it), a pending answer, then chains
+    assert engine.proposer.chains >= 2 and engine.spec_stats.num_draft_tokens >= 2
+
+
 def test_step_times_leave_out_a_rare_pause_but_keep_frequent_waits():
     from hetero.spec.controller import trimmed_mean_seconds
 
