@@ -16,7 +16,9 @@ finished, since drafting them again would cost more.
 Sequences the coordinator decodes without trees (prefill, plain steps) arrive as SYNC
 updates; the worker feeds their new tokens and drafts their next trees between messages
 (`DraftService.catch_up`), so a prompt's draft prefill and a return to speculation after
-plain steps cost the coordinator nothing.
+plain steps cost the coordinator nothing. A proposal that arrives before that catch-up
+(the coordinator's SYNC and its next proposal often come together) gets pending trees for
+those sequences, which the engine's controller does not judge.
 
 Stats: ``exposed_s`` is draft time between receiving PROPOSE and replying (the
 coordinator waits for it); ``hidden_s`` is drafting-ahead time between replying and
