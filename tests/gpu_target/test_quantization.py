@@ -378,24 +378,37 @@ def test_split_k_skinny_gemm_matches_dequantised_matmul_and_resets_its_counters(
 def test_quantized_fused_skinny_gemms_equal_skinny_gemm_then_the_op(fmt, split_k):
     """The fused skinny GEMMs take the skinny GEMM's tile (K whole or in 3 shares) and give its
     result followed by the op's own kernel, bit for bit."""
+    tile = dict(block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=True, split_k=split_k)
+    # 18 gate/up pairs: a part-filled program
+    device = _assert_fused_equal_unfused(fmt, 18, [29, 30, 30, 31, 7], [5, 6, 9, 2, 11], tile, gemv.skinny_gemm,
+                                         gemv.skinny_gemm_silu_and_mul, gemv.skinny_gemm_rotary_and_store_kv)
+    assert not gemv.split_counters(device).any()
+
+
+def _assert_fused_equal_unfused(fmt, gate_up_pairs, positions, slots, tile, unfused, silu_and_mul,
+                                rotary_and_store_kv) -> torch.device:
+    """The fused kernels `silu_and_mul` and `rotary_and_store_kv` (one row per position) give,
+    bit for bit, the `unfused` projection followed by the op's own kernel (3 query heads, 1 KV
+    head of 16). Returns the device the kernels ran on."""
     from gpu_target import fused_ops
 
-    tile = dict(block_n=16, block_k=32, num_warps=1, num_stages=1, w_first=True, split_k=split_k)
-    x, weight, _, _ = _kernel_case(fmt, 5, 36, 96, torch.bfloat16, False)  # 18 gate/up pairs: a part-filled program
-    expected = fused_ops.silu_and_mul(gemv.skinny_gemm(x * 4, weight, **tile), use_triton=True)
-    assert torch.equal(gemv.skinny_gemm_silu_and_mul(x * 4, weight, **tile), expected)
+    rows = len(positions)
+    x, weight, _, _ = _kernel_case(fmt, rows, 2 * gate_up_pairs, 96, torch.bfloat16, False)
+    expected = fused_ops.silu_and_mul(unfused(x * 4, weight, **tile), use_triton=True)
+    assert torch.equal(silu_and_mul(x * 4, weight, **tile), expected)
 
     heads, kv_heads, head_dim = 3, 1, 16
-    x, weight, b, _ = _kernel_case(fmt, 5, (heads + 2 * kv_heads) * head_dim, 96, torch.bfloat16, True)
+    x, weight, b, _ = _kernel_case(fmt, rows, (heads + 2 * kv_heads) * head_dim, 96, torch.bfloat16, True)
     angles = torch.outer(torch.arange(40, dtype=torch.float64), 0.5 ** torch.arange(head_dim // 2, dtype=torch.float64))
     cos, sin = angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
-    positions, slots = torch.tensor([29, 30, 30, 31, 7], device=DEVICE), torch.tensor([5, 6, 9, 2, 11], device=DEVICE)
+    positions, slots = torch.tensor(positions, device=DEVICE), torch.tensor(slots, device=DEVICE)
     caches = [torch.zeros(1, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
-    q, key, value = gemv.skinny_gemm(x, weight, b, **tile).view(5, -1, head_dim).split([heads, kv_heads, kv_heads], 1)
+    q, key, value = unfused(x, weight, b, **tile).view(rows, -1, head_dim).split([heads, kv_heads, kv_heads], 1)
     expected_q = fused_ops.rotary_and_store_kv(q, key, value, cos, sin, positions, *caches[2:], slots, use_triton=True)
-    got_q = gemv.skinny_gemm_rotary_and_store_kv(x, weight, b, cos, sin, positions, *caches[:2], slots, heads, **tile)
+    got_q = rotary_and_store_kv(x, weight, b, cos, sin, positions, *caches[:2], slots, heads, **tile)
     assert torch.equal(got_q, expected_q) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    assert caches[0].abs().sum() > 0 and not gemv.split_counters(x.device).any()
+    assert caches[0].abs().sum() > 0
+    return x.device
 
 
 @pytest.mark.parametrize("fmt", ["bf16", *FORMATS])
@@ -489,24 +502,9 @@ def test_quantized_fused_gemvs_with_several_pairs_a_program_equal_gemv_then_the_
     """The fused GEMVs take the quantised GEMV's tile, 4 row pairs a program here (the model's
     tiny shapes get 1), K whole or split in 3 shares: bit for bit the GEMV followed by the op's
     own kernel."""
-    from gpu_target import fused_ops
-
     tile = dict(block_n=8, block_k=32, num_warps=1, split_k=split_k)
-    x, weight, _, _ = _kernel_case(fmt, 1, 18, 96, torch.bfloat16, False)  # 9 gate/up pairs: a part-filled program
-    expected = fused_ops.silu_and_mul(gemv.gemv(x * 4, weight, **tile), use_triton=True)
-    assert torch.equal(gemv.gemv_silu_and_mul(x * 4, weight, **tile), expected)
-
-    heads, kv_heads, head_dim = 3, 1, 16
-    x, weight, b, _ = _kernel_case(fmt, 1, (heads + 2 * kv_heads) * head_dim, 96, torch.bfloat16, True)
-    angles = torch.outer(torch.arange(40, dtype=torch.float64), 0.5 ** torch.arange(head_dim // 2, dtype=torch.float64))
-    cos, sin = angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
-    positions, slots = torch.tensor([29], device=DEVICE), torch.tensor([5], device=DEVICE)
-    caches = [torch.zeros(1, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
-    q, key, value = gemv.gemv(x, weight, b, **tile).view(1, -1, head_dim).split([heads, kv_heads, kv_heads], 1)
-    expected_q = fused_ops.rotary_and_store_kv(q, key, value, cos, sin, positions, *caches[2:], slots, use_triton=True)
-    got_q = gemv.gemv_rotary_and_store_kv(x, weight, b, cos, sin, positions, *caches[:2], slots, heads, **tile)
-    assert torch.equal(got_q, expected_q) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    assert caches[0].abs().sum() > 0
+    # 9 gate/up pairs: a part-filled program
+    _assert_fused_equal_unfused(fmt, 9, [29], [5], tile, gemv.gemv, gemv.gemv_silu_and_mul, gemv.gemv_rotary_and_store_kv)
 
 
 def test_quantized_linear_dispatches_by_rows(monkeypatch):
