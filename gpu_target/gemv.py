@@ -39,7 +39,7 @@ chosen by the constexpr W_FORMAT, so the fused epilogues serve quantised targets
 f16 -> f32, packed conversions; the row's scale multiplies its sum once, after the K loop)
 and reads x in W's tile shape, so both load in one layout. 4-bit W is read as int32 words
 of eight codes, a group of K at a time, with three instructions a code and the group's scale
-and zero point once a word (`_int4_gemv_segment`); as its x work is per thread and column,
+and zero point once a word (`_int4_gemv_sums`); as its x work is per thread and column,
 its tiles give each thread several rows and split K (`split_k`: each share's sums in fp32,
 added in share order by the last program of the row tile, which also runs the fused
 epilogue, `_split_sum`) where rows alone leave too few programs. The skinny GEMMs'
@@ -215,10 +215,10 @@ def split_counters(device: torch.device) -> torch.Tensor:
 
 def _split_arguments(name: str, n: int, k: int, tiles: int, tile: dict, out: torch.Tensor) -> tuple[tuple, dict]:
     """A GEMV's split-K arguments (fp32 partials [split_k, n], counters, each split's K) and
-    constexprs (EVEN_K, SPLIT_K): ``tile``'s split_k (1 where it has none) shares of K, each
-    whole K tiles."""
+    constexprs (EVEN_K, SPLIT_K, PREFETCH): ``tile``'s split_k (1 where it has none) shares of
+    K, each whole K tiles, and its prefetch (`_gemv_rows`)."""
     split_k, block_k = tile.get("split_k", 1), tile["block_k"]
-    constexprs = dict(EVEN_K=k % block_k == 0, SPLIT_K=split_k)
+    constexprs = dict(EVEN_K=k % block_k == 0, SPLIT_K=split_k, PREFETCH=tile.get("prefetch", False))
     if split_k == 1:
         return (out, out, k), constexprs
     if tiles > MAX_SPLIT_TILES:
@@ -229,7 +229,7 @@ def _split_arguments(name: str, n: int, k: int, tiles: int, tile: dict, out: tor
 
 
 def _x_for(x: torch.Tensor, weight: StreamedWeight) -> torch.Tensor:
-    """x as the GEMV reads it: the 4-bit GEMV loads x eight bytes at a time (`_int4_gemv_segment`),
+    """x as the GEMV reads it: the 4-bit GEMV loads x eight bytes at a time (`_int4_gemv_sums`),
     so its start must be 8-byte aligned (a copy where a view starts elsewhere)."""
     if isinstance(weight, Int4Weight) and x.data_ptr() % 8:
         return x.clone()
@@ -243,7 +243,7 @@ def gemv(
     **tile,
 ) -> torch.Tensor:
     """[1, N] = x W^T (+ bias), in x's dtype; ``tile`` (block_n, block_k, num_warps,
-    num_stages) overrides `streaming_tile`'s.
+    num_stages, split_k, and for 4-bit W prefetch) overrides `streaming_tile`'s.
 
     bf16's tile was the fastest of a sweep (block_n 1-16, block_k 256-4096, 4/8 warps,
     1-4 stages) on an H100 for every Llama-3-8B projection and its LM head: 2.6-3.2 TB/s
@@ -282,11 +282,12 @@ def gemv(
 
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, K_SHARE, stride_wn, stride_sn,
                  HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
-                 EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     y, last = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, count_ptr, rows, row_mask, N, K, K_SHARE,
-                         stride_wn, stride_sn, HAS_BIAS, W_FORMAT, HAS_ZEROS, GROUP, EVEN_K, SPLIT_K, BLOCK_N, BLOCK_K)
+                         stride_wn, stride_sn, HAS_BIAS, W_FORMAT, HAS_ZEROS, GROUP, EVEN_K, SPLIT_K, BLOCK_N, BLOCK_K,
+                         PREFETCH)
     if last:
         tl.store(out_ptr + rows, y, mask=row_mask)
 
@@ -294,7 +295,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_
 @device_function
 def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, count_ptr, rows, row_mask, N, K, K_SHARE, stride_wn,
                stride_sn, HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
-               EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               PREFETCH: tl.constexpr):
     """(x W^T + b)[rows] in x's dtype, for the BLOCK_N `rows` of W (any rows: the fused
     kernels pair rows far apart). The products accumulate in a [BLOCK_N, BLOCK_K] fp32 tile
     (4-bit: a word's eight products, scaled, in a [BLOCK_N, words] tile) reduced once at the
@@ -305,16 +307,36 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, count_ptr, rows, 
 
     With SPLIT_K > 1 the program sums K_SHARE columns (grid axis 1 picks which) and returns
     ``last``: whether it was the last of its row tile to finish, and then holds the whole
-    sums (`_split_sum`); only that program may use the result."""
+    sums (`_split_sum`); only that program may use the result.
+
+    With PREFETCH (4-bit W) each segment's loads (W, x, the group's scale and zero point)
+    are issued before the previous segment's arithmetic and held in registers across the
+    loop, so a thread has the next bytes in flight while it converts and sums the current
+    ones (a software pipeline in registers; the sums and their order are the same). The
+    4-bit GEMV is bound by instructions as much as by bytes, and its tiles keep few
+    programs per SM, so without it a thread mostly waits for its loads or computes, seldom
+    both."""
     k_start, k_end = _k_share(K, K_SHARE, SPLIT_K, BLOCK_K)
     if W_FORMAT == 2:
         # K tiles of whole groups are streamed a group at a time (unrolled: the segments' loads are independent)
         SEG: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP
         acc = tl.zeros([BLOCK_N, SEG // 8], dtype=tl.float32)
-        for start in range(k_start, k_end, BLOCK_K):
-            for seg in tl.static_range(BLOCK_K // SEG):
-                acc = _int4_gemv_segment(acc, x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start + seg * SEG, K, stride_wn,
-                                         stride_sn, HAS_ZEROS, GROUP, EVEN_K, SEG)
+        if PREFETCH:  # a segment at a time, the next one's loads before this one's arithmetic
+            # With EVEN_K the loads go unmasked: the last segment's "next" loads are its own again.
+            loads = _int4_gemv_loads(x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, k_start, k_end, stride_wn, stride_sn,
+                                     HAS_ZEROS, GROUP, EVEN_K, not EVEN_K, SEG)
+            for start in range(k_start, k_end, SEG):
+                following = start + SEG if not EVEN_K else tl.minimum(start + SEG, k_end - SEG)
+                following = _int4_gemv_loads(x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, following, k_end, stride_wn,
+                                             stride_sn, HAS_ZEROS, GROUP, EVEN_K, not EVEN_K, SEG)
+                acc = _int4_gemv_sums(acc, loads, x_ptr.dtype.element_ty, stride_wn)
+                loads = following
+        else:
+            for start in range(k_start, k_end, BLOCK_K):
+                for seg in tl.static_range(BLOCK_K // SEG):
+                    loads = _int4_gemv_loads(x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start + seg * SEG, K, stride_wn,
+                                             stride_sn, HAS_ZEROS, GROUP, EVEN_K, True, SEG)
+                    acc = _int4_gemv_sums(acc, loads, x_ptr.dtype.element_ty, stride_wn)
         y = tl.sum(acc, axis=1)
     else:
         cols = tl.arange(0, BLOCK_K)
@@ -377,15 +399,51 @@ def _split_sum(y, part_ptr, count_ptr, rows, row_mask, N, SPLIT_K: tl.constexpr)
 
 
 @device_function
-def _int4_gemv_segment(acc, x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K, stride_wn, stride_sn,
-                       HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, WIDTH: tl.constexpr):
-    """``acc`` ([BLOCK_N, WIDTH / 8] fp32, one element a packed word) plus the products of
-    W[rows, start:start + WIDTH] of a 4-bit weight with x[start:start + WIDTH]; the WIDTH
-    columns lie in one group (`int4_block_k`).
+def _int4_gemv_loads(x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, end, stride_wn, stride_sn,
+                     HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, MASKED: tl.constexpr,
+                     WIDTH: tl.constexpr):
+    """What `_int4_gemv_sums` reads of W[rows, start:start + WIDTH] of a 4-bit weight and x
+    there, nothing from column ``end`` on (the WIDTH columns lie in one group, `int4_block_k`):
+    W as stored, [BLOCK_N, WIDTH / 8] int32 (eight codes a word, column 8j + i in nibble i),
+    so each thread loads several consecutive words as one vector; the rows' group scale
+    (fp32) and zero point; x as two [1, WIDTH / 8] int64 tiles, each word's first and second
+    four columns (8 bytes a load). Without MASKED the caller vouches that the columns lie inside K: the loads take no
+    predicates (nor the zeros a masked load first writes), and rows outside W read row 0."""
+    words = tl.multiple_of(start // 8, WIDTH // 8) + tl.arange(0, WIDTH // 8)  # segments start at multiples of WIDTH
+    x_quads = x_ptr.to(tl.pointer_type(tl.int64)) + (words * 2)[None, :]
+    if MASKED:
+        # With K a multiple of the tile (EVEN_K) a segment lies wholly inside K or past it: a mask
+        # constant along the words lets each thread load its words as one vector.
+        word_mask = (words < end // 8) if not EVEN_K else (tl.full([WIDTH // 8], start, tl.int32) < end)
+        packed = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + words[None, :],
+                         mask=row_mask[:, None] & word_mask[None, :], other=0)
+        group = rows.to(tl.int64) * stride_sn + start // GROUP
+        group_mask = row_mask & (tl.full([1], start, tl.int32) < end)  # a GEMV tile's segments may end past K
+        scale = tl.load(s_ptr + group, mask=group_mask, other=0.0).to(tl.float32)[:, None]
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + group, mask=group_mask, other=0).to(tl.float32)[:, None]
+        first = tl.load(x_quads, mask=word_mask[None, :], other=0)
+        second = tl.load(x_quads + 1, mask=word_mask[None, :], other=0)
+    else:
+        inside = tl.where(row_mask, rows, 0).to(tl.int64)
+        packed = tl.load(w_ptr + inside[:, None] * stride_wn + words[None, :])
+        group = inside * stride_sn + start // GROUP
+        scale = tl.load(s_ptr + group).to(tl.float32)[:, None]
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + group).to(tl.float32)[:, None]
+        first = tl.load(x_quads)
+        second = tl.load(x_quads + 1)
+    if not HAS_ZEROS:
+        zero = tl.full([1, 1], 8.0, tl.float32)  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
+    return packed, scale, zero, first, second
 
-    W is loaded as it is stored, [BLOCK_N, words] int32 (eight codes a word, column 8j + i
-    in nibble i), so each thread loads several consecutive words as one vector, and is
-    unpacked one nibble position at a time: nibble i of every word is a [BLOCK_N, words]
+
+@device_function
+def _int4_gemv_sums(acc, loads, dtype: tl.constexpr, stride_wn):
+    """``acc`` ([BLOCK_N, WIDTH / 8] fp32, one element a packed word) plus the products of a
+    segment's W and x, as `_int4_gemv_loads` read them.
+
+    W is unpacked one nibble position at a time: nibble i of every word is a [BLOCK_N, words]
     tile whose x is x[start + 8j + i]. A code q placed in the mantissa of 1.0 reads 1 + q/16
     at bits 19..22 or 1 + q/256 at bits 15..18, so one shift serves two codes,
     an odd and an even nibble, and one LOP3 each makes the float. Its product with a bf16 or
@@ -394,51 +452,37 @@ def _int4_gemv_segment(acc, x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, K
     X_odd and X_even, sum_i q_i x_i = 16 (G - X_odd) + 256 (H - X_even), and the group's
     scale and zero point apply once a word: sum_i (q_i - z) s x_i = s (16 G + 256 H - (16 X_odd
     + 256 X_even + z X)). (The sums of x are the same for every row a thread holds.)"""
-    words = tl.multiple_of(start // 8, WIDTH // 8) + tl.arange(0, WIDTH // 8)  # segments start at multiples of WIDTH
-    # With K a multiple of the tile (EVEN_K) a segment lies wholly inside K or past it: a mask
-    # constant along the words lets each thread load its words as one vector.
-    word_mask = (words < K // 8) if not EVEN_K else (tl.full([WIDTH // 8], start, tl.int32) < K)
-    r = rows.to(tl.int64)[:, None]
-    packed = tl.load(w_ptr + r * stride_wn + words[None, :], mask=row_mask[:, None] & word_mask[None, :], other=0)
-    group = rows.to(tl.int64) * stride_sn + start // GROUP
-    group_mask = row_mask & (tl.full([1], start, tl.int32) < K)  # a GEMV tile's segments may end past K
-    scale = tl.load(s_ptr + group, mask=group_mask, other=0.0).to(tl.float32)[:, None]
-    if HAS_ZEROS:
-        zero = tl.load(z_ptr + group, mask=group_mask, other=0).to(tl.float32)[:, None]
-    else:
-        zero = 8.0  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
+    packed, scale, zero, first, second = loads
     # The masks are read from registers (shifted by stride_wn >> 31, which is 0 but which the
     # compiler cannot fold), so each and-or is one LOP3 (an instruction holds one immediate).
     high = tl.full([1], 0x00780000, tl.int32) >> (stride_wn >> 31)  # bits 19..22: 1 + q/16
     low = tl.full([1], 0x00078000, tl.int32) >> (stride_wn >> 31)  # bits 15..18: 1 + q/256
-    # x is read four columns (8 bytes) at a time, its word's first and second halves.
-    x_quads = x_ptr.to(tl.pointer_type(tl.int64)) + words * 2
     g = tl.zeros_like(acc)
     h = tl.zeros_like(acc)
-    x_odd = tl.zeros([WIDTH // 8], dtype=tl.float32)
-    x_even = tl.zeros([WIDTH // 8], dtype=tl.float32)
+    x_odd = tl.zeros([1, acc.shape[1]], dtype=tl.float32)
+    x_even = tl.zeros([1, acc.shape[1]], dtype=tl.float32)
     for half in tl.static_range(2):
-        quad = tl.load(x_quads + half, mask=word_mask, other=0)
+        quad = first if half == 0 else second
         for pair in tl.static_range(2):
             bits = (quad >> (32 * pair)).to(tl.int32)  # the x of nibbles 2n (low half) and 2n + 1
             n = 2 * half + pair
-            if x_ptr.dtype.element_ty == tl.bfloat16:  # a bf16's bits are the top half of its fp32's
+            if dtype == tl.bfloat16:  # a bf16's bits are the top half of its fp32's
                 even = (bits << 16).to(tl.float32, bitcast=True)
                 odd = (bits & -65536).to(tl.float32, bitcast=True)
             else:
-                even = bits.to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
-                odd = (bits >> 16).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+                even = bits.to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+                odd = (bits >> 16).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
             # nibble 2n + 1 to bits 19..22, nibble 2n to bits 15..18: a shift by 15 - 8n
             if n < 2:
                 nibbles = packed << (15 - 8 * n)
             else:
                 nibbles = packed >> (8 * n - 15)
-            g = tl.fma(((nibbles & high) | 0x3F800000).to(tl.float32, bitcast=True), odd[None, :], g)
-            h = tl.fma(((nibbles & low) | 0x3F800000).to(tl.float32, bitcast=True), even[None, :], h)
+            g = tl.fma(((nibbles & high) | 0x3F800000).to(tl.float32, bitcast=True), odd, g)
+            h = tl.fma(((nibbles & low) | 0x3F800000).to(tl.float32, bitcast=True), even, h)
             x_odd += odd
             x_even += even
-    ones = (16.0 * x_odd + 256.0 * x_even)[None, :]  # what the 1s of 1 + q/16 and 1 + q/256 added
-    return tl.fma(scale, tl.fma(h, 256.0, tl.fma(g, 16.0, -tl.fma(zero, (x_odd + x_even)[None, :], ones))), acc)
+    ones = 16.0 * x_odd + 256.0 * x_even  # what the 1s of 1 + q/16 and 1 + q/256 added
+    return tl.fma(scale, tl.fma(h, 256.0, tl.fma(g, 16.0, -tl.fma(zero, x_odd + x_even, ones))), acc)
 
 
 def _int4_codes_ptx(magic: str, one: str, packed_type: str) -> str:
@@ -580,13 +624,14 @@ def gemv_silu_and_mul(
 
 def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, inter, K, K_SHARE, stride_wn,
                               stride_sn, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
-                              EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
     PAIRS: tl.constexpr = BLOCK_N // 2
     lanes = tl.arange(0, BLOCK_N)
     j = tl.program_id(0) * PAIRS + lanes // 2  # the output column each W row feeds
     rows = j + (lanes % 2) * inter  # gate row j, up row I + j
     y, last = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, x_ptr, part_ptr, count_ptr, rows, j < inter, 2 * inter, K, K_SHARE,
-                         stride_wn, stride_sn, False, W_FORMAT, HAS_ZEROS, GROUP, EVEN_K, SPLIT_K, BLOCK_N, BLOCK_K)
+                         stride_wn, stride_sn, False, W_FORMAT, HAS_ZEROS, GROUP, EVEN_K, SPLIT_K, BLOCK_N, BLOCK_K,
+                         PREFETCH)
     if last:
         gate, up = tl.split(tl.reshape(y, [PAIRS, 2]))
         cols = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
@@ -690,7 +735,7 @@ def _gemv_rotary_kv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, q_out_ptr, k_ca
                            positions_ptr, slots_ptr, part_ptr, count_ptr, N, K, K_SHARE, stride_wn, stride_sn, stride_cos,
                            stride_sin, num_heads, num_kv_heads, half, HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr,
                            HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
     """Program p owns dimensions d0 .. d0 + BLOCK_N/2 of one head (and their partners + D/2),
     counting the q heads, then the k heads, then the v heads, as the fused weight's rows
     are ordered."""
@@ -702,7 +747,8 @@ def _gemv_rotary_kv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, q_out_ptr, k_ca
     lanes = tl.arange(0, BLOCK_N)
     rows = head * head_dim + d0 + lanes // 2 + (lanes % 2) * half  # dim d0 + i, then its partner
     y, last = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, count_ptr, rows, lanes < BLOCK_N, N, K, K_SHARE,
-                         stride_wn, stride_sn, HAS_BIAS, W_FORMAT, HAS_ZEROS, GROUP, EVEN_K, SPLIT_K, BLOCK_N, BLOCK_K)
+                         stride_wn, stride_sn, HAS_BIAS, W_FORMAT, HAS_ZEROS, GROUP, EVEN_K, SPLIT_K, BLOCK_N, BLOCK_K,
+                         PREFETCH)
     if last:
         x1, x2 = tl.split(tl.reshape(y, [PAIRS, 2]))
         dims = d0 + tl.arange(0, PAIRS)

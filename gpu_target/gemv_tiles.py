@@ -10,7 +10,7 @@ bf16 weights keep gemv.py's own tiles. For FP8 and 4-bit weights a tile is looke
   bytes in flight and stream tens of KB, and the grid must cover the 132 SMs a few times.
   FP8: 8 rows over 1024 columns a program, fewer rows where N leaves fewer programs than
   SMs. 4-bit: the GEMV's instructions per code, not bytes, bound it (gemv.py's
-  `_int4_gemv_segment`); its x work (load, conversion, sum) is per thread and column, so
+  `_int4_gemv_sums`); its x work (load, conversion, sum) is per thread and column, so
   each thread should own several rows of the same columns: 128 rows over 128 columns on 2
   warps (8 rows of 4 words a thread), which leaves a 4096-row matrix only 32 programs, so K
   is split (`split_k`: deterministic, gemv.py's `_split_sum`) until the programs are
@@ -58,13 +58,20 @@ GEMV_CANDIDATES = {
             (32, 512, 4, 1), (32, 512, 8, 1), (32, 1024, 4, 1),
         )
     ],
-    # 4-bit: several rows a thread (its x work is per thread and column), programs from K shares
+    # 4-bit: several rows a thread (its x work is per thread and column), programs from K shares;
+    # the same with each segment's loads issued a segment ahead (`prefetch`)
     "int4": [
         dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=1, split_k=split_k)
         for block_n, block_k, warps, split_k in (
             (16, 512, 4, 1), (32, 512, 4, 1), (32, 256, 1, 4), (32, 256, 1, 8), (64, 256, 2, 2), (64, 256, 2, 4),
             (64, 256, 2, 8), (64, 256, 2, 16), (64, 128, 1, 8), (128, 128, 2, 2), (128, 128, 2, 4), (128, 128, 2, 8),
             (128, 128, 2, 16), (128, 256, 2, 4), (128, 128, 4, 4), (128, 256, 4, 8),
+        )
+    ] + [
+        dict(block_n=block_n, block_k=128, num_warps=warps, num_stages=1, split_k=split_k, prefetch=True)
+        for block_n, warps, split_k in (
+            (32, 1, 8), (32, 1, 16), (64, 2, 2), (64, 2, 4), (64, 2, 8), (64, 2, 16), (64, 4, 8), (128, 2, 4),
+            (128, 2, 8), (128, 2, 16), (128, 4, 4), (128, 4, 8),
         )
     ],
 }

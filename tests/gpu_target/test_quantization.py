@@ -414,10 +414,15 @@ def _assert_fused_equal_unfused(fmt, gate_up_pairs, positions, slots, tile, unfu
 @pytest.mark.parametrize("fmt", ["bf16", *FORMATS])
 @pytest.mark.parametrize("n,k,tile", [(37, 296, dict(block_n=8, block_k=64, split_k=3)),
                                       (64, 256, dict(block_n=16, block_k=128, split_k=2)),
+                                      (40, 256, dict(block_n=16, block_k=128, split_k=2)),
                                       (6, 2056, dict(block_n=4, block_k=512, split_k=5))])
-def test_split_k_gemv_matches_dequantised_matmul_and_resets_its_counters(fmt, n, k, tile):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_split_k_gemv_matches_dequantised_matmul_and_resets_its_counters(fmt, n, k, tile, prefetch):
     """K split in shares (the last share short or empty, K past the last whole tile, N past the
-    last whole row tile): the last program of each row tile sums the shares."""
+    last whole row tile, with K whole tiles or not): the last program of each row tile sums the
+    shares; with ``prefetch`` each tile's loads are issued a tile ahead (4-bit, K whole tiles:
+    unmasked), and the sums are bit for bit the same."""
+    tile = dict(tile, prefetch=prefetch)
     if fmt == "bf16":
         x, quantized, b, _ = _kernel_case("fp8", 1, n, k, torch.bfloat16, True)
         weight = quantized.dequantize(torch.bfloat16)
@@ -427,14 +432,16 @@ def test_split_k_gemv_matches_dequantised_matmul_and_resets_its_counters(fmt, n,
     got = gemv.gemv(x, weight, b, num_warps=1, **tile)
     torch.testing.assert_close(got.double(), expected, **_tolerance(torch.bfloat16, fmt))
     assert not gemv.split_counters(x.device).any()
+    if prefetch:
+        assert torch.equal(got, gemv.gemv(x, weight, b, num_warps=1, **dict(tile, prefetch=False)))
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_int4_gemv_is_exact_where_every_product_and_sum_is(symmetric, dtype, split_k):
+@pytest.mark.parametrize("split_k,prefetch", [(1, False), (2, False), (2, True)])
+def test_int4_gemv_is_exact_where_every_product_and_sum_is(symmetric, dtype, split_k, prefetch):
     """Small integer x, power-of-two scales, every code and zero point: each (q - z) s x and
-    every partial sum is exact in fp32, so the GEMV's rearranged sums (`_int4_gemv_segment`:
+    every partial sum is exact in fp32, so the GEMV's rearranged sums (`_int4_gemv_sums`:
     codes read as 1 + q/16 and 1 + q/256, the 1s taken off per word) must equal the exact
     product, rounded once, whichever nibble each code sits in. (Triton's interpreter rounds
     fp32 to bf16 toward zero, not to nearest: there bf16 results may sit one ulp below.)"""
@@ -448,7 +455,7 @@ def test_int4_gemv_is_exact_where_every_product_and_sum_is(symmetric, dtype, spl
                              None if zeros is None else zeros.to(DEVICE), group)
     x = torch.randint(-4, 5, (1, k), generator=generator).to(DEVICE, dtype)
     exact = x.double() @ weight.dequantize(torch.float32).double().t()
-    got = gemv.gemv(x, weight, block_n=8, block_k=256, num_warps=1, split_k=split_k)
+    got = gemv.gemv(x, weight, block_n=8, block_k=256, num_warps=1, split_k=split_k, prefetch=prefetch)
     if dtype == torch.bfloat16 and gemv._interpreting():
         torch.testing.assert_close(got.double(), exact, rtol=2.0**-7, atol=0)
         assert torch.equal(got.double(), exact.float().to(dtype).double()) or (got.double().abs() <= exact.abs()).all()
@@ -497,12 +504,12 @@ def test_int4_gemv_reads_x_at_any_offset():
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4-g32"])
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_quantized_fused_gemvs_with_several_pairs_a_program_equal_gemv_then_the_op(fmt, split_k):
+@pytest.mark.parametrize("split_k,prefetch", [(1, False), (3, False), (3, True)])
+def test_quantized_fused_gemvs_with_several_pairs_a_program_equal_gemv_then_the_op(fmt, split_k, prefetch):
     """The fused GEMVs take the quantised GEMV's tile, 4 row pairs a program here (the model's
-    tiny shapes get 1), K whole or split in 3 shares: bit for bit the GEMV followed by the op's
-    own kernel."""
-    tile = dict(block_n=8, block_k=32, num_warps=1, split_k=split_k)
+    tiny shapes get 1), K whole or split in 3 shares, loads a tile ahead or not: bit for bit
+    the GEMV followed by the op's own kernel."""
+    tile = dict(block_n=8, block_k=32, num_warps=1, split_k=split_k, prefetch=prefetch)
     # 9 gate/up pairs: a part-filled program
     _assert_fused_equal_unfused(fmt, 9, [29], [5], tile, gemv.gemv, gemv.gemv_silu_and_mul, gemv.gemv_rotary_and_store_kv)
 
