@@ -322,8 +322,10 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, count_ptr, rows, 
         SEG: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP
         acc = tl.zeros([BLOCK_N, SEG // 8], dtype=tl.float32)
         if PREFETCH:  # a segment at a time, the next one's loads before this one's arithmetic
-            # With EVEN_K the loads go unmasked: the last segment's "next" loads are its own again.
-            loads = _int4_gemv_loads(x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, k_start, k_end, stride_wn, stride_sn,
+            # With EVEN_K the loads go unmasked, each from a segment inside K: the last segment's
+            # "next" loads are its own again, and an empty share (K_SHARE past K) loads K's last.
+            first = k_start if not EVEN_K else tl.minimum(k_start, K - SEG)
+            loads = _int4_gemv_loads(x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, first, k_end, stride_wn, stride_sn,
                                      HAS_ZEROS, GROUP, EVEN_K, not EVEN_K, SEG)
             for start in range(k_start, k_end, SEG):
                 following = start + SEG if not EVEN_K else tl.minimum(start + SEG, k_end - SEG)

@@ -61,7 +61,7 @@ GEMV_CANDIDATES = {
     # 4-bit: several rows a thread (its x work is per thread and column), programs from K shares;
     # the same with each segment's loads issued a segment ahead (`prefetch`)
     "int4": [
-        dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=1, split_k=split_k)
+        dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=1, split_k=split_k, prefetch=False)
         for block_n, block_k, warps, split_k in (
             (16, 512, 4, 1), (32, 512, 4, 1), (32, 256, 1, 4), (32, 256, 1, 8), (64, 256, 2, 2), (64, 256, 2, 4),
             (64, 256, 2, 8), (64, 256, 2, 16), (64, 128, 1, 8), (128, 128, 2, 2), (128, 128, 2, 4), (128, 128, 2, 8),

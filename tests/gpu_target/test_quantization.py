@@ -415,13 +415,14 @@ def _assert_fused_equal_unfused(fmt, gate_up_pairs, positions, slots, tile, unfu
 @pytest.mark.parametrize("n,k,tile", [(37, 296, dict(block_n=8, block_k=64, split_k=3)),
                                       (64, 256, dict(block_n=16, block_k=128, split_k=2)),
                                       (40, 256, dict(block_n=16, block_k=128, split_k=2)),
+                                      (16, 1024, dict(block_n=16, block_k=128, split_k=16)),
                                       (6, 2056, dict(block_n=4, block_k=512, split_k=5))])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_split_k_gemv_matches_dequantised_matmul_and_resets_its_counters(fmt, n, k, tile, prefetch):
     """K split in shares (the last share short or empty, K past the last whole tile, N past the
-    last whole row tile, with K whole tiles or not): the last program of each row tile sums the
-    shares; with ``prefetch`` each tile's loads are issued a tile ahead (4-bit, K whole tiles:
-    unmasked), and the sums are bit for bit the same."""
+    last whole row tile, K in whole tiles or not, half the shares empty): the last program of
+    each row tile sums the shares; with ``prefetch`` each tile's loads are issued a tile ahead
+    (4-bit, K in whole tiles: unmasked), and the sums are bit for bit the same."""
     tile = dict(tile, prefetch=prefetch)
     if fmt == "bf16":
         x, quantized, b, _ = _kernel_case("fp8", 1, n, k, torch.bfloat16, True)
