@@ -223,11 +223,15 @@ class Drafter:
         self,
         requests: Sequence[tuple[SeqId, int]],
         interrupt: Optional[Callable[[], bool]] = None,
+        cut: Optional[Callable[[], bool]] = None,
     ) -> Optional[list[TokenTree]]:
         """One tree per (seq_id, max_nodes), from each sequence's current context.
 
         ``interrupt`` is polled between depth levels; when it returns True drafting stops and
-        None is returned (the KV stays consistent, no chain is recorded).
+        None is returned (the KV stays consistent, no chain is recorded). ``cut`` is polled
+        there next; when it returns True drafting stops and the trees of the levels drafted so
+        far are returned, with their chains: what a smaller budget would have drafted (their
+        sizes' `tree_levels` are a prefix of the budget's).
         """
         trees = [TokenTree.empty() for _ in requests]
         batch_ids = {seq_id for seq_id, _ in requests}
@@ -252,6 +256,8 @@ class Drafter:
                 break
             if interrupt is not None and interrupt():
                 return None
+            if cut is not None and cut():
+                break
             top = self._forward_top([w.state for w in active], [[w.builder.chain[-1]] for w in active], _level_width(active))
         for w in work:
             w.state.chain = w.builder.chain

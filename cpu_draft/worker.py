@@ -10,9 +10,11 @@ GPU verifies step t. When the next PROPOSE arrives, a sequence whose real contex
 the guessed one gets the tree drafted ahead as it is; any other sequence has its KV cut
 back to the longest prefix it shares with the real context (the accepted part of the
 chain is usually still there) and is drafted again. Drafting ahead stops at the next
-depth level once a message is waiting, so it delays a request by at most one forward,
-unless that message asks for the very trees being drafted (the guess held): then they are
-finished, since drafting them again would cost more.
+depth level once a message is waiting, so it delays a request by at most one forward.
+Where that message asks for the very trees being drafted (the guess held), a single
+sequence's draft is finished (drafting it again would cost more), and a batch's trees are
+cut at the level they reached and sent as they are, shallower, rather than holding the
+whole batch's step for the rest.
 Sequences the coordinator decodes without trees (prefill, plain steps) arrive as SYNC
 updates; the worker feeds their new tokens and drafts their next trees between messages
 (`DraftService.catch_up`), so a prompt's draft prefill and a return to speculation after
@@ -147,6 +149,14 @@ class DraftService:
         """Stop drafting ahead for a waiting message, unless it asks for what is being drafted."""
         return lambda: pending() is not None and not self.needed_by(pending(), seq_ids)
 
+    @staticmethod
+    def _cut(pending, seq_ids: Sequence[int]):
+        """Polled after `_interrupt` let drafting go on: a waiting proposal asks for these very
+        trees. Several sequences' trees are cut at the level they reached and go out as they are
+        (shallower trees, not a whole batch's step held for the rest of a draft that overran it);
+        one sequence's draft is finished (its levels cost less than the tokens they add)."""
+        return lambda: len(seq_ids) > 1 and pending() is not None
+
     def catch_up(self, pending) -> None:
         """Between messages: feed the stale sequences' new tokens and draft their next trees
         (``budget`` nodes, or the last budget asked), until done or a message is waiting
@@ -163,7 +173,7 @@ class DraftService:
         # A sequence answered without a tree is decoding its next token on the GPU now: draft from the guess of it.
         guessed = set(self.drafter.assume_accepted([s for s in stale if s in self.unserved]))
         requests = [(seq_id, self._planned(self.budget)) for seq_id in stale]
-        trees = self.drafter.draft(requests, interrupt=self._interrupt(pending, stale))
+        trees = self.drafter.draft(requests, interrupt=self._interrupt(pending, stale), cut=self._cut(pending, stale))
         if trees is None:
             return
         for (seq_id, max_nodes), tree in zip(requests, trees):
@@ -250,11 +260,13 @@ class DraftService:
             polls += 1
             return interrupt()
 
-        trees = self.drafter.draft(requests, interrupt=counted_interrupt)
+        trees = self.drafter.draft(requests, interrupt=counted_interrupt, cut=self._cut(pending, extended))
         # Its forwards: the guess's, the first level's and one more per poll that let drafting go
-        # on. An interrupted draft counts too: learning from finished ones alone, the capacity
-        # plan would keep planning the drafts that overrun the step (they are the ones cut off).
-        levels = max(len(tree_levels(n, self.drafter.options.tree_width)) for _, n in requests) if trees is not None else polls
+        # on (the levels of its deepest tree where it was cut short). An interrupted draft counts
+        # too: learning from finished ones alone, the capacity plan would keep planning the
+        # drafts that overrun the step (they are the ones cut off).
+        width = self.drafter.options.tree_width
+        levels = max(len(tree_levels(len(tree), width)) for tree in trees) if trees is not None else polls
         self.capacity.observe_levels(time.perf_counter() - started, levels + 1, len(requests))
         if trees is None:
             return

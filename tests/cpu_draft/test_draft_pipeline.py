@@ -168,6 +168,36 @@ def test_drafting_ahead_goes_on_for_a_proposal_that_asks_for_the_guessed_context
     assert service.stats.predraft_hits == 2
 
 
+def test_a_batchs_draft_ahead_that_a_proposal_asks_for_is_cut_at_the_level_it_reached(tiny_llama_dir):
+    """Two sequences drafted ahead; the proposal confirming both guesses arrives mid-draft: the
+    trees go out at the depth reached (what a smaller budget drafts from the guessed context),
+    not after the rest of the levels, and they are the proposal's hits."""
+    service = _service(tiny_llama_dir)
+    service.apply_updates(update_arrays([ContextUpdate(1, 0, PROMPT), ContextUpdate(2, 0, PROMPT[5:])]))
+    service.catch_up(lambda: None)
+    service.propose([(1, 4), (2, 4)])
+    polls = []
+
+    def pending():  # nothing waits at first; then the proposal that confirms both guesses
+        polls.append(1)
+        if len(polls) <= 2:
+            return None
+        return _propose_message([ContextUpdate(s, len(service.contexts[s]), service.drafter.context(s)[len(service.contexts[s]):])
+                                 for s in (1, 2)], [(1, 4), (2, 4)])
+
+    service.draft_ahead([(1, 4), (2, 4)], pending)
+    ahead = {s: service.predrafted[s] for s in (1, 2)}
+    assert all(0 < len(a.tree) < 4 for a in ahead.values())  # cut, not dropped and not finished
+    for seq_id, a in ahead.items():
+        fresh = Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32))
+        fresh.set_context(seq_id, a.context)
+        assert a.tree.token_list == fresh.draft([(seq_id, len(a.tree))])[0].token_list
+    service.apply_updates(pending().arrays)
+    hits = service.stats.predraft_hits
+    trees = service.propose([(1, 4), (2, 4)])
+    assert service.stats.predraft_hits == hits + 2 and [len(t) for t in trees] == [len(ahead[s].tree) for s in (1, 2)]
+
+
 def test_drafting_ahead_stops_for_a_proposal_of_another_context(tiny_llama_dir):
     service = _service(tiny_llama_dir)
     chain = _proposed_chain(service)
