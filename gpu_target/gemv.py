@@ -282,7 +282,8 @@ def gemv(
 
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, K_SHARE, stride_wn, stride_sn,
                  HAS_BIAS: tl.constexpr, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
-                 EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+                 EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PREFETCH: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     y, last = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, count_ptr, rows, row_mask, N, K, K_SHARE,
@@ -409,8 +410,9 @@ def _int4_gemv_loads(x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, end, str
     W as stored, [BLOCK_N, WIDTH / 8] int32 (eight codes a word, column 8j + i in nibble i),
     so each thread loads several consecutive words as one vector; the rows' group scale
     (fp32) and zero point; x as two [1, WIDTH / 8] int64 tiles, each word's first and second
-    four columns (8 bytes a load). Without MASKED the caller vouches that the columns lie inside K: the loads take no
-    predicates (nor the zeros a masked load first writes), and rows outside W read row 0."""
+    four columns (8 bytes a load). Without MASKED the caller vouches that the columns lie
+    inside K: the loads take no predicates (nor the zeros a masked load first writes), and
+    rows outside W read row 0."""
     words = tl.multiple_of(start // 8, WIDTH // 8) + tl.arange(0, WIDTH // 8)  # segments start at multiples of WIDTH
     x_quads = x_ptr.to(tl.pointer_type(tl.int64)) + (words * 2)[None, :]
     if MASKED:
@@ -626,7 +628,8 @@ def gemv_silu_and_mul(
 
 def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, inter, K, K_SHARE, stride_wn,
                               stride_sn, W_FORMAT: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
-                              EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+                              EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PREFETCH: tl.constexpr):
     PAIRS: tl.constexpr = BLOCK_N // 2
     lanes = tl.arange(0, BLOCK_N)
     j = tl.program_id(0) * PAIRS + lanes // 2  # the output column each W row feeds
