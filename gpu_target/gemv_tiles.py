@@ -14,7 +14,8 @@ bf16 weights keep gemv.py's own tiles. For FP8 and 4-bit weights a tile is looke
   each thread should own several rows of the same columns: 128 rows over 128 columns on 2
   warps (8 rows of 4 words a thread), which leaves a 4096-row matrix only 32 programs, so K
   is split (`split_k`: deterministic, gemv.py's `_split_sum`) until the programs are
-  4 per SM, each share at least two K tiles.
+  4 per SM, each share at least two K tiles; each segment's loads are issued a segment
+  ahead (`prefetch`, which the sweep picked for every 8B projection).
 - skinny GEMM (2..64 rows): gemv.py's bf16 tile has 64 W rows a program, which leaves a
   4096-row matrix 64 programs (half the SMs); FP8 W streams fewer bytes per row, so 32-row
   programs (16 under N = 4096) cover the GPU. 4-bit W: 64 rows a warpgroup (4 warps) over
@@ -142,7 +143,7 @@ def heuristic_gemv_tile(fmt: str, n: int, k: int) -> dict:
     split_k = 1
     while split_k < 16 and -(-n // block_n) * split_k < 4 * SMS and k // (4 * split_k) >= block_k:
         split_k *= 2
-    return dict(block_n=block_n, block_k=block_k, num_warps=2, num_stages=1, split_k=split_k)
+    return dict(block_n=block_n, block_k=block_k, num_warps=2, num_stages=1, split_k=split_k, prefetch=True)
 
 
 def heuristic_skinny_tile(fmt: str, n: int, k: int, block_m: int) -> dict:

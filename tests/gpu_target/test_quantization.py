@@ -776,7 +776,7 @@ def test_quantized_tiles_come_from_the_sweeps_table_else_the_heuristic(tmp_path)
         assert k // tile["split_k"] >= 2 * 128
     assert gemv_tiles.heuristic_gemv_tile("int4", 28672, 4096)["split_k"] == 4  # 224 row tiles: 896 programs
     assert gemv_tiles.heuristic_gemv_tile("int4", 96, 256) == dict(block_n=4, block_k=128, num_warps=2, num_stages=1,
-                                                                  split_k=1)  # a small model's: 24 programs, two K tiles
+                                                                  split_k=1, prefetch=True)  # a small model's: 24 programs
     assert gemv_tiles.heuristic_gemv_tile("fp8", 64, 256)["block_n"] == 2
     for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)):  # a warpgroup's 64 W rows over one group
         tile = gemv_tiles.heuristic_skinny_tile("int4", n, k, 32)
