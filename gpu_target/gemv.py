@@ -414,31 +414,27 @@ def _int4_gemv_loads(x_ptr, w_ptr, s_ptr, z_ptr, rows, row_mask, start, end, str
     inside K: the loads take no predicates (nor the zeros a masked load first writes), and
     rows outside W read row 0."""
     words = tl.multiple_of(start // 8, WIDTH // 8) + tl.arange(0, WIDTH // 8)  # segments start at multiples of WIDTH
-    x_quads = x_ptr.to(tl.pointer_type(tl.int64)) + (words * 2)[None, :]
     if MASKED:
+        read_rows = rows.to(tl.int64)
         # With K a multiple of the tile (EVEN_K) a segment lies wholly inside K or past it: a mask
         # constant along the words lets each thread load its words as one vector.
         word_mask = (words < end // 8) if not EVEN_K else (tl.full([WIDTH // 8], start, tl.int32) < end)
-        packed = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + words[None, :],
-                         mask=row_mask[:, None] & word_mask[None, :], other=0)
-        group = rows.to(tl.int64) * stride_sn + start // GROUP
+        w_mask, x_mask = row_mask[:, None] & word_mask[None, :], word_mask[None, :]
         group_mask = row_mask & (tl.full([1], start, tl.int32) < end)  # a GEMV tile's segments may end past K
-        scale = tl.load(s_ptr + group, mask=group_mask, other=0.0).to(tl.float32)[:, None]
-        if HAS_ZEROS:
-            zero = tl.load(z_ptr + group, mask=group_mask, other=0).to(tl.float32)[:, None]
-        first = tl.load(x_quads, mask=word_mask[None, :], other=0)
-        second = tl.load(x_quads + 1, mask=word_mask[None, :], other=0)
+        fill = 0
     else:
-        inside = tl.where(row_mask, rows, 0).to(tl.int64)
-        packed = tl.load(w_ptr + inside[:, None] * stride_wn + words[None, :])
-        group = inside * stride_sn + start // GROUP
-        scale = tl.load(s_ptr + group).to(tl.float32)[:, None]
-        if HAS_ZEROS:
-            zero = tl.load(z_ptr + group).to(tl.float32)[:, None]
-        first = tl.load(x_quads)
-        second = tl.load(x_quads + 1)
-    if not HAS_ZEROS:
+        read_rows = tl.where(row_mask, rows, 0).to(tl.int64)
+        w_mask, x_mask, group_mask, fill = None, None, None, None
+    packed = tl.load(w_ptr + read_rows[:, None] * stride_wn + words[None, :], mask=w_mask, other=fill)
+    group = read_rows * stride_sn + start // GROUP
+    scale = tl.load(s_ptr + group, mask=group_mask, other=fill).to(tl.float32)[:, None]
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + group, mask=group_mask, other=fill).to(tl.float32)[:, None]
+    else:
         zero = tl.full([1, 1], 8.0, tl.float32)  # int4.SYMMETRIC_ZERO (a kernel reads no module globals)
+    x_quads = x_ptr.to(tl.pointer_type(tl.int64)) + (words * 2)[None, :]
+    first = tl.load(x_quads, mask=x_mask, other=fill)
+    second = tl.load(x_quads + 1, mask=x_mask, other=fill)
     return packed, scale, zero, first, second
 
 
