@@ -7,7 +7,9 @@ shape (`load_format="dummy"`, quantised as drawn) is timed on:
            (every projection's quantised bytes, the LM head, the B embedding rows and the
            KV cache) over the measured device copy bandwidth;
   verify   step ms of verifying a 16-node chain per sequence at batch 1 over a plain step;
-`speedup_vs_none` divides each format's tokens/s by bf16's from the same run.
+  prefill  ms from adding one prompt of each `--prefill-lens` length to its first token, the
+           prompt in one engine step (a fresh prompt each time: the prefix cache stays cold);
+`speedup_vs_none` divides each format's tokens/s (prefill: prompt tokens/s) by bf16's from the same run.
 
 `--shape 70b` times Llama-3-70B's shape instead (FP8 only fits one 80 GB GPU): it also
 reports the KV cache's capacity in tokens left next to the weights. Speculation on a
@@ -16,6 +18,7 @@ quantised target (plain against the CPU draft, agreement built in) is `bench.e2e
 
     python -m bench.quant_decode --quantization none,fp8,int4 --out bench/results
     python -m bench.quant_decode --shape 70b --quantization fp8 --batches 1 --sections decode --out bench/results
+    python -m bench.quant_decode --quantization none,fp8,int4 --sections prefill --prefill-lens 128,512,1536
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ import torch
 
 from bench._machine import describe_machine
 from bench._report import section_tables, write_markdown_and_json
-from bench.gpu_decode import LLAMA3_8B, LLAMA3_70B, ChainOracle, copy_bandwidth, graph_replay_ms, random_prompts, timed_decode, timed_steps
+from bench.gpu_decode import (LLAMA3_8B, LLAMA3_70B, ChainOracle, copy_bandwidth, graph_replay_ms, greedy, random_prompts,
+                              timed_decode, timed_steps)
 from gpu_target.quantization.linear import QuantizedLinear
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
@@ -42,10 +46,10 @@ SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
 
 
 def engine_for(model_dir: str, quantization: str | None, max_num_seqs: int, utilization: float, max_model_len: int,
-               proposer=None, num_speculative_tokens=None) -> LLMEngine:
+               proposer=None, num_speculative_tokens=None, max_num_batched_tokens: int = 512) -> LLMEngine:
     config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                           quantization=quantization, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max(512, max_num_seqs), gpu_memory_utilization=utilization,
+                          max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs), gpu_memory_utilization=utilization,
                           num_speculative_tokens=num_speculative_tokens)
     return LLMEngine(config, proposer=proposer)
 
@@ -112,12 +116,34 @@ def bench_verify(model_dir, quantization, tree_nodes, prompt_len, utilization, m
     del engine
 
 
+def bench_prefill(model_dir, quantization, prompt_lens, utilization, max_model_len, rows, repeats=5):
+    engine = engine_for(model_dir, quantization, 1, utilization, max_model_len, max_num_batched_tokens=max(prompt_lens))
+    vocab = engine.model_config.vocab_size
+    for length in prompt_lens:
+        times = []
+        for repeat in range(repeats + 1):  # the first one warms up
+            prompt = random_prompts(1, length, vocab, seed=length * 100 + repeat)[0]
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.add_request(f"p{time.monotonic_ns()}", prompt, greedy(1))
+            while engine.has_unfinished_requests():
+                engine.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        seconds = float(np.median(times[1:]))
+        rows.append(dict(section="prefill", quantization=quantization or "none", prompt_tokens=length,
+                         ms=round(1e3 * seconds, 2), tokens_per_s=round(length / seconds, 1)))
+        print(rows[-1], flush=True)
+    del engine
+
+
 def add_speedups(rows: list[dict]) -> None:
-    """speedup_vs_none on each decode row, against bf16's row of the same batch."""
-    base = {r["batch"]: r["tokens_per_s"] for r in rows if r.get("section") == "decode" and r["quantization"] == "none"}
-    for row in rows:
-        if row.get("section") == "decode" and row["batch"] in base:
-            row["speedup_vs_none"] = round(row["tokens_per_s"] / base[row["batch"]], 2)
+    """speedup_vs_none on each decode (prefill) row, against bf16's row of the same batch (prompt length)."""
+    for section, key in (("decode", "batch"), ("prefill", "prompt_tokens")):
+        base = {r[key]: r["tokens_per_s"] for r in rows if r.get("section") == section and r["quantization"] == "none"}
+        for row in rows:
+            if row.get("section") == section and row[key] in base:
+                row["speedup_vs_none"] = round(row["tokens_per_s"] / base[row[key]], 2)
 
 
 def main(argv=None) -> None:
@@ -129,6 +155,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--tree-nodes", type=int, default=16)
+    parser.add_argument("--prefill-lens", default="128,512,1536", help="prompt lengths the prefill section times")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="default: 0.55 for 8b (as bench.gpu_decode), 0.97 for 70b")
@@ -154,10 +181,15 @@ def main(argv=None) -> None:
             bench_verify(model_dir, quantization, args.tree_nodes, args.prompt_len, utilization, args.max_model_len, rows)
             gc.collect()
             torch.cuda.empty_cache()
+        if "prefill" in sections:
+            bench_prefill(model_dir, quantization, [int(n) for n in args.prefill_lens.split(",")], utilization,
+                          args.max_model_len, rows)
+            gc.collect()
+            torch.cuda.empty_cache()
     add_speedups(rows)
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name(), python=platform.python_version())
     command = "python -m bench.quant_decode " + " ".join(sys.argv[1:] if argv is None else argv)
-    body = section_tables(rows, ("machine", "memory", "decode", "verify"))
+    body = section_tables(rows, ("machine", "memory", "decode", "verify", "prefill"))
     stem = os.path.join(args.out, f"quant_decode-{args.shape}-{time.strftime('%Y%m%d-%H%M%S')}")
     print(write_markdown_and_json(stem, f"Quantised target decode ({args.shape}, {info['gpu']})", command, info, rows, body))
 

@@ -2,8 +2,8 @@
 
 For each projection, format (fp8, int4) and row count M in ``--rows`` times `QuantizedLinear`
 (the kernel it routes to: 1 row the quantised GEMV; 2..64 the quantised skinny GEMM, for
-fp8 the kernel gpu_target/gemv_tiles.py's `fp8_path` names; 65+ W8A8 `scaled_mm` for fp8,
-dequantise + cuBLAS for int4) and hetero's bf16 `gemv.linear`, each call reading another
+fp8 the kernel gpu_target/gemv_tiles.py's `fp8_path` names; 65+ W8A8 `scaled_mm` for fp8;
+for int4 65..128 the skinny GEMM on each half of the rows, more a Triton dequantisation + cuBLAS) and hetero's bf16 `gemv.linear`, each call reading another
 copy of the weights (bench.gemv's method: copies past L2, in one CUDA graph), and reports
 microseconds, TB/s of the bytes streamed (quantised weights + scales) and the speed-up over
 bf16. For fp8 at 2..64 rows it also times each kernel side by side: the W8A16 skinny GEMM

@@ -14,7 +14,11 @@
   where it names one the model feeds the projection rows its norm or SiLU-and-mul kernel
   quantised already (gpu_target/fp8_activations.py, through `forward_fp8`).
 - more rows, FP8 on CUDA in bf16: `fp8_gemm.scaled_mm` (W8A8, per-token activation scales).
-- otherwise (the CPU, 4-bit prefill): W dequantised to x's dtype, then F.linear.
+- 65..128 rows, 4-bit: `gemv.skinny_gemm` on each half of the rows (two passes over the
+  codes still beat one dequantised copy of W: `bench.quant_gemv --rows 65,128,192`).
+- more rows, 4-bit on CUDA: W dequantised whole by one Triton pass (`int4_dequant.dequantize`),
+  then F.linear (cuBLAS), as vLLM runs AWQ's large batches.
+- otherwise (the CPU): W dequantised to x's dtype by torch, then F.linear.
 """
 from __future__ import annotations
 
@@ -25,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_target import fp8_gemm, gemv, gemv_tiles
+from gpu_target import fp8_gemm, gemv, gemv_tiles, int4_dequant
 from gpu_target.fp8_activations import Fp8Rows
 from gpu_target.quantization import QuantizedWeight, fp8
+from gpu_target.quantization.int4 import Int4Weight
 
 
 class QuantizedLinear(nn.Module):
@@ -63,6 +68,11 @@ class QuantizedLinear(nn.Module):
             return fp8_gemm.scaled_mm(x, weight, self.bias)
         if gemv.streaming_applies(x, weight):
             return gemv.gemv(x, weight, self.bias) if x.shape[0] == 1 else gemv.skinny_gemm(x, weight, self.bias)
+        if isinstance(weight, Int4Weight) and x.shape[0] <= 2 * gemv.MAX_STREAMING_ROWS and gemv.streaming_applies(x[:1], weight):
+            half = (x.shape[0] + 1) // 2
+            return torch.cat([gemv.skinny_gemm(x[:half], weight, self.bias), gemv.skinny_gemm(x[half:], weight, self.bias)])
+        if isinstance(weight, Int4Weight):  # in stored order (act-order's x gathered above)
+            return F.linear(x, int4_dequant.dequantize(weight, x.dtype), self.bias)
         return F.linear(x, weight.dequantize(x.dtype), self.bias)
 
     def forward_fp8(self, x: Fp8Rows, path: str) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from gpu_target import gemv
+from gpu_target import gemv, int4_dequant
 from gpu_target.loader import load_config, load_state_dict, random_state_dict
 from gpu_target.model import build_model
 from gpu_target.quantization import fp8, int4
@@ -534,21 +534,42 @@ def test_quantized_linear_dispatches_by_rows(monkeypatch):
     linear = QuantizedLinear(256, 64, bias=False)
     linear.load_weight(int4.quantize_int4(torch.randn(64, 256) / 16, 128))
     calls = []
-    for name in ("gemv", "skinny_gemm"):
-        original = getattr(gemv, name)
-        monkeypatch.setattr(gemv, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    for module, name in ((gemv, "gemv"), (gemv, "skinny_gemm"), (int4_dequant, "_jit")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
     reference = linear.quantized.dequantize(torch.bfloat16)
-    for m in (1, 17, 65):
+    for m in (1, 17, 65, 129):
         x = torch.randn(m, 256, dtype=torch.bfloat16)
         torch.testing.assert_close(linear(x).float(), F.linear(x, reference).float(), rtol=2.0**-6, atol=2e-2)
-    assert calls == []  # CPU tensors: dequantise, then F.linear
+    assert calls == []  # CPU tensors: dequantise with torch, then F.linear
     monkeypatch.setattr(gemv, "_stream_cpu_tensors_when_interpreting", True)
-    for m in (1, 17, 65):
+    monkeypatch.setattr(int4_dequant, "_run_cpu_tensors_when_interpreting", True)
+    for m in (1, 17, 65, 129):
         x = torch.randn(m, 256, dtype=torch.bfloat16)
         torch.testing.assert_close(linear(x).float(), F.linear(x, reference).float(), rtol=2.0**-6, atol=2e-2)
-    assert calls == (["gemv", "skinny_gemm"] if gemv._interpreting() else [])
+    # 65 rows: the skinny GEMM on 33 and 32; 129: W dequantised by the Triton pass
+    assert calls == (["gemv", "skinny_gemm", "skinny_gemm", "skinny_gemm", "_jit"] if gemv._interpreting() else [])
     with pytest.raises(ValueError, match="does not fit"):
         linear.load_weight(fp8.quantize_fp8(torch.randn(64, 128)))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k,group", [(70, 296, 8), (64, 512, 128), (5, 200, 40), (9, 1000, 1000)])
+def test_int4_dequantize_kernel_gives_the_weights_torch_gives(monkeypatch, symmetric, dtype, n, k, group):
+    """The Triton pass (4-bit rows above the streaming kernels') gives W_stored exactly as
+    `dequantize_stored` does: N past the last row tile, K past the last K tile, groups that
+    no power-of-two K tile fills (40, and one group of all 1000 columns). (Triton's interpreter
+    rounds fp32 to bf16 toward zero: there bf16 must equal the truncated float32 weights.)"""
+    monkeypatch.setattr(int4_dequant, "_run_cpu_tensors_when_interpreting", True)
+    weight = int4.quantize_int4(torch.randn(n, k).to(DEVICE), group, symmetric=symmetric)
+    got = int4_dequant.dequantize(weight, dtype)
+    assert got.shape == (n, k) and got.dtype == dtype
+    if dtype == torch.bfloat16 and gemv._interpreting():
+        bits = weight.dequantize_stored(torch.float32).view(torch.int32) & ~0xFFFF
+        assert torch.equal(got, bits.view(torch.float32).to(dtype))
+    else:
+        assert torch.equal(got, weight.dequantize_stored(dtype))
 
 
 # --------------------------------------------------------------------------- the engine
@@ -628,9 +649,12 @@ def test_quant_decode_bench_counts_the_bytes_a_step_reads(tiny_llama_dir):
     assert projections == elements + 4 * output_rows  # one byte per weight, a float32 scale per output channel
     assert weight_bytes_read(model, batch=3) == projections + rest + 3 * h * 4
     rows = [dict(section="decode", quantization="none", batch=1, tokens_per_s=100.0),
-            dict(section="decode", quantization="fp8", batch=1, tokens_per_s=180.0)]
+            dict(section="decode", quantization="fp8", batch=1, tokens_per_s=180.0),
+            dict(section="prefill", quantization="none", prompt_tokens=512, tokens_per_s=4000.0),
+            dict(section="prefill", quantization="int4", prompt_tokens=512, tokens_per_s=1000.0),
+            dict(section="prefill", quantization="int4", prompt_tokens=128, tokens_per_s=1000.0)]
     add_speedups(rows)
-    assert [r["speedup_vs_none"] for r in rows] == [1.0, 1.8]
+    assert [r.get("speedup_vs_none") for r in rows] == [1.0, 1.8, 1.0, 0.25, None]
 
 
 # --------------------------------------------------------------------------- fused epilogues on quantised weights
