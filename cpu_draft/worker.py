@@ -20,7 +20,12 @@ updates; the worker feeds their new tokens and drafts their next trees between m
 (`DraftService.catch_up`), so a prompt's draft prefill and a return to speculation after
 plain steps cost the coordinator nothing. A proposal that arrives before that catch-up
 (the coordinator's SYNC and its next proposal often come together) gets pending trees for
-those sequences, which the engine's controller does not judge.
+those sequences, which the engine's controller does not judge. An answer without trees while
+prompts prefill says when the backlog will be done at the measured rate (`ready_in_s`), and
+until then the coordinator answers such proposals itself instead of waiting for the worker's
+current forward to end. After `PLAIN_WINDOWS_DRAFTED` SYNCs in a row (speculation is off) the
+catch-up feeds the tokens but drafts no trees: they would only contend with the engine for
+the host's cores and memory.
 
 Stats: ``exposed_s`` is draft time between receiving PROPOSE and replying (the
 coordinator waits for it); ``hidden_s`` is drafting-ahead time between replying and
@@ -49,6 +54,7 @@ from ipc import Channel, Message, PeerDeadError
 
 logger = logging.getLogger("hetero.cpu_draft.worker")
 NEXT_MESSAGE_SPIN_S = 0.02  # between messages the worker spins this long before it sleeps: the next step's request is due soon
+PLAIN_WINDOWS_DRAFTED = 2  # SYNCs in a row after which catch-up feeds tokens but drafts no trees (speculation is off)
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,7 @@ class DraftService:
     unserved: set[int] = field(default_factory=set)  # stale sequences the last proposal answered without a tree (a prompt to prefill)
     fresh: set[int] = field(default_factory=set)  # new, or told of tokens by SYNC (steps without trees), since their last proposal
     depth: Optional[int] = None  # the depth `DraftCapacity.plan` chose at the last proposal (None: the budget's)
+    prefill_tokens_per_s: float = 0.0  # the last catch-up's prompt prefill rate (0: none measured yet)
 
     def apply_updates(self, arrays, plain: bool = False) -> None:
         """Take a message's context updates and releases; ``plain``: a SYNC's, of steps decoded without trees."""
@@ -157,10 +164,11 @@ class DraftService:
         one sequence's draft is finished (its levels cost less than the tokens they add)."""
         return lambda: len(seq_ids) > 1 and pending() is not None
 
-    def catch_up(self, pending) -> None:
-        """Between messages: feed the stale sequences' new tokens and draft their next trees
-        (``budget`` nodes, or the last budget asked), until done or a message is waiting
-        (``pending()``: the waiting message, or None)."""
+    def catch_up(self, pending, draft: bool = True) -> None:
+        """Between messages: feed the stale sequences' new tokens and, with ``draft``, draft their
+        next trees (``budget`` nodes, or the last budget asked), until done or a message is
+        waiting (``pending()``: the waiting message, or None). Without ``draft`` the sequences
+        stay stale: their trees are drafted at the next catch-up that drafts, or when asked."""
         if not self.overlap or not self.budget or pending() is not None:
             return
         stale = sorted(self.stale)
@@ -168,7 +176,12 @@ class DraftService:
             self.drafter.set_context(seq_id, self.contexts[seq_id])
         # The new tokens in short forwards that a waiting message interrupts (a large batch's
         # tokens of a plain window would otherwise be one long forward the next proposal waits for).
-        if not stale or not self.drafter.prefill(stale, interrupt=lambda: pending() is not None):
+        backlog, started = self.prefill_backlog(stale), time.perf_counter()
+        done = bool(stale) and self.drafter.prefill(stale, interrupt=lambda: pending() is not None)
+        fed = backlog - self.prefill_backlog(stale)
+        if fed >= SHORT_FEED_TOKENS:
+            self.prefill_tokens_per_s = fed / (time.perf_counter() - started)
+        if not done or not draft:
             return
         # A sequence answered without a tree is decoding its next token on the GPU now: draft from the guess of it.
         guessed = set(self.drafter.assume_accepted([s for s in stale if s in self.unserved]))
@@ -181,6 +194,24 @@ class DraftService:
             self.predrafted[seq_id] = _Predrafted(list(context), max_nodes, tree)
         self.stale.clear()
         self.unserved.clear()
+
+    def prefill_backlog(self, seq_ids) -> int:
+        """Tokens a catch-up must prefill before ``seq_ids`` get trees: their contexts' tokens
+        not in the draft's KV, where more than a short feed (prompts, long plain stretches)."""
+        backlog = 0
+        for seq_id in seq_ids:
+            uncached = len(self.contexts[seq_id]) - self.drafter.kv_length(seq_id)
+            backlog += uncached if uncached > SHORT_FEED_TOKENS else 0
+        return backlog
+
+    def ready_in_s(self, trees: Sequence[TokenTree]) -> float:
+        """Time until a proposal with no tree ready, some pending, can get trees: the stale
+        sequences' prefill backlog at the measured rate (0: trees came, or no rate yet). The
+        coordinator answers such proposals itself meanwhile, rather than wait for this worker's
+        current forward to end for an answer it knows."""
+        if not self.prefill_tokens_per_s or any(tree.ready and len(tree) for tree in trees) or all(tree.ready for tree in trees):
+            return 0.0
+        return self.prefill_backlog(self.stale) / self.prefill_tokens_per_s
 
     def propose(self, batch: list[tuple[int, int]]) -> list[TokenTree]:
         """Trees for (seq_id, max_nodes): drafted ahead where the guess held; none for sequences
@@ -301,6 +332,7 @@ class _Loop:
 
     def run(self) -> None:
         answered: Optional[float] = None  # when the last proposal was answered (time.monotonic), while no SYNC came since
+        syncs = 0  # SYNCs since the last proposal: plain windows in a row
         timeline = logger.isEnabledFor(logging.DEBUG)
         while True:
             message, arrived = self.next_message()
@@ -313,8 +345,11 @@ class _Loop:
             hits, misses = stats.predraft_hits, stats.predraft_misses
             self.service.apply_updates(message.arrays, plain=message.kind == SYNC)
             if message.kind == SYNC:
-                answered = None
-                self.service.catch_up(self.pending)
+                answered, syncs = None, syncs + 1
+                # After a plain window or two (a controller's comparison, prompts prefilling) the
+                # next proposal is due: draft for it. Past that speculation is off, and its trees
+                # would only contend for the host's cores and memory with the engine: feed the tokens only.
+                self.service.catch_up(self.pending, draft=syncs <= PLAIN_WINDOWS_DRAFTED)
                 stats.hidden_s += time.monotonic() - started
                 if timeline:
                     logger.debug("SYNC queued %.2f ms, caught up in %.2f ms", 1e3 * (started - arrived), 1e3 * (time.monotonic() - started))
@@ -326,9 +361,10 @@ class _Loop:
             if cycle is not None:
                 self.service.capacity.observe_cycle(cycle)
             batch = list(zip(message.arrays["batch"].tolist(), message.arrays["max_nodes"].tolist()))
+            syncs = 0
             trees = self.service.propose(batch)
             stats.exposed_s += time.monotonic() - started
-            self.channel.send(TREES, tree_arrays(trees, stats.as_list()))
+            self.channel.send(TREES, tree_arrays(trees, stats.as_list(), self.service.ready_in_s(trees)))
             replied = time.monotonic()
             self.service.draft_ahead(batch, self.pending)
             self.service.catch_up(self.pending)

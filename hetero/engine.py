@@ -249,6 +249,7 @@ class LLMEngine:
         touched = self._verify(plan)
         if self.async_scheduling:
             self._in_flight = self._launch()
+        self._observe(plan)
         self._register_filled(plan)
         self.spec_stats.record_batch(*plan.verified)
         outputs = self._outputs(touched)
@@ -311,20 +312,18 @@ class LLMEngine:
         return plan
 
     def _verify(self, plan: _StepPlan) -> list[SequenceGroup]:
-        """Turn a launched step's results into tokens (the host waits for the device here) and
-        append them; tell a drafting-ahead proposer of a step without trees.
+        """Turn a launched step's results into tokens (the host waits for the device here) and append them.
 
         Under async scheduling the device idles from here to the next launch: only what
         that launch depends on is done here (the tokens, stops and finished sequences, the
-        proposer's verdicts, KV moves, the controller's acceptance); the prefix cache's new
-        blocks, the engine's totals, the outputs and the step's timing come after it (`step`).
+        proposer's verdicts, KV moves, the controller's acceptance); telling a drafting-ahead
+        proposer of a step without trees (a proposal carries the tokens it has not been told),
+        the prefix cache's new blocks, the engine's totals, the outputs and the step's timing
+        come after it (`step`).
         """
         if plan.layout is None:
-            touched = self._append_window(plan, plan.result.tolist())
-        else:
-            touched = self._verify_logits(plan)
-        self._observe(plan)
-        return touched
+            return self._append_window(plan, plan.result.tolist())
+        return self._verify_logits(plan)
 
     def _verify_logits(self, plan: _StepPlan) -> list[SequenceGroup]:
         """Score prompt tokens, sample and verify, tell the proposer, append the tokens, compact the KV.
