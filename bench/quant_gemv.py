@@ -142,6 +142,7 @@ def bench_shape(name: str, n: int, k: int, row_counts: list[int], formats: list[
             us = time_per_call_us(lambda i: layers[i](x), copies)
             error = (layers[0](x).float() - F.linear(x, reference).float()).abs().max() / F.linear(x, reference).float().abs().max()
             path = w8a8_path(x, layers[0].quantized) or ("gemv" if m == 1 else "w8a16" if m <= MAX_STREAMING_ROWS
+                                                           else "skinny halves" if m <= 2 * MAX_STREAMING_ROWS and fmt == "int4"
                                                            else "dequantise")
             tile = tile_label(streaming_tile(quantized, m)) if path in ("gemv", "w8a16") else ""
             row = dict(shape=name, format=fmt, n=n, k=k, m=m, path=path, tile=tile, us=round(us, 2),
