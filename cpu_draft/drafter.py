@@ -171,9 +171,7 @@ class Drafter:
         return self._seqs[seq_id].chain
 
     def kv_length(self, seq_id: SeqId) -> int:
-        """Tokens of the sequence's context whose K/V is cached (0 for one not seen yet)."""
-        state = self._seqs.get(seq_id)
-        return len(state.kv_tokens) if state is not None else 0
+        return len(self._seqs[seq_id].kv_tokens)
 
     def set_context(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
         """The sequence's real tokens; the KV keeps its longest common prefix with them."""

@@ -10,8 +10,7 @@ Coordinator -> worker
 Worker -> coordinator
     READY: the model is loaded (``pid``).
     TREES: per batch entry ``counts`` nodes, then ``tokens``/``parents``/``scores`` of all
-    trees back to back, the worker's cumulative ``stats`` (see STAT_NAMES), and ``ready_in_s``:
-    for an answer with no tree ready, the seconds until its prompt prefill is done (0: unknown).
+    trees back to back, and the worker's cumulative ``stats`` (see STAT_NAMES).
 """
 from __future__ import annotations
 
@@ -80,7 +79,7 @@ def max_update_tokens(slot_bytes: int, batch_size: int) -> int:
     return max(1, (slot_bytes - _ARRAY_TABLE_BYTES - per_entry_bytes * 2 * batch_size) // 8)
 
 
-def tree_arrays(trees: Sequence[TokenTree], stats: Sequence[float], ready_in_s: float = 0.0) -> dict[str, np.ndarray]:
+def tree_arrays(trees: Sequence[TokenTree], stats: Sequence[float]) -> dict[str, np.ndarray]:
     if trees:
         tokens = np.concatenate([t.tokens for t in trees])
         parents = np.concatenate([t.parents for t in trees])
@@ -93,7 +92,6 @@ def tree_arrays(trees: Sequence[TokenTree], stats: Sequence[float], ready_in_s: 
         "parents": parents.astype(np.int32, copy=False),
         "scores": scores.astype(np.float32, copy=False),
         "stats": np.asarray(stats, np.float64),
-        "ready_in_s": np.asarray([ready_in_s], np.float64),
     }
 
 

@@ -282,8 +282,6 @@ class WorkerDraftProposer(Proposer):
         self._next_id = 0
         self._sent: dict[int, list[int]] = {}  # what the current worker was told of each sequence
         self._released: list[int] = []
-        self._prefilling: set[int] = set()  # the last batch, where its answer had no tree and said when it would
-        self._prefilled_at = 0.0  # when the worker said their prompts' prefill would be done (time.monotonic)
         self._past = _Counters()  # stats of workers that are gone
         self._current: dict[str, float] = {}
         self._slot = _Slot(_WorkerProcess(options))
@@ -333,9 +331,6 @@ class WorkerDraftProposer(Proposer):
         empty = [TokenTree.empty() for _ in batch]
         if not batch or not self._ensure_ready():
             return empty
-        if self._still_prefilling(batch):
-            self.observe(batch)
-            return [TokenTree.pending() for _ in batch]
         worker = self._slot.worker
         seq_ids, messages = self._update_messages(batch)
         messages[-1]["batch"] = np.asarray(seq_ids, np.int64)
@@ -351,7 +346,6 @@ class WorkerDraftProposer(Proposer):
                 raise IPCError(f"expected TREES, got message kind {reply.kind}")
             trees = read_trees(reply.arrays)
             self._current = dict(zip(STAT_NAMES, reply.arrays["stats"].tolist()))
-            ready_in_s = float(reply.arrays["ready_in_s"][0])
             worker.channel.release()
             if len(trees) != len(batch):
                 raise IPCError(f"asked for {len(batch)} trees, got {len(trees)}")
@@ -359,18 +353,7 @@ class WorkerDraftProposer(Proposer):
             self._fail(exc)
             return empty
         self._consecutive_failures = 0
-        self._prefilling = set(seq_ids) if ready_in_s else set()
-        self._prefilled_at = time.monotonic() + ready_in_s
         return trees
-
-    def _still_prefilling(self, batch: Sequence[ProposalRequest]) -> bool:
-        """Whether the worker's last answer, with no tree and some pending, said its prompts'
-        prefill goes on for a while yet, and ``batch`` holds only that answer's sequences or new
-        ones: its answer now would again be no tree, after up to one of its forwards; the
-        coordinator gives pending trees at once (the engine judges neither answer)."""
-        if not self._prefilling or time.monotonic() >= self._prefilled_at:
-            return False
-        return all(r.request_id not in self._ids or self._ids[r.request_id] in self._prefilling for r in batch)
 
     def commit(self, verdicts: Sequence[Verdict]) -> None:
         """Nothing to send: the next ``propose`` carries the accepted tokens, and the worker rolls back to them."""
@@ -442,7 +425,6 @@ class WorkerDraftProposer(Proposer):
         self._slot.stop(graceful=False)
         self._sent.clear()
         self._released = []
-        self._prefilling = set()
         if self._consecutive_failures > MAX_CONSECUTIVE_FAILURES:
             logger.error("draft worker failed %d times in a row; speculative decoding stays off", self._consecutive_failures)
             return

@@ -20,12 +20,9 @@ updates; the worker feeds their new tokens and drafts their next trees between m
 (`DraftService.catch_up`), so a prompt's draft prefill and a return to speculation after
 plain steps cost the coordinator nothing. A proposal that arrives before that catch-up
 (the coordinator's SYNC and its next proposal often come together) gets pending trees for
-those sequences, which the engine's controller does not judge. An answer without trees while
-prompts prefill says when the backlog will be done at the measured rate (`ready_in_s`), and
-until then the coordinator answers such proposals itself instead of waiting for the worker's
-current forward to end. After `PLAIN_WINDOWS_DRAFTED` SYNCs in a row (speculation is off) the
-catch-up feeds the tokens but drafts no trees: they would only contend with the engine for
-the host's cores and memory.
+those sequences, which the engine's controller does not judge. After `PLAIN_WINDOWS_DRAFTED`
+SYNCs in a row (speculation is off) the catch-up feeds the tokens but drafts no trees: they
+would only contend with the engine for the host's cores and memory.
 
 Stats: ``exposed_s`` is draft time between receiving PROPOSE and replying (the
 coordinator waits for it); ``hidden_s`` is drafting-ahead time between replying and
@@ -113,7 +110,6 @@ class DraftService:
     unserved: set[int] = field(default_factory=set)  # stale sequences the last proposal answered without a tree (a prompt to prefill)
     fresh: set[int] = field(default_factory=set)  # new, or told of tokens by SYNC (steps without trees), since their last proposal
     depth: Optional[int] = None  # the depth `DraftCapacity.plan` chose at the last proposal (None: the budget's)
-    prefill_tokens_per_s: float = 0.0  # the last catch-up's prompt prefill rate (0: none measured yet)
 
     def apply_updates(self, arrays, plain: bool = False) -> None:
         """Take a message's context updates and releases; ``plain``: a SYNC's, of steps decoded without trees."""
@@ -176,12 +172,7 @@ class DraftService:
             self.drafter.set_context(seq_id, self.contexts[seq_id])
         # The new tokens in short forwards that a waiting message interrupts (a large batch's
         # tokens of a plain window would otherwise be one long forward the next proposal waits for).
-        backlog, started = self.prefill_backlog(stale), time.perf_counter()
-        done = bool(stale) and self.drafter.prefill(stale, interrupt=lambda: pending() is not None)
-        fed = backlog - self.prefill_backlog(stale)
-        if fed >= SHORT_FEED_TOKENS:
-            self.prefill_tokens_per_s = fed / (time.perf_counter() - started)
-        if not done or not draft:
+        if not stale or not self.drafter.prefill(stale, interrupt=lambda: pending() is not None) or not draft:
             return
         # A sequence answered without a tree is decoding its next token on the GPU now: draft from the guess of it.
         guessed = set(self.drafter.assume_accepted([s for s in stale if s in self.unserved]))
@@ -194,24 +185,6 @@ class DraftService:
             self.predrafted[seq_id] = _Predrafted(list(context), max_nodes, tree)
         self.stale.clear()
         self.unserved.clear()
-
-    def prefill_backlog(self, seq_ids) -> int:
-        """Tokens a catch-up must prefill before ``seq_ids`` get trees: their contexts' tokens
-        not in the draft's KV, where more than a short feed (prompts, long plain stretches)."""
-        backlog = 0
-        for seq_id in seq_ids:
-            uncached = len(self.contexts[seq_id]) - self.drafter.kv_length(seq_id)
-            backlog += uncached if uncached > SHORT_FEED_TOKENS else 0
-        return backlog
-
-    def ready_in_s(self, trees: Sequence[TokenTree]) -> float:
-        """Time until a proposal with no tree ready, some pending, can get trees: the stale
-        sequences' prefill backlog at the measured rate (0: trees came, or no rate yet). The
-        coordinator answers such proposals itself meanwhile, rather than wait for this worker's
-        current forward to end for an answer it knows."""
-        if not self.prefill_tokens_per_s or any(tree.ready and len(tree) for tree in trees) or all(tree.ready for tree in trees):
-            return 0.0
-        return self.prefill_backlog(self.stale) / self.prefill_tokens_per_s
 
     def propose(self, batch: list[tuple[int, int]]) -> list[TokenTree]:
         """Trees for (seq_id, max_nodes): drafted ahead where the guess held; none for sequences
@@ -364,7 +337,7 @@ class _Loop:
             syncs = 0
             trees = self.service.propose(batch)
             stats.exposed_s += time.monotonic() - started
-            self.channel.send(TREES, tree_arrays(trees, stats.as_list(), self.service.ready_in_s(trees)))
+            self.channel.send(TREES, tree_arrays(trees, stats.as_list()))
             replied = time.monotonic()
             self.service.draft_ahead(batch, self.pending)
             self.service.catch_up(self.pending)

@@ -3,7 +3,6 @@ between messages, so the next proposal is ready; outputs stay those of plain dec
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from cpu_draft.draft_capacity import DraftCapacity
@@ -12,7 +11,6 @@ from types import SimpleNamespace
 
 from cpu_draft.messages import PROPOSE, SHUTDOWN, SYNC, TREES, ContextUpdate, read_trees, tree_arrays, update_arrays
 from cpu_draft.worker import PLAIN_WINDOWS_DRAFTED, DraftService, _Loop
-from hetero.core.protocols import ProposalRequest, TokenTree
 from hetero import LLM, SamplingParams
 from tiny_models import PROMPTS
 
@@ -72,82 +70,6 @@ def test_a_catch_up_without_drafting_feeds_the_tokens_and_leaves_the_tree_for_la
     assert service.drafter.uncached(1) <= 1  # the context's KV is there, all but the root
     service.catch_up(lambda: None)
     assert service.predrafted[1].context == PROMPT and not service.stale
-
-
-def test_an_answer_with_prompts_to_prefill_says_when_their_trees_can_come(tiny_llama_dir):
-    service = _service(tiny_llama_dir)
-    service.prefill_tokens_per_s = 1000.0  # as an earlier catch-up measured it
-    service.apply_updates(update_arrays([ContextUpdate(1, 0, PROMPT), ContextUpdate(2, 0, PROMPT[:30])]))
-    trees = service.propose([(1, 4), (2, 4)])
-    assert [t.ready for t in trees] == [False, False]
-    assert service.ready_in_s(trees) == pytest.approx((len(PROMPT) + 30) / 1000.0)  # both prompts, at the rate
-    service.prefill_tokens_per_s = 0.0
-    service.catch_up(lambda: None)
-    assert service.prefill_tokens_per_s > 0  # measured on these prompts
-    trees = service.propose([(1, 4), (2, 4)])
-    assert all(t.ready for t in trees) and service.ready_in_s(trees) == 0.0  # ready (here empty: drafted from a guess)
-
-
-class _AnsweringWorker:
-    """A stand-in for the worker process: answers each PROPOSE with pending trees and a
-    prefill time, and records the kinds of message it was sent."""
-
-    def __init__(self, options):
-        self.sent, self.ready_in_s, self.pid = [], 0.5, None
-        self.channel = self
-
-    def send(self, kind, arrays, timeout=None):
-        self.sent.append(kind)
-        self.batch = len(arrays.get("batch", ()))
-
-    def can_send(self):
-        return True
-
-    def recv(self, timeout=None, spin_s=None):
-        pending = [TokenTree.pending()] * self.batch
-        return SimpleNamespace(kind=TREES, arrays=tree_arrays(pending, [0.0] * 4, self.ready_in_s))
-
-    def release(self):
-        pass
-
-    def wait_ready(self, timeout_s, model):
-        pass
-
-    def poll_ready(self):
-        return True
-
-    def stop(self, graceful):
-        pass
-
-
-def test_the_coordinator_answers_for_a_worker_still_prefilling_until_the_time_it_gave(monkeypatch):
-    """While the worker's last answer said its prompts' prefill takes another 0.5 s, proposals
-    for those sequences get pending trees at once (their tokens go as a SYNC): the worker would
-    have answered the same after finishing its current forward. New sequences join them; once
-    the time has passed, or where the answer gave none, the coordinator asks."""
-    from cpu_draft import proposer as proposer_module
-
-    clock = [100.0]
-    monkeypatch.setattr(proposer_module, "_WorkerProcess", _AnsweringWorker)
-    monkeypatch.setattr(proposer_module.time, "monotonic", lambda: clock[0])
-    proposer = proposer_module.WorkerDraftProposer(options=SimpleNamespace(model="m"))
-    worker = proposer._slot.worker
-
-    def requests(*names, length=40):
-        return [ProposalRequest(name, list(range(length)), 30, 4) for name in names]
-
-    assert [t.ready for t in proposer.propose(requests("a", "b"))] == [False, False]
-    assert worker.sent == [PROPOSE]
-    clock[0] += 0.1
-    assert [t.ready for t in proposer.propose(requests("a", "b", "c", length=41))] == [False] * 3
-    assert worker.sent == [PROPOSE, SYNC]  # answered here; the new tokens told
-    clock[0] += 0.5
-    proposer.propose(requests("a", "b", length=42))
-    assert worker.sent == [PROPOSE, SYNC, PROPOSE]  # the time it gave has passed: asked
-    worker.ready_in_s, clock[0] = 0.0, clock[0] + 0.5
-    proposer.propose(requests("a", length=43))
-    proposer.propose(requests("a", length=44))
-    assert worker.sent[-2:] == [PROPOSE, PROPOSE]  # no prefill time given: asked every time
 
 
 class _ScriptedChannel:
