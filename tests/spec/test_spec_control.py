@@ -1022,6 +1022,43 @@ def test_a_proposer_pending_after_each_plain_window_still_gets_to_speculate(tiny
     assert engine.proposer.chains >= 2 and engine.spec_stats.num_draft_tokens >= 2
 
 
+class _ObservingProposer(_IdleProposer):
+    """Told of plain steps (`observe`); records it in a shared event list."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def observe(self, batch):
+        self.events.append("observe")
+
+
+def test_a_drafting_ahead_proposer_hears_of_a_plain_step_after_the_next_launch(tiny_llama_dir):
+    """Under async scheduling the device idles from a step's results to the next launch: the
+    message telling the draft worker of a plain step's tokens is built after that launch."""
+    from hetero.core.config import EngineConfig
+    from hetero.engine import LLMEngine
+    from hetero.core.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", async_scheduling=True,
+                          num_scheduler_steps=4)
+    events = []
+    engine = LLMEngine(config, proposer=_ObservingProposer(events))
+    engine.spec_control = _PlainSpy()
+    for name in ("forward", "decode_steps"):
+        original = getattr(engine.runner, name)
+        setattr(engine.runner, name, lambda *a, _f=original, **kw: events.append("launch") or _f(*a, **kw))
+    engine.add_request("r", "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        events.append("step")
+        engine.step()
+    steps = " ".join(events).split("step")[1:]
+    told = [step.split() for step in steps if "observe" in step]
+    assert len(told) >= 4  # the prefill and the plain windows
+    # Each told after its step launched the next (the first step also launched its own prefill);
+    # the last step launches nothing.
+    assert all(step[-2:] == ["launch", "observe"] for step in told[:-1]) and told[-1] == ["observe"]
+
+
 def test_step_times_leave_out_a_rare_pause_but_keep_frequent_waits():
     from hetero.spec.controller import trimmed_mean_seconds
 
