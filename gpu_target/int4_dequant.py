@@ -59,7 +59,8 @@ def _jit():
 
 
 def _dequantize_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_qn, stride_sn, stride_zn, stride_on,
-                       HAS_ZEROS: tl.constexpr, IMPLICIT_ZERO: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       HAS_ZEROS: tl.constexpr, IMPLICIT_ZERO: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     start = tl.program_id(1) * BLOCK_K
     pairs = start // 2 + tl.arange(0, BLOCK_K // 2)  # byte j holds columns 2j (low nibble) and 2j + 1

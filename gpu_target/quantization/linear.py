@@ -14,8 +14,9 @@
   where it names one the model feeds the projection rows its norm or SiLU-and-mul kernel
   quantised already (gpu_target/fp8_activations.py, through `forward_fp8`).
 - more rows, FP8 on CUDA in bf16: `fp8_gemm.scaled_mm` (W8A8, per-token activation scales).
-- 65..128 rows, 4-bit: `gemv.skinny_gemm` on each half of the rows (two passes over the
-  codes still beat one dequantised copy of W: `bench.quant_gemv --rows 65,128,192`).
+- 65..128 rows, 4-bit, where the streaming kernels apply but for the row count (CUDA):
+  `gemv.skinny_gemm` on each half of the rows (two passes over the codes still beat one
+  dequantised copy of W: `bench.quant_gemv --rows 65,128,192`).
 - more rows, 4-bit on CUDA: W dequantised whole by one Triton pass (`int4_dequant.dequantize`),
   then F.linear (cuBLAS), as vLLM runs AWQ's large batches.
 - otherwise (the CPU): W dequantised to x's dtype by torch, then F.linear.
@@ -68,10 +69,11 @@ class QuantizedLinear(nn.Module):
             return fp8_gemm.scaled_mm(x, weight, self.bias)
         if gemv.streaming_applies(x, weight):
             return gemv.gemv(x, weight, self.bias) if x.shape[0] == 1 else gemv.skinny_gemm(x, weight, self.bias)
-        if isinstance(weight, Int4Weight) and x.shape[0] <= 2 * gemv.MAX_STREAMING_ROWS and gemv.streaming_applies(x[:1], weight):
-            half = (x.shape[0] + 1) // 2
-            return torch.cat([gemv.skinny_gemm(x[:half], weight, self.bias), gemv.skinny_gemm(x[half:], weight, self.bias)])
-        if isinstance(weight, Int4Weight):  # in stored order (act-order's x gathered above)
+        if isinstance(weight, Int4Weight):  # more rows than the streaming kernels take; W in stored order
+            # x[:1]: whether these rows, but for their count, are ones the streaming kernels take
+            if x.shape[0] <= 2 * gemv.MAX_STREAMING_ROWS and gemv.streaming_applies(x[:1], weight):
+                half = (x.shape[0] + 1) // 2
+                return torch.cat([gemv.skinny_gemm(rows, weight, self.bias) for rows in (x[:half], x[half:])])
             return F.linear(x, int4_dequant.dequantize(weight, x.dtype), self.bias)
         return F.linear(x, weight.dequantize(x.dtype), self.bias)
 
