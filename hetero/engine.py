@@ -305,6 +305,7 @@ class LLMEngine:
             if self._unready_steps:
                 plan.nodes_per_seq, plan.trees = 0, None
             self._unready_steps = 0 if self._unready_steps else 1
+            self.spec_control.probe_not_judged(len(decoding))
         elif plan.decode_only:
             self._unready_steps = 0
         if plan.decode_only and not plan.nodes_per_seq:

@@ -13,6 +13,8 @@ Speculation that is not running must lead by `margin` to be turned on.
 - Probes are spaced in time, not steps: `probe_interval` of the loser's step times.
 - The spacing doubles (up to `max_probe_interval`) while the evidence is solid.
 - Drafts that accepted nothing are probed at the longest spacing at once.
+- A probe that got only pending trees (the proposer not ready) is not judged, and is taken
+  again at the next step (`probe_not_judged`).
 
 A batch whose caller waits for all of it (`DrainingBatch`) ends with its slowest sequence.
 There, speculation's pace is scaled by its reach, the share of it that reaches the
@@ -141,6 +143,7 @@ class _Bucket:
     reach: float = 1.0  # share of speculation's pace that reaches a draining batch's end (`speculation_reach`)
     reach_age: int = 0  # steps since the reach was projected
     reach_seqs: int = 0  # sequences it was projected for
+    reprobe: bool = False  # speculation's last probe was not judged (`probe_not_judged`): probe again
 
 
 class SpeculationController:
@@ -275,6 +278,7 @@ class SpeculationController:
             return bool(verdict)
         state = self._state(num_seqs)
         speculate = self._verdict(state)
+        reprobe, state.reprobe = state.reprobe, False
         if speculate is None:
             inherited = self._inherited_verdict(self.bucket(num_seqs))
             if inherited is not None and state.countdown > 0:
@@ -287,6 +291,8 @@ class SpeculationController:
         if speculate != state.speculating:  # a new verdict: probe its loser at the base spacing (twice it on solid evidence)
             state.speculating = speculate
             state.interval = state.countdown = self._probe_spacing(state, speculate, self.probe_interval, draining)
+        elif reprobe and not speculate:
+            return True
         if state.countdown > 0:
             return speculate
         state.interval = state.countdown = self._probe_spacing(state, speculate, state.interval, draining)
@@ -359,6 +365,16 @@ class SpeculationController:
             # A probe faster than the winner by what a switch takes: look again at once.
             # Consecutive such probes overturn the verdict; a fluke is outvoted by the probes after it.
             state.interval, state.countdown = self.probe_interval, 0
+
+    def probe_not_judged(self, num_seqs: int) -> None:
+        """The last step got no tree, only pending ones (the proposer not ready: a draft worker
+        still feeding the tokens of the plain windows before it), so it was not judged. Where it
+        was speculation's probe against a plain verdict, the next step probes again: a probe
+        lost this way would otherwise be followed by more plain windows, after which the
+        worker is behind again, and speculation that pays could stay off for good."""
+        state = self._buckets.get(self.bucket(num_seqs))
+        if state is not None and state.speculating is False:
+            state.reprobe = True
 
     def record_acceptance(self, num_nodes: Sequence[int], num_accepted: Sequence[int]) -> None:
         """One step's verified trees: each one's node count and accepted draft tokens."""

@@ -497,6 +497,7 @@ class _PlainSpy(SpeculationController):
         super().__init__(8, 64)
         self.asked = []  # (batch size, the draining batch or None) of each decision
         self.records = []
+        self.not_judged = []  # batch sizes of the steps the engine said were not judged (`probe_not_judged`)
 
     def nodes_per_sequence(self, num_seqs, explore=True, draining=None):
         self.asked.append((num_seqs, draining))
@@ -504,6 +505,9 @@ class _PlainSpy(SpeculationController):
 
     def record_step(self, *args):
         self.records.append(args)
+
+    def probe_not_judged(self, num_seqs):
+        self.not_judged.append(num_seqs)
 
 
 class _IdleProposer(Proposer):
@@ -984,6 +988,54 @@ def test_steps_without_a_tree_because_the_proposer_was_not_ready_are_not_judged(
     assert emitted == [1, 2, 6, 7, 11, 12, 13, 14]
     # An empty answer is what speculation delivered (one token at a verification's cost); a pending one is not.
     assert [(n, speculated, tokens) for n, speculated, tokens, _ in spy.records] == [(1, True, 1)] * 3
+    assert spy.not_judged == [1] * 4  # and the controller hears of each pending one (a probe is taken again)
+
+
+def _plain_verdict_at_batch_1() -> SpeculationController:
+    """A controller that measured speculation slower than plain decoding at batch 1."""
+    controller = SpeculationController(max_nodes_per_seq=4, target_parallelism=64)
+    for _ in range(40):
+        speculate = controller.nodes_per_sequence(1) > 0
+        controller.record_step(1, speculate, 2 if speculate else 1, 0.012 if speculate else 0.005)
+        if controller.speculation_pays(1) is False:
+            return controller
+    raise AssertionError("no plain verdict")
+
+
+def _run_plain_until_the_probe(controller: SpeculationController) -> int:
+    for step in range(10_000):
+        if controller.nodes_per_sequence(1):
+            return step
+        controller.record_step(1, False, 1, 0.005)
+    raise AssertionError("no probe")
+
+
+def test_a_probe_that_got_only_pending_trees_is_taken_again_at_the_next_step():
+    """A draft worker told of plain windows answers the probe after them with pending trees;
+    with more plain windows before the next probe, that one would be pending too, for ever."""
+    controller = _plain_verdict_at_batch_1()
+    _run_plain_until_the_probe(controller)
+    controller.probe_not_judged(1)
+    assert controller.nodes_per_sequence(1) == 4  # probed again at once
+    controller.record_step(1, True, 2, 0.012)  # judged this time: it lost again
+    assert controller.nodes_per_sequence(1) == 0
+    assert _run_plain_until_the_probe(controller) > 8  # and the next probe comes at its spacing
+
+
+def test_a_judged_probe_or_a_speculating_verdict_is_not_probed_again():
+    controller = _plain_verdict_at_batch_1()
+    _run_plain_until_the_probe(controller)
+    controller.record_step(1, True, 2, 0.012)  # the probe was judged
+    assert controller.nodes_per_sequence(1) == 0
+    speculating = SpeculationController(max_nodes_per_seq=4, target_parallelism=64)
+    for _ in range(40):
+        speculate = speculating.nodes_per_sequence(1) > 0
+        speculating.record_step(1, speculate, 5 if speculate else 1, 0.008 if speculate else 0.005)
+    assert speculating.speculation_pays(1) is True
+    speculating.probe_not_judged(1)  # a speculative step that got pending trees: nothing to probe
+    decisions = [speculating.nodes_per_sequence(1) for _ in range(3)]
+    assert decisions == [4, 4, 4]
+    SpeculationController(max_nodes_per_seq=4, target_parallelism=64).probe_not_judged(1)  # nothing measured yet: a no-op
 
 
 class _CatchingUpProposer(_IdleProposer):
