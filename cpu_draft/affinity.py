@@ -76,15 +76,31 @@ def default_draft_cpus(spec: Optional[str] = None, tp_workers: int = 0) -> list[
     return usable[keep:] if len(usable) > keep else usable
 
 
+def _thread_ids() -> list[int]:
+    """This process's threads (Linux: /proc/self/task); else the calling thread alone (0)."""
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
 def pin_coordinator(draft_cpus: Sequence[int], tp_workers: int = 0) -> list[int]:
-    """Bind the calling thread (and the threads it starts later) to the usable cores neither the
-    draft nor a tensor-parallel worker uses, and size torch's intra-op pool to them, so that no
-    OpenMP thread of the coordinator spins on a core the draft's threads need; returns those
-    cores (empty, and nothing changed, when the others use them all)."""
+    """Bind every thread of this process (and the threads started later) to the usable cores
+    neither the draft nor a tensor-parallel worker uses, and size torch's intra-op pool to them;
+    returns those cores (empty, and nothing changed, when the others use them all).
+
+    Every thread, not only the caller: threads started before (OpenMP's pool, grown to all the
+    cores while the model loaded; CUDA's and the loaders') would otherwise still run and spin on
+    the draft's cores, and one of the draft's threads preempted stalls its whole forward at the
+    next barrier."""
     workers = {cpu for cpus in tp_worker_cpus(tp_workers) for cpu in cpus}
     rest = sorted(set(usable_cpus()) - set(draft_cpus) - workers)
     if rest:
-        os.sched_setaffinity(0, rest)
+        for tid in _thread_ids():
+            try:
+                os.sched_setaffinity(tid, rest)
+            except OSError:  # a thread that ended meanwhile
+                pass
         torch.set_num_threads(len(rest))
     return rest
 

@@ -2,7 +2,10 @@
 between messages, so the next proposal is ready; outputs stay those of plain decoding."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
+import pytest
 import torch
 
 from cpu_draft.draft_capacity import DraftCapacity
@@ -153,10 +156,45 @@ def test_the_coordinator_keeps_one_core_in_eight_and_pins_itself_off_the_draft(m
         assert affinity.default_draft_cpus() == draft
     monkeypatch.setattr(affinity, "_process_cpus", None)
     monkeypatch.setattr(affinity.os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert affinity.pin_coordinator(range(2, 16)) == [0, 1] and pinned == [[0, 1]] and threads == [2]
+    # Every thread of the process, those started before too (OpenMP's pool, grown while the model loaded).
+    monkeypatch.setattr(affinity, "_thread_ids", lambda: [101, 102, 103])
+    monkeypatch.setattr(affinity.os, "sched_setaffinity", lambda pid, cpus: pinned.append((pid, sorted(cpus))))
+    assert affinity.pin_coordinator(range(2, 16)) == [0, 1] and threads == [2]
+    assert pinned == [(101, [0, 1]), (102, [0, 1]), (103, [0, 1])]
     monkeypatch.setattr(affinity.os, "sched_getaffinity", lambda pid: {0, 1})  # the pinned thread's own set now
     assert affinity.default_draft_cpus() == list(range(2, 16))  # a second engine's draft is not shrunk by the pin
-    assert affinity.pin_coordinator(range(16)) == [] and pinned == [[0, 1]]  # nothing left: not pinned
+    assert affinity.pin_coordinator(range(16)) == [] and len(pinned) == 3  # nothing left: not pinned
+
+
+def test_the_coordinator_pins_the_threads_it_started_before_pinning():
+    import threading
+
+    from cpu_draft import affinity
+
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        pytest.skip("needs two usable cores")
+    started, release = threading.Event(), threading.Event()
+    native_ids = []
+
+    def idle():
+        native_ids.append(threading.get_native_id())
+        started.set()
+        release.wait()
+
+    thread = threading.Thread(target=idle)
+    thread.start()
+    started.wait()
+    original = torch.get_num_threads()
+    try:
+        rest = affinity.pin_coordinator(usable[1:])
+        assert rest == usable[:1] and os.sched_getaffinity(native_ids[0]) == set(usable[:1])
+    finally:
+        release.set()
+        thread.join()
+        for tid in affinity._thread_ids():  # the whole test process back on its cores
+            os.sched_setaffinity(tid, usable)
+        torch.set_num_threads(original)
 
 
 def test_a_prompt_to_prefill_gets_no_tree_now_and_is_drafted_after_the_reply(tiny_llama_dir):
