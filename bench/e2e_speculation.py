@@ -44,7 +44,7 @@ from bench.gpu_decode import DAMPING, LLAMA3_8B, LLAMA3_70B, random_prompts, sta
 from gpu_target.loader import load_config, load_tokenizer, random_state_dict
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
-from hetero.proposers import build_proposer
+from hetero.proposers import build_proposer, draft_worker_stats
 from hetero.core.protocols import DraftsAhead, Proposer, TokenTree
 
 SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
@@ -238,7 +238,7 @@ def main(argv=None) -> None:
             # per batch size in a server's life; the timed run is the steady state after them.
             timed_decode(engine, random_prompts(batch, args.prompt_len, target["vocab_size"], seed=1000 + batch), WARM_UP_TOKENS)
             before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens, engine.spec_stats.num_draft_tokens,
-                      engine.draft_wait_seconds, _worker_stats(engine))
+                      engine.draft_wait_seconds, draft_worker_stats(engine.proposer))
             elapsed, tokens, _ = timed_decode(engine, prompts, args.new_tokens)
             steps = engine.spec_stats.num_steps - before[0]
             accepted = engine.spec_stats.num_accepted_tokens - before[1]
@@ -250,7 +250,7 @@ def main(argv=None) -> None:
                        mean_accepted_length=round((accepted + steps) / steps, 2) if steps else "",
                        wait_ms_per_spec_step=round(1e3 * waited / spec_steps, 2) if steps else "",
                        wait_share=round(waited / elapsed, 3))
-            after = _worker_stats(engine)
+            after = draft_worker_stats(engine.proposer)
             if after is not None:
                 hidden, exposed = (after[n] - before[4][n] for n in ("hidden_s", "exposed_s"))
                 hits, misses = (after[n] - before[4][n] for n in ("predraft_hits", "predraft_misses"))
@@ -274,13 +274,6 @@ def release_engine(engine: LLMEngine) -> None:
     engine.__dict__.clear()
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def _worker_stats(engine: LLMEngine):
-    """The CPU draft worker's cumulative counters (drafting hidden / exposed, draft-ahead hits), if it has one."""
-    proposer = getattr(engine.proposer, "draft", engine.proposer)
-    stats = getattr(proposer, "stats", None)
-    return dict(stats()) if callable(stats) else None
 
 
 def write(args, rows) -> None:

@@ -16,12 +16,13 @@ one process (tests do).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from hetero.outputs import RequestOutput
+from hetero.proposers import draft_worker_stats
 
 if TYPE_CHECKING:
     from hetero.engine import LLMEngine
@@ -30,7 +31,9 @@ PREFIX = "hetero:"
 VLLM_PREFIX = "vllm:"
 # Our metric name -> vLLM's, where they differ; metrics absent from vLLM get no vllm: copy.
 _VLLM_NAMES = {"spec_decode_num_steps": "spec_decode_num_drafts"}
-_NOT_IN_VLLM = {"prefix_cache_hit_rate", "spec_decode_mean_acceptance_length"}
+_NOT_IN_VLLM = {"prefix_cache_hit_rate", "spec_decode_mean_acceptance_length", "spec_decode_draft_wait_seconds",
+                "cpu_draft_hidden_seconds", "cpu_draft_exposed_seconds", "cpu_draft_predraft_hits", "cpu_draft_predraft_misses",
+                "cpu_draft_worker_restarts", "cpu_draft_worker_faults"}
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -58,6 +61,8 @@ class EngineSnapshot:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_mean_accepted_length: float = 0.0
+    spec_draft_wait_seconds: float = 0.0  # the engine's time waiting for the proposer's trees
+    cpu_draft: Optional[dict] = None  # the CPU draft worker's counters (`draft_worker_stats`), when there is one
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -86,6 +91,8 @@ def snapshot_engine(engine: "LLMEngine") -> EngineSnapshot:
         spec_num_draft_tokens=spec.num_draft_tokens,
         spec_num_accepted_tokens=spec.num_accepted_tokens,
         spec_mean_accepted_length=spec.mean_accepted_length,
+        spec_draft_wait_seconds=engine.draft_wait_seconds,
+        cpu_draft=draft_worker_stats(engine.proposer),
     )
 
 
@@ -153,6 +160,22 @@ class _SnapshotCollector:
             "Tokens emitted per verification step (accepted drafts + bonus) since start.",
             s.spec_mean_accepted_length,
         )
+        yield self._counter("spec_decode_draft_wait_seconds", "Seconds the engine waited for draft trees.", s.spec_draft_wait_seconds)
+        if s.cpu_draft is not None:
+            yield from self._cpu_draft_families(s.cpu_draft)
+
+    def _cpu_draft_families(self, stats: dict) -> Iterator:
+        """The CPU draft worker's: whether its drafting hides behind verification, how often the
+        trees it drafted ahead were the ones asked for, and its restarts."""
+        yield self._counter("cpu_draft_hidden_seconds", "Seconds the CPU draft worker drafted after its replies, "
+                            "while the GPU verified.", stats["hidden_s"])
+        yield self._counter("cpu_draft_exposed_seconds", "Seconds the CPU draft worker spent between a proposal "
+                            "and its reply, while the engine waited.", stats["exposed_s"])
+        yield self._counter("cpu_draft_predraft_hits", "Trees drafted ahead that a proposal asked for.", stats["predraft_hits"])
+        yield self._counter("cpu_draft_predraft_misses", "Trees drafted ahead from a guess that did not hold.",
+                            stats["predraft_misses"])
+        yield self._counter("cpu_draft_worker_restarts", "CPU draft workers started again after a failure.", stats["restarts"])
+        yield self._counter("cpu_draft_worker_faults", "CPU draft worker failures (died, hung, garbled replies).", stats["faults"])
 
 
 def _full_names(name: str) -> list[str]:

@@ -1,7 +1,7 @@
 """Which proposer the engine's configuration asks for: none, the lookahead cache, or a draft model."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from gpu_target.model_config import ModelConfig
 from hetero.core.config import EngineConfig
@@ -27,3 +27,15 @@ def _build_lookahead(config: EngineConfig) -> Proposer:
     from lookahead import LookaheadCache, default_memory_budget
 
     return LookaheadCache(config.lookahead, default_memory_budget(config.cpu_decoding_memory_utilization))
+
+
+def draft_worker_stats(proposer: Optional[Proposer]) -> Optional[dict[str, Any]]:
+    """The CPU draft worker's cumulative counters (`WorkerDraftProposer.stats`: drafting hidden
+    behind verification and exposed, draft-ahead hits and misses, restarts, faults), for a
+    proposer that has one, alone or as the draft inside wrappers (`HybridProposer`, a benchmark's
+    replay); else None."""
+    from cpu_draft.proposer import WorkerDraftProposer
+
+    while getattr(proposer, "draft", None) is not None:
+        proposer = proposer.draft
+    return proposer.stats() if isinstance(proposer, WorkerDraftProposer) else None

@@ -375,8 +375,29 @@ def test_killed_worker_loses_no_request_and_is_restarted(tiny_llama_dir, plain_o
         accepted_before = engine.spec_stats.num_accepted_tokens
         assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == plain_outputs["batch4"]
         assert engine.spec_stats.num_accepted_tokens > accepted_before  # the new worker drafts again
+        # /metrics: the workers' counters, the dead one's included, and the restart.
+        samples = _metric_samples(engine)
+        stats = proposer.stats()
+        assert samples["hetero:cpu_draft_worker_restarts_total"] == samples["hetero:cpu_draft_worker_faults_total"] == 1
+        for name, key in [("hidden_seconds", "hidden_s"), ("exposed_seconds", "exposed_s"),
+                          ("predraft_hits", "predraft_hits"), ("predraft_misses", "predraft_misses")]:
+            assert samples[f"hetero:cpu_draft_{name}_total"] == pytest.approx(stats[key])
+        assert samples["hetero:cpu_draft_exposed_seconds_total"] > 0
+        assert samples["hetero:spec_decode_draft_wait_seconds_total"] == pytest.approx(engine.draft_wait_seconds)
+        assert engine.draft_wait_seconds > 0
     finally:
         _close(llm)
+
+
+def _metric_samples(engine) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hetero.metrics import ServerMetrics, snapshot_engine
+
+    metrics = ServerMetrics("tiny")
+    metrics.on_snapshot(snapshot_engine(engine))
+    return {sample.name: sample.value for family in text_string_to_metric_families(metrics.render().decode())
+            for sample in family.samples}
 
 
 def test_hung_worker_times_out_and_is_replaced(tiny_llama_dir, plain_outputs, monkeypatch):

@@ -311,6 +311,7 @@ def test_metrics_parse_and_match_what_was_served(tiny_llama_dir):
         ]
         samples = metric_samples(spec_server.base_url)
         stats = spec_server.engine.spec_stats
+        draft_wait = spec_server.engine.draft_wait_seconds
     assert samples["hetero:request_success_total"] == 3
     assert samples["hetero:prompt_tokens_total"] == sum(u.prompt_tokens for u in usages)
     assert samples["hetero:generation_tokens_total"] == sum(u.completion_tokens for u in usages) == 24
@@ -324,4 +325,6 @@ def test_metrics_parse_and_match_what_was_served(tiny_llama_dir):
     assert samples["hetero:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
     assert samples["hetero:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
     assert samples["hetero:spec_decode_mean_acceptance_length"] == pytest.approx(stats.mean_accepted_length)
+    assert samples["hetero:spec_decode_draft_wait_seconds_total"] == pytest.approx(draft_wait) and draft_wait > 0
+    assert not any(name.startswith(("hetero:cpu_draft", "vllm:cpu_draft", "vllm:spec_decode_draft_wait")) for name in samples)
     assert np.isfinite(samples["hetero:prefix_cache_hit_rate"])
