@@ -9,7 +9,10 @@ Faults (worker mode): a worker that dies, answers garbage or stays silent for
 ``reply_timeout_s`` is logged, killed and restarted in the background; until the new
 one reports READY, proposals are empty trees, so the engine decodes plainly and no
 request waits or changes. After ``MAX_CONSECUTIVE_FAILURES`` failed restarts the
-proposer gives up and stays empty.
+proposer gives up and stays empty. A reply that is merely late (the worker's cores taken
+from it for a while) is not waited for past `LATE_REPLY_STEPS` of the engine's steps:
+the proposal is answered with pending trees, the engine decodes plainly meanwhile, and the
+late reply is read and dropped before the next proposal is sent.
 
 Settings: `hetero.core.config.DraftConfig` (``EngineConfig.draft``).
 """
@@ -60,6 +63,10 @@ INITIAL_AHEAD_NODES = 4  # tree size drafted ahead before the engine first asks 
 
 
 REPLY_SPIN_S = 0.02  # the coordinator spins this long for the worker's trees before it sleeps (a wake-up costs more)
+# A reply later than this many of the engine's steps between consecutive proposals (and at least
+# LATE_REPLY_FLOOR_S) is not waited for: a tree drafted now costs under a step, a stalled worker more.
+LATE_REPLY_STEPS = 3
+LATE_REPLY_FLOOR_S = 0.02
 DRAFT_START_TIMEOUT_S = 600.0  # a worker loading its weights (and building the native forward) may be slow
 
 
@@ -284,6 +291,10 @@ class WorkerDraftProposer(Proposer):
         self._released: list[int] = []
         self._past = _Counters()  # stats of workers that are gone
         self._current: dict[str, float] = {}
+        self.late_replies = 0  # proposals answered with pending trees because the worker's reply was late
+        self._outstanding: Optional[float] = None  # when the proposal whose reply is unread was sent
+        self._replied: Optional[float] = None  # when the last reply came, while no SYNC went out since
+        self._step_s: Optional[float] = None  # running mean of the time from a reply to the next proposal
         self._slot = _Slot(_WorkerProcess(options))
         self._finalizer = weakref.finalize(self, self._slot.stop)
         try:
@@ -308,13 +319,14 @@ class WorkerDraftProposer(Proposer):
         values = dict(totals.values)
         busy = values["hidden_s"] + values["exposed_s"]
         values["overlap_share"] = values["hidden_s"] / busy if busy else 0.0
-        values.update(restarts=self.restarts, faults=self.faults)
+        values.update(restarts=self.restarts, faults=self.faults, late_replies=self.late_replies)
         return values
 
     # ------------------------------------------------------------- protocol
     def observe(self, batch: Sequence[ProposalRequest]) -> None:
         """Send the sequences' new tokens (SYNC, no reply): the worker catches its KV up and drafts
         their next trees while the GPU runs plain steps, so the next `propose` finds them ready."""
+        self._replied = None  # plain steps come between the last proposal and the next
         if not batch or not self._ensure_ready() or not self._slot.worker.channel.can_send():
             return  # a busy worker gets the tokens with a later message (`_sent` still holds what it has)
         _, messages = self._update_messages(batch)
@@ -331,28 +343,70 @@ class WorkerDraftProposer(Proposer):
         empty = [TokenTree.empty() for _ in batch]
         if not batch or not self._ensure_ready():
             return empty
+        asked = time.monotonic()
+        if self._replied is not None:
+            step = asked - self._replied
+            self._step_s = step if self._step_s is None else 0.7 * self._step_s + 0.3 * step
         worker = self._slot.worker
-        seq_ids, messages = self._update_messages(batch)
-        messages[-1]["batch"] = np.asarray(seq_ids, np.int64)
-        messages[-1]["max_nodes"] = np.asarray([r.max_nodes for r in batch], np.int64)
         try:
+            if self._outstanding is not None and not self._read_late_reply(worker):
+                return [TokenTree.pending() for _ in batch]
+            seq_ids, messages = self._update_messages(batch)
+            messages[-1]["batch"] = np.asarray(seq_ids, np.int64)
+            messages[-1]["max_nodes"] = np.asarray([r.max_nodes for r in batch], np.int64)
             for arrays in messages[:-1]:
                 worker.channel.send(SYNC, arrays, timeout=self.reply_timeout_s)
-            messages[-1]["sent_at"] = np.asarray([time.monotonic()], np.float64)
+            self._outstanding = time.monotonic()
+            messages[-1]["sent_at"] = np.asarray([self._outstanding], np.float64)
             worker.channel.send(PROPOSE, messages[-1], timeout=self.reply_timeout_s)
             self._released = []
-            reply = worker.channel.recv(timeout=self.reply_timeout_s, spin_s=REPLY_SPIN_S)
-            if reply.kind != TREES:
-                raise IPCError(f"expected TREES, got message kind {reply.kind}")
-            trees = read_trees(reply.arrays)
-            self._current = dict(zip(STAT_NAMES, reply.arrays["stats"].tolist()))
-            worker.channel.release()
+            try:
+                reply = worker.channel.recv(timeout=self._late_after_s(), spin_s=REPLY_SPIN_S)
+            except RecvTimeoutError:
+                if time.monotonic() - self._outstanding >= self.reply_timeout_s:
+                    raise  # hung, not late
+                self.late_replies += 1
+                return [TokenTree.pending() for _ in batch]
+            trees = self._read_trees(worker, reply)
             if len(trees) != len(batch):
                 raise IPCError(f"asked for {len(batch)} trees, got {len(trees)}")
         except Exception as exc:  # noqa: BLE001 - a dead, hung or garbled worker must never stop the engine
             self._fail(exc)
             return empty
         self._consecutive_failures = 0
+        return trees
+
+    def _late_after_s(self) -> float:
+        """How long a reply is waited for before the proposal is answered pending (`LATE_REPLY_STEPS`);
+        until the engine's step is measured, ``reply_timeout_s``."""
+        if self._step_s is None:
+            return self.reply_timeout_s
+        return min(self.reply_timeout_s, max(LATE_REPLY_FLOOR_S, LATE_REPLY_STEPS * self._step_s))
+
+    def _read_late_reply(self, worker: "_WorkerProcess") -> bool:
+        """Read and drop the reply to a proposal answered pending (its trees are for contexts the
+        engine has since moved past); False while it is still late. A worker silent for
+        ``reply_timeout_s`` since that proposal is hung (RecvTimeoutError)."""
+        waited = time.monotonic() - self._outstanding
+        if waited >= self.reply_timeout_s:
+            raise RecvTimeoutError(f"no reply from the draft worker (pid {worker.pid}) within {self.reply_timeout_s} s")
+        try:
+            reply = worker.channel.recv(timeout=min(self._late_after_s(), self.reply_timeout_s - waited), spin_s=REPLY_SPIN_S)
+        except RecvTimeoutError:
+            self.late_replies += 1
+            return False
+        self._read_trees(worker, reply)
+        return True
+
+    def _read_trees(self, worker: "_WorkerProcess", reply) -> list[TokenTree]:
+        """A TREES reply's trees; takes its stats, frees its slot and marks the proposal answered."""
+        if reply.kind != TREES:
+            raise IPCError(f"expected TREES, got message kind {reply.kind}")
+        trees = read_trees(reply.arrays)
+        self._current = dict(zip(STAT_NAMES, reply.arrays["stats"].tolist()))
+        worker.channel.release()
+        self._outstanding = None
+        self._replied = time.monotonic()
         return trees
 
     def commit(self, verdicts: Sequence[Verdict]) -> None:
@@ -425,6 +479,7 @@ class WorkerDraftProposer(Proposer):
         self._slot.stop(graceful=False)
         self._sent.clear()
         self._released = []
+        self._outstanding = self._replied = None
         if self._consecutive_failures > MAX_CONSECUTIVE_FAILURES:
             logger.error("draft worker failed %d times in a row; speculative decoding stays off", self._consecutive_failures)
             return

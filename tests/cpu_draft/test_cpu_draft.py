@@ -417,6 +417,48 @@ def test_hung_worker_times_out_and_is_replaced(tiny_llama_dir, plain_outputs, mo
         _close(llm)
 
 
+def test_a_stalled_worker_is_not_waited_for_and_drafts_again_after(tiny_llama_dir, plain_outputs):
+    """A worker that stops answering for a while (its cores taken) is answered for with pending
+    trees after a few steps' wait, so the engine decodes plainly meanwhile; its late reply is
+    dropped, it is not restarted, and it drafts again once it runs."""
+    llm = LLM(
+        device="cpu", model=str(tiny_llama_dir), speculative_model=str(tiny_llama_dir), num_speculative_tokens=K,
+        cpu_draft_worker=True, dtype="float32",
+    )
+    _always_speculate(llm)
+    engine, proposer = llm.llm_engine, llm.llm_engine.proposer
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        finished = {}
+
+        def step():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = list(output.outputs[0].token_ids)
+
+        while engine.spec_stats.num_steps < 4 * len(PROMPTS):
+            step()  # speculating, and the engine's step time measured
+        os.kill(proposer.worker_pid, signal.SIGSTOP)
+        try:
+            tokens = engine.num_generation_tokens_total
+            for _ in range(3):
+                step()
+            assert engine.num_generation_tokens_total > tokens  # decoded while the worker was stopped
+            assert proposer.late_replies >= 2
+        finally:
+            os.kill(proposer.worker_pid, signal.SIGCONT)
+        accepted = engine.spec_stats.num_accepted_tokens
+        while engine.has_unfinished_requests():
+            step()
+        assert [finished[str(i)][:20] for i in range(len(PROMPTS))] == plain_outputs["batch4"]
+        assert proposer.faults == 0 and proposer.restarts == 0
+        assert engine.spec_stats.num_accepted_tokens > accepted  # drafting again
+        assert _metric_samples(engine)["hetero:cpu_draft_late_replies_total"] == proposer.late_replies
+    finally:
+        _close(llm)
+
+
 # ------------------------------------------------------------------ errors
 def test_vocabulary_size_mismatch_is_a_clear_error(tiny_llama_dir, tmp_path):
     from tiny_models import build_tokenizer
