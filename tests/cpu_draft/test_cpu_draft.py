@@ -64,6 +64,14 @@ def _always_speculate(llm: LLM) -> None:
     llm.llm_engine.spec_control.always_speculate = True
 
 
+def _worker_llm(model_dir) -> LLM:
+    """The tiny model drafting for itself in a CPU worker, always speculating."""
+    llm = LLM(device="cpu", model=str(model_dir), speculative_model=str(model_dir), num_speculative_tokens=K,
+              cpu_draft_worker=True, dtype="float32")
+    _always_speculate(llm)
+    return llm
+
+
 def _close(llm: LLM) -> None:
     proposer = llm.llm_engine.proposer
     if hasattr(proposer, "close"):
@@ -345,11 +353,7 @@ def test_greedy_output_equals_plain_decoding(
 
 
 def test_killed_worker_loses_no_request_and_is_restarted(tiny_llama_dir, plain_outputs):
-    llm = LLM(
-        device="cpu", model=str(tiny_llama_dir), speculative_model=str(tiny_llama_dir), num_speculative_tokens=K,
-        cpu_draft_worker=True, dtype="float32",
-    )
-    _always_speculate(llm)
+    llm = _worker_llm(tiny_llama_dir)
     engine, proposer = llm.llm_engine, llm.llm_engine.proposer
     try:
         first_pid = proposer.worker_pid
@@ -402,11 +406,7 @@ def _metric_samples(engine) -> dict[str, float]:
 
 def test_hung_worker_times_out_and_is_replaced(tiny_llama_dir, plain_outputs, monkeypatch):
     monkeypatch.setenv("HETERO_DRAFT_REPLY_TIMEOUT_S", "1")
-    llm = LLM(
-        device="cpu", model=str(tiny_llama_dir), speculative_model=str(tiny_llama_dir), num_speculative_tokens=K,
-        cpu_draft_worker=True, dtype="float32",
-    )
-    _always_speculate(llm)
+    llm = _worker_llm(tiny_llama_dir)
     proposer = llm.llm_engine.proposer
     hung_pid = proposer.worker_pid
     os.kill(hung_pid, signal.SIGSTOP)  # alive, but never answers
@@ -421,11 +421,7 @@ def test_a_stalled_worker_is_not_waited_for_and_drafts_again_after(tiny_llama_di
     """A worker that stops answering for a while (its cores taken) is answered for with pending
     trees after a few steps' wait, so the engine decodes plainly meanwhile; its late reply is
     dropped, it is not restarted, and it drafts again once it runs."""
-    llm = LLM(
-        device="cpu", model=str(tiny_llama_dir), speculative_model=str(tiny_llama_dir), num_speculative_tokens=K,
-        cpu_draft_worker=True, dtype="float32",
-    )
-    _always_speculate(llm)
+    llm = _worker_llm(tiny_llama_dir)
     engine, proposer = llm.llm_engine, llm.llm_engine.proposer
     try:
         for i, prompt in enumerate(PROMPTS):
