@@ -6,7 +6,7 @@ process, CUDA graphs, as vLLM runs a draft model), and the CPU draft merged with
 lookahead cache (hybrid). Reports tokens/s, tokens per verification step, the time the
 engine waited for drafts (per step and as a share of the run) and, for the CPU worker,
 the share of drafting hidden behind the GPU's verification and the proposals answered
-pending because its reply was late.
+with no trees because its reply was late.
 
 Random weights cannot agree by chance, so agreement is built in: the target's embedding
 and LM head carry the draft's in their first `draft_hidden` columns (zero elsewhere) and
@@ -257,7 +257,7 @@ def main(argv=None) -> None:
                 hits, misses = (after[n] - before[4][n] for n in ("predraft_hits", "predraft_misses"))
                 row["hidden_share"] = round(hidden / (hidden + exposed), 3) if hidden + exposed else ""
                 row["predraft_hit_rate"] = round(hits / (hits + misses), 3) if hits + misses else ""
-                row["late_replies"] = int(after["late_replies"] - before[4]["late_replies"])  # answered pending, not waited for
+                row["late_replies"] = int(after["late_replies"] - before[4]["late_replies"])  # answered empty, not waited for
             rows.append(row)
             print(row, flush=True)
         release_engine(engine)

@@ -11,8 +11,9 @@ one reports READY, proposals are empty trees, so the engine decodes plainly and 
 request waits or changes. After ``MAX_CONSECUTIVE_FAILURES`` failed restarts the
 proposer gives up and stays empty. A reply that is merely late (the worker's cores taken
 from it for a while) is not waited for past `LATE_REPLY_STEPS` of the engine's steps:
-the proposal is answered with pending trees, the engine decodes plainly meanwhile, and the
-late reply is read and dropped before the next proposal is sent.
+the proposal is answered with empty trees (the step decodes one token a sequence, and the
+controller judges speculation by it, wait included), and the late reply is read and
+dropped before the next proposal is sent.
 
 Settings: `hetero.core.config.DraftConfig` (``EngineConfig.draft``).
 """
@@ -291,7 +292,7 @@ class WorkerDraftProposer(Proposer):
         self._released: list[int] = []
         self._past = _Counters()  # stats of workers that are gone
         self._current: dict[str, float] = {}
-        self.late_replies = 0  # proposals answered with pending trees because the worker's reply was late
+        self.late_replies = 0  # proposals answered with empty trees because the worker's reply was late
         self._outstanding: Optional[float] = None  # when the proposal whose reply is unread was sent
         self._replied: Optional[float] = None  # when the last reply came, while no SYNC went out since
         self._step_s: Optional[float] = None  # running mean of the time from a reply to the next proposal
@@ -350,7 +351,7 @@ class WorkerDraftProposer(Proposer):
         worker = self._slot.worker
         try:
             if self._outstanding is not None and not self._read_late_reply(worker):
-                return [TokenTree.pending() for _ in batch]
+                return empty
             seq_ids, messages = self._update_messages(batch)
             messages[-1]["batch"] = np.asarray(seq_ids, np.int64)
             messages[-1]["max_nodes"] = np.asarray([r.max_nodes for r in batch], np.int64)
@@ -366,7 +367,7 @@ class WorkerDraftProposer(Proposer):
                 if time.monotonic() - self._outstanding >= self.reply_timeout_s:
                     raise  # hung, not late
                 self.late_replies += 1
-                return [TokenTree.pending() for _ in batch]
+                return empty
             trees = self._read_trees(worker, reply)
             if len(trees) != len(batch):
                 raise IPCError(f"asked for {len(batch)} trees, got {len(trees)}")
@@ -377,14 +378,14 @@ class WorkerDraftProposer(Proposer):
         return trees
 
     def _late_after_s(self) -> float:
-        """How long a reply is waited for before the proposal is answered pending (`LATE_REPLY_STEPS`);
+        """How long a reply is waited for before the proposal is answered empty (`LATE_REPLY_STEPS`);
         until the engine's step is measured, ``reply_timeout_s``."""
         if self._step_s is None:
             return self.reply_timeout_s
         return min(self.reply_timeout_s, max(LATE_REPLY_FLOOR_S, LATE_REPLY_STEPS * self._step_s))
 
     def _read_late_reply(self, worker: "_WorkerProcess") -> bool:
-        """Read and drop the reply to a proposal answered pending (its trees are for contexts the
+        """Read and drop the reply to a proposal answered empty (its trees are for contexts the
         engine has since moved past); False while it is still late. A worker silent for
         ``reply_timeout_s`` since that proposal is hung (RecvTimeoutError)."""
         waited = time.monotonic() - self._outstanding

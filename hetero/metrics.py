@@ -176,8 +176,8 @@ class _SnapshotCollector:
                             stats["predraft_misses"])
         yield self._counter("cpu_draft_worker_restarts", "CPU draft workers started again after a failure.", stats["restarts"])
         yield self._counter("cpu_draft_worker_faults", "CPU draft worker failures (died, hung, garbled replies).", stats["faults"])
-        yield self._counter("cpu_draft_late_replies", "Proposals answered pending because the CPU draft worker's "
-                            "reply was late (the engine decoded plainly meanwhile).", stats["late_replies"])
+        yield self._counter("cpu_draft_late_replies", "Proposals answered with no trees because the CPU draft "
+                            "worker's reply was late.", stats["late_replies"])
 
 
 def _full_names(name: str) -> list[str]:

@@ -418,9 +418,9 @@ def test_hung_worker_times_out_and_is_replaced(tiny_llama_dir, plain_outputs, mo
 
 
 def test_a_stalled_worker_is_not_waited_for_and_drafts_again_after(tiny_llama_dir, plain_outputs):
-    """A worker that stops answering for a while (its cores taken) is answered for with pending
-    trees after a few steps' wait, so the engine decodes plainly meanwhile; its late reply is
-    dropped, it is not restarted, and it drafts again once it runs."""
+    """A worker that stops answering for a while (its cores taken) is answered for with empty
+    trees after a few steps' wait, so the engine decodes a token a step meanwhile; its late
+    reply is dropped, it is not restarted, and it drafts again once it runs."""
     llm = _worker_llm(tiny_llama_dir)
     engine, proposer = llm.llm_engine, llm.llm_engine.proposer
     try:
