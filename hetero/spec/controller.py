@@ -14,7 +14,7 @@ Speculation that is not running must lead by `margin` to be turned on.
 - The spacing doubles (up to `max_probe_interval`) while the evidence is solid.
 - Drafts that accepted nothing are probed at the longest spacing at once.
 - A probe that got only pending trees (the proposer not ready) is not judged, and is taken
-  again at the next step (`probe_not_judged`).
+  again, once, at the next step (`probe_not_judged`).
 
 A batch whose caller waits for all of it (`DrainingBatch`) ends with its slowest sequence.
 There, speculation's pace is scaled by its reach, the share of it that reaches the
@@ -143,7 +143,8 @@ class _Bucket:
     reach: float = 1.0  # share of speculation's pace that reaches a draining batch's end (`speculation_reach`)
     reach_age: int = 0  # steps since the reach was projected
     reach_seqs: int = 0  # sequences it was projected for
-    reprobe: bool = False  # speculation's last probe was not judged (`probe_not_judged`): probe again
+    reprobe_due: bool = False  # speculation's last probe was not judged (`probe_not_judged`): probe again
+    reprobing: bool = False  # this step is that second probe
 
 
 class SpeculationController:
@@ -278,7 +279,7 @@ class SpeculationController:
             return bool(verdict)
         state = self._state(num_seqs)
         speculate = self._verdict(state)
-        reprobe, state.reprobe = state.reprobe, False
+        reprobe, state.reprobe_due, state.reprobing = state.reprobe_due, False, False
         if speculate is None:
             inherited = self._inherited_verdict(self.bucket(num_seqs))
             if inherited is not None and state.countdown > 0:
@@ -292,6 +293,7 @@ class SpeculationController:
             state.speculating = speculate
             state.interval = state.countdown = self._probe_spacing(state, speculate, self.probe_interval, draining)
         elif reprobe and not speculate:
+            state.reprobing = True
             return True
         if state.countdown > 0:
             return speculate
@@ -371,10 +373,13 @@ class SpeculationController:
         still feeding the tokens of the plain windows before it), so it was not judged. Where it
         was speculation's probe against a plain verdict, the next step probes again: a probe
         lost this way would otherwise be followed by more plain windows, after which the
-        worker is behind again, and speculation that pays could stay off for good."""
+        worker is behind again, and speculation that pays could stay off for good. Once: a
+        second probe not judged either (a worker prefilling prompts, which takes many steps)
+        waits for the next spaced probe."""
         state = self._buckets.get(self.bucket(num_seqs))
         if state is not None and state.speculating is False:
-            state.reprobe = True
+            state.reprobe_due = not state.reprobing
+            state.reprobing = False
 
     def record_acceptance(self, num_nodes: Sequence[int], num_accepted: Sequence[int]) -> None:
         """One step's verified trees: each one's node count and accepted draft tokens."""

@@ -1022,6 +1022,18 @@ def test_a_probe_that_got_only_pending_trees_is_taken_again_at_the_next_step():
     assert _run_plain_until_the_probe(controller) > 8  # and the next probe comes at its spacing
 
 
+def test_a_probe_is_taken_again_once_only():
+    """A worker prefilling prompts answers pending for many steps: the second probe not judged
+    either waits for the next spaced probe, not a probe every other step."""
+    controller = _plain_verdict_at_batch_1()
+    _run_plain_until_the_probe(controller)
+    controller.probe_not_judged(1)
+    assert controller.nodes_per_sequence(1) == 4  # the second probe
+    controller.probe_not_judged(1)  # not judged either
+    assert controller.nodes_per_sequence(1) == 0
+    assert _run_plain_until_the_probe(controller) > 8
+
+
 def test_a_judged_probe_or_a_speculating_verdict_is_not_probed_again():
     controller = _plain_verdict_at_batch_1()
     _run_plain_until_the_probe(controller)
