@@ -21,6 +21,7 @@ import yaml
 
 from hetero import __version__
 from hetero.core.config import QUANTIZATION_METHODS, SPECULATIVE_CONFIG_KEYS, EngineConfig
+from hetero.core.vllm_args import NEUTRAL_ARGS, NEUTRAL_BY_NAME
 
 _NO_DEFAULT = object()
 _UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
@@ -123,6 +124,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("lookahead_cache_config_dir", "TACO-LLM: directory with the lookahead cache's config; enables it."),
     Flag("cpu_decoding_memory_utilization", "TACO-LLM: fraction of host memory the lookahead cache may use.", float),
     Flag("ignore_prompt_for_lookahead_cache", "TACO-LLM: learn the lookahead cache from outputs only.", None),
+    # --- vLLM's flags that change nothing here, at the values they accept (hetero.core.vllm_args)
+    *(Flag(arg.name, f"vLLM's flag: {arg.why}, so {arg.accepted} change nothing here (default: unset).", arg.cli_type,
+           engine=False, default=None) for arg in NEUTRAL_ARGS),
 )
 
 _BY_OPTION = {flag.option: flag for flag in FLAGS}
@@ -160,11 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine_defaults = _engine_defaults()
     server_group = serve.add_argument_group("server")
     engine_group = serve.add_argument_group("engine")
+    neutral_group = serve.add_argument_group("vLLM flags that change nothing here")
     for flag in FLAGS:
         if flag.engine:
             _add_flag(engine_group, flag, engine_defaults[flag.name])
         else:
-            _add_flag(server_group, flag, flag.default)
+            _add_flag(neutral_group if flag.name in NEUTRAL_BY_NAME else server_group, flag, flag.default)
     return parser
 
 
@@ -237,7 +242,8 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig.from_kwargs(args.model, **{f.name: getattr(args, f.name) for f in FLAGS if f.engine})
+    neutral = {name: getattr(args, name) for name in NEUTRAL_BY_NAME if getattr(args, name) is not None}
+    return EngineConfig.from_kwargs(args.model, **{f.name: getattr(args, f.name) for f in FLAGS if f.engine}, **neutral)
 
 
 def load_chat_template(value: Optional[str]) -> Optional[str]:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from hetero.core.lookahead_config import LookaheadConfig
+from hetero.core.vllm_args import drop_neutral_args
 
 
 _DTYPES = {
@@ -309,6 +310,9 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
+        """The config of ``LLM(model, **kwargs)``: vLLM's arguments that change nothing here
+        (`hetero.core.vllm_args`) are checked and dropped; an unknown one is a TypeError."""
+        kwargs = drop_neutral_args(kwargs)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:

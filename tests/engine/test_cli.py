@@ -51,6 +51,18 @@ def test_defaults_come_from_engine_config_and_flags_reach_it():
     assert config.lookahead_cache_config_dir == "/tmp/la"
 
 
+def test_vllms_flags_that_change_nothing_here_are_accepted_and_the_others_named():
+    args = parse_serve_args([
+        "serve", "m", "--enable-chunked-prefill", "--disable-log-requests", "--disable-log-stats",
+        "--kv-cache-dtype", "auto", "--swap-space", "4", "--max-seq-len-to-capture", "8192", "--pipeline-parallel-size", "1",
+    ])
+    assert engine_config_from_args(args) == EngineConfig(model="m")
+    for argv, name in [(["--kv-cache-dtype", "fp8"], "kv_cache_dtype"), (["--pipeline-parallel-size", "2"], "pipeline_parallel_size"),
+                       (["--revision", "main"], "revision"), (["--enable-lora"], "enable_lora")]:
+        with pytest.raises(ValueError, match=f"{name}=.* is not supported"):
+            engine_config_from_args(parse_serve_args(["serve", "m", *argv]))
+
+
 @pytest.mark.parametrize("argv", [
     ["serve", "m", "--no-such-flag"],
     ["serve", "m", "--max-model"],  # abbreviations are not accepted

@@ -204,6 +204,19 @@ def test_bad_llm_arguments_name_the_field(tiny_llama_dir, kwargs, field):
         LLM(model=str(tiny_llama_dir), **kwargs)
 
 
+def test_vllm_arguments_that_change_nothing_here_are_accepted():
+    from hetero.core.config import EngineConfig
+
+    vllm_script = dict(enable_chunked_prefill=True, disable_log_stats=True, kv_cache_dtype="auto", swap_space=4,
+                       tokenizer_mode="auto", revision=None, task="generate", max_seq_len_to_capture=8192,
+                       compilation_config={"level": 3}, distributed_executor_backend="mp", enable_lora=False, cpu_offload_gb=0)
+    assert EngineConfig.from_kwargs("m", max_num_seqs=4, **vllm_script) == EngineConfig(model="m", max_num_seqs=4)
+    for name, value in [("kv_cache_dtype", "fp8"), ("swap_space", -1), ("enable_chunked_prefill", "yes"), ("task", "embed"),
+                        ("distributed_executor_backend", "ray"), ("cpu_offload_gb", 4)]:
+        with pytest.raises(ValueError, match=f"{name}={value!r} is not supported"):
+            EngineConfig.from_kwargs("m", **{name: value})
+
+
 def test_unknown_llm_argument_and_missing_model(tiny_llama_dir, tmp_path):
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(model=str(tiny_llama_dir), max_num_seq=4)
