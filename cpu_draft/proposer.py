@@ -367,6 +367,7 @@ class WorkerDraftProposer(Proposer):
                 if time.monotonic() - self._outstanding >= self.reply_timeout_s:
                     raise  # hung, not late
                 self.late_replies += 1
+                self._replied = None  # the next proposal's distance from the last reply holds this wait: no step
                 return empty
             trees = self._read_trees(worker, reply)
             if len(trees) != len(batch):
