@@ -63,8 +63,6 @@ FLAGS: tuple[Flag, ...] = (
          "are off (default: $HETERO_API_KEY; none = open).", engine=False, default=None),
     Flag("served_model_name", "Model name(s) the API answers to (default: the model argument).", engine=False,
          default=None, nargs="+"),
-    Flag("max_logprobs", "Most logprobs, top_logprobs or prompt_logprobs one request may ask for, as vLLM's; "
-         "-1: no cap (default: 20).", int, engine=False, default=None),
     Flag("max_seqs_per_request", "Most sequences (n, best_of) one request may ask for (default: --max-num-seqs).",
          int, engine=False, default=None),
     Flag("max_request_body_bytes", "Largest request body; bigger ones get 413 before they are read "
@@ -90,6 +88,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max_model_len", "Context length: prompt plus output (default: the model's).", int),
     Flag("max_num_seqs", "Most sequences in one batch.", int),
     Flag("max_num_batched_tokens", "Most tokens in one step; longer prefills are chunked (default: max(2048, max_num_seqs)).", int),
+    Flag("max_logprobs", "Most logprobs, top_logprobs or prompt_logprobs one request may ask for, as vLLM's; -1: no cap.", int),
     Flag("gpu_memory_utilization", "Fraction of GPU memory hetero may use (weights + KV cache).", float),
     Flag("kv_cache_space", "GiB of KV cache when the target runs on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).", float),
     Flag("num_gpu_blocks_override", "KV cache blocks, overriding what the memory settings give (vLLM's flag).", int),
@@ -263,13 +262,13 @@ def build_server_app(args: argparse.Namespace):
     """The engine and the app for parsed `serve` arguments; ValueError/TypeError when they are bad."""
     from hetero.engine import LLMEngine
     from hetero.server import ServerSettings, build_app
-    from hetero.server.limits import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_REQUEST_BODY_BYTES, RequestLimits
+    from hetero.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestLimits
     from hetero.server.startup import log_startup
 
     config = engine_config_from_args(args)
     limits = RequestLimits(
         max_seqs_per_request=config.max_num_seqs if args.max_seqs_per_request is None else args.max_seqs_per_request,
-        max_logprobs=DEFAULT_MAX_LOGPROBS if args.max_logprobs is None else args.max_logprobs,
+        max_logprobs=config.max_logprobs,
         max_request_body_bytes=(
             DEFAULT_MAX_REQUEST_BODY_BYTES if args.max_request_body_bytes is None else args.max_request_body_bytes
         ),

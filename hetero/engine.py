@@ -117,7 +117,7 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}) is larger than the model's "
                 f"max_position_embeddings ({self.model_config.max_position_embeddings})"
             )
-        self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, self.device)
+        self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, self.device, config.max_logprobs)
         self.eos_token_ids = self.inputs.eos_token_ids
         spec = TargetSpec(str(model_path), self.model_config, self.dtype, self.device.type, real_weights, config.seed,
                           config.quantization, config.batch_invariant, config.block_size, config.enforce_eager,

@@ -16,10 +16,11 @@ from hetero.scheduler import Sequence, SequenceGroup
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, device: torch.device):
+    def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, device: torch.device, max_logprobs: int = -1):
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs  # -1: no cap
         self.device = device
         self.eos_token_ids = eos_token_ids(model_config, tokenizer)
         self._grammar_compiler = None  # built at the first request with structured_outputs
@@ -37,6 +38,7 @@ class InputProcessor:
                 "minus the one token it must leave room to generate"
             )
         self._validate_logit_bias(params)
+        self._validate_logprobs(params)
         num_seqs = max(params.n, params.best_of or params.n)
         grammars = self._grammar_states(params, num_seqs)
         group = SequenceGroup(request_id, text, token_ids, params, max_tokens, arrival_time or time.time())
@@ -67,6 +69,16 @@ class InputProcessor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary range [0, {self.vocab_size})")
+
+    def _validate_logprobs(self, params: SamplingParams) -> None:
+        """logprobs and prompt_logprobs within `max_logprobs` (vLLM's check; -1 asks for the whole vocabulary)."""
+        if self.max_logprobs == -1:
+            return
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            requested = self.vocab_size if value == -1 else value
+            if requested is not None and requested > self.max_logprobs:
+                raise ValueError(f"{name}: requested {requested} logprobs, more than max_logprobs={self.max_logprobs}")
 
     def _validate_logit_bias(self, params: SamplingParams) -> None:
         bad = [t for t in params.logit_bias or () if t >= self.vocab_size]

@@ -59,6 +59,9 @@ def _on_off_env(text: str) -> bool:
     return text.lower() not in ("0", "false", "no")
 
 
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's max_logprobs default (OpenAI's top_logprobs limit)
+
+
 @dataclass(frozen=True)
 class DraftConfig:
     """The draft model's settings: how the CPU draft worker runs it and the trees it drafts.
@@ -116,6 +119,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # most logprobs / prompt_logprobs a request may ask for (vLLM's); -1: no cap
     gpu_memory_utilization: float = 0.9
     kv_cache_space: Optional[float] = None  # GiB of KV cache on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
     num_gpu_blocks_override: Optional[int] = None  # KV blocks, whatever memory says (vLLM's name; any device)
@@ -180,6 +184,7 @@ class EngineConfig:
             _check(self.max_model_len >= 1, "max_model_len", self.max_model_len, "must be at least 1")
         if self.max_num_batched_tokens is not None:
             _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, "must be at least 1")
+        _check(self.max_logprobs >= -1, "max_logprobs", self.max_logprobs, "must be non-negative or -1 (no cap)")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         if self.kv_cache_space is not None:
             _check(self.kv_cache_space > 0, "kv_cache_space", self.kv_cache_space, "must be positive (GiB)")

@@ -22,10 +22,10 @@ from typing import Any, Iterable, Optional
 
 import pydantic
 
+from hetero.core.config import DEFAULT_MAX_LOGPROBS
 from hetero.server.errors import APIError, malformed_json, validation_error
 from hetero.server.serving import check_supported
 
-DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 MAX_JSON_DEPTH = 64  # far deeper than any OpenAI request (tool schemas included) nests
 PARSE_ON_LOOP_BYTES = 256 * 1024  # larger bodies are parsed on a worker thread

@@ -197,11 +197,22 @@ def test_bad_prompts_are_clear_errors_and_lose_nothing(llama, prompt, message):
         ({"dtype": "int3"}, "dtype"),
         ({"max_model_len": 100000}, "max_model_len"),
         ({"block_size": 7}, "block_size"),
+        ({"max_logprobs": -2}, "max_logprobs"),
     ],
 )
 def test_bad_llm_arguments_name_the_field(tiny_llama_dir, kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM(model=str(tiny_llama_dir), **kwargs)
+
+
+def test_logprobs_beyond_max_logprobs_are_refused_as_vllm_does(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32")  # vLLM's default cap: 20
+    for params in (SamplingParams(max_tokens=2, logprobs=21), SamplingParams(max_tokens=2, prompt_logprobs=-1)):
+        with pytest.raises(ValueError, match="max_logprobs=20"):
+            llm.generate("Hello", params, use_tqdm=False)
+    assert len(llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=20), use_tqdm=False)[0].outputs[0].logprobs[0]) >= 20
+    uncapped = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_logprobs=-1)
+    assert len(uncapped.generate("Hello", SamplingParams(max_tokens=2, logprobs=30), use_tqdm=False)[0].outputs[0].logprobs[0]) >= 30
 
 
 def test_vllm_arguments_that_change_nothing_here_are_accepted():
