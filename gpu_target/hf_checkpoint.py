@@ -65,6 +65,24 @@ def _eos_token_ids(hf: dict[str, Any], directory: pathlib.Path) -> tuple[int, ..
     return tuple(ids)
 
 
+# generation_config.json's sampling fields, HF GenerationConfig's defaults, and SamplingParams' names:
+# what vLLM's generation_config="auto" takes as the default sampling parameters (`get_diff_sampling_param`).
+_SAMPLING_DEFAULTS = {"temperature": (1.0, "temperature"), "top_p": (1.0, "top_p"), "top_k": (50, "top_k"),
+                      "min_p": (None, "min_p"), "repetition_penalty": (1.0, "repetition_penalty"),
+                      "max_new_tokens": (None, "max_tokens")}
+
+
+def sampling_defaults(directory: pathlib.Path) -> dict[str, Any]:
+    """The sampling parameters a model directory's generation_config.json sets away from HF's
+    defaults, under SamplingParams' names (`max_new_tokens` as `max_tokens`); {} without one."""
+    path = pathlib.Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = _read_json(path)
+    return {name: config[key] for key, (hf_default, name) in _SAMPLING_DEFAULTS.items()
+            if config.get(key) is not None and config[key] != hf_default}
+
+
 def _rope(hf: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
     """`(rope_theta, rope_scaling)` from either spelling: transformers 4's `rope_theta` + `rope_scaling`
     or transformers 5's `rope_parameters`. Scaling comes back as HF's dict with a `rope_type` key,

@@ -89,6 +89,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max_num_seqs", "Most sequences in one batch.", int),
     Flag("max_num_batched_tokens", "Most tokens in one step; longer prefills are chunked (default: max(2048, max_num_seqs)).", int),
     Flag("max_logprobs", "Most logprobs, top_logprobs or prompt_logprobs one request may ask for, as vLLM's; -1: no cap.", int),
+    Flag("generation_config", "vLLM's: auto (the sampling defaults of the model's generation_config.json for the fields a "
+         "request leaves unset), vllm (none), or a directory holding a generation_config.json."),
     Flag("gpu_memory_utilization", "Fraction of GPU memory hetero may use (weights + KV cache).", float),
     Flag("kv_cache_space", "GiB of KV cache when the target runs on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).", float),
     Flag("num_gpu_blocks_override", "KV cache blocks, overriding what the memory settings give (vLLM's flag).", int),

@@ -22,6 +22,7 @@ import contextlib
 import functools
 import gc
 import logging
+import pathlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -31,6 +32,7 @@ import torch
 from cpu_draft.affinity import tp_worker_cpus
 from gpu_target.kv_cache import BlockAllocator
 from gpu_target.kv_offload import HitCountLog, PrefixCacheOffload
+from gpu_target.hf_checkpoint import sampling_defaults
 from gpu_target.loader import load_config, load_tokenizer, resolve_model_path
 from gpu_target.runner import num_kv_blocks
 from gpu_target.sampler import sample, target_probs
@@ -52,6 +54,20 @@ from hetero.spec.step_trees import StepTrees
 from hetero.spec.verifier import BatchVerifier
 
 logger = logging.getLogger("hetero")
+
+
+def _generation_defaults(generation_config: str, model_path) -> dict:
+    """The sampling parameters requests default to (`EngineConfig.generation_config`, as vLLM's):
+    the model directory's generation_config.json for "auto", none for "vllm", else the given
+    directory's. Logged when there are any, as vLLM does, since they change unset fields' outputs."""
+    if generation_config == "vllm":
+        return {}
+    directory = pathlib.Path(model_path if generation_config == "auto" else generation_config)
+    defaults = sampling_defaults(directory) if directory.is_dir() else {}
+    if defaults:
+        logger.info("default sampling parameters from %s: %s (generation_config='vllm' to use vLLM's own)",
+                    directory / "generation_config.json", defaults)
+    return defaults
 
 _DEFAULT_TREE_NODES = 16
 
@@ -111,6 +127,7 @@ class LLMEngine:
         self.tokenizer = (
             None if config.skip_tokenizer_init else load_tokenizer(model_path, config.tokenizer, config.trust_remote_code)
         )
+        self.default_sampling_fields = _generation_defaults(config.generation_config, model_path)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(

@@ -35,6 +35,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no sampling parameters, as vLLM's: the
+        model's generation_config.json defaults (`generation_config`), else SamplingParams()'s."""
+        return SamplingParams(**self.llm_engine.default_sampling_fields)
+
     def generate(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],
@@ -80,7 +85,7 @@ class LLM:
     def _per_prompt_params(self, sampling_params, count: int) -> list[SamplingParams]:
         """One SamplingParams per prompt, each a copy asking for the final output only, as vLLM's LLM does."""
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             return [_final_only(sampling_params)] * count
         params = list(sampling_params)

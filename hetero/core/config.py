@@ -120,6 +120,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # most logprobs / prompt_logprobs a request may ask for (vLLM's); -1: no cap
+    # vLLM's: "auto", the sampling defaults of the model's generation_config.json for the fields a
+    # request leaves unset; "vllm", none; or a directory holding a generation_config.json.
+    generation_config: str = "auto"
     gpu_memory_utilization: float = 0.9
     kv_cache_space: Optional[float] = None  # GiB of KV cache on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
     num_gpu_blocks_override: Optional[int] = None  # KV blocks, whatever memory says (vLLM's name; any device)
@@ -185,6 +188,8 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, "must be at least 1")
         _check(self.max_logprobs >= -1, "max_logprobs", self.max_logprobs, "must be non-negative or -1 (no cap)")
+        _check(self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config), "generation_config",
+               self.generation_config, "must be 'auto', 'vllm' or a directory holding a generation_config.json")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         if self.kv_cache_space is not None:
             _check(self.kv_cache_space > 0, "kv_cache_space", self.kv_cache_space, "must be positive (GiB)")

@@ -142,7 +142,7 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: R
         body = await parse_body(raw, CompletionRequest)
         model = serving.check_model(body.model, names)
         constraint, _ = serving.output_constraint(body)
-        params = serving.completion_sampling_params(body, constraint)
+        params = serving.completion_sampling_params(body, constraint, engine.default_sampling_fields)
         check_sampling(params, limits, engine.model_config.vocab_size, "logprobs")
         prompts = await completion_prompts(async_engine, body, params, body.add_special_tokens)
         response_id = async_engine.new_request_id("cmpl")
@@ -176,7 +176,7 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: R
         tools = tool_calling(body, settings.enable_auto_tool_choice, settings.tool_call_parser, constraint_field)
         if tools.constraint is not None:
             constraint = tools.constraint
-        params = serving.chat_sampling_params(body, constraint)
+        params = serving.chat_sampling_params(body, constraint, engine.default_sampling_fields)
         check_sampling(params, limits, engine.model_config.vocab_size, "top_logprobs")
         prompt = await chat_prompt(
             async_engine, body, params, lambda: _render_chat(engine, body, settings.chat_template, tools.template_tools)

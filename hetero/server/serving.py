@@ -66,28 +66,31 @@ def _constraint(make, field: str, **given) -> tuple[StructuredOutputsParams, str
     return spec, field
 
 
-def completion_sampling_params(request: CompletionRequest, constraint: Optional[StructuredOutputsParams]) -> SamplingParams:
+def completion_sampling_params(request: CompletionRequest, constraint: Optional[StructuredOutputsParams],
+                               defaults: Optional[dict] = None) -> SamplingParams:
     prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
-    return _sampling_params(request, request.max_tokens, request.logprobs, {}, constraint, prompt_logprobs)
+    return _sampling_params(request, request.max_tokens, request.logprobs, {}, constraint, defaults, prompt_logprobs)
 
 
-def chat_sampling_params(request: ChatCompletionRequest, constraint: Optional[StructuredOutputsParams]) -> SamplingParams:
+def chat_sampling_params(request: ChatCompletionRequest, constraint: Optional[StructuredOutputsParams],
+                         defaults: Optional[dict] = None) -> SamplingParams:
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _sampling_params(request, request.output_limit, logprobs, _CHAT_FIELD_NAMES, constraint)
+    return _sampling_params(request, request.output_limit, logprobs, _CHAT_FIELD_NAMES, constraint, defaults)
 
 
 def _sampling_params(
     request: SamplingRequest, max_tokens: Optional[int], logprobs: Optional[int], api_names: dict[str, str],
-    constraint: Optional[StructuredOutputsParams], prompt_logprobs: Optional[int] = None,
+    constraint: Optional[StructuredOutputsParams], defaults: Optional[dict] = None, prompt_logprobs: Optional[int] = None,
 ) -> SamplingParams:
-    """SamplingParams from the request; its ValueError becomes a 400 naming the API field."""
-    given = request.model_dump(include=_SAMPLING_FIELDS, exclude_none=True)
+    """SamplingParams from the request, its unset fields from ``defaults`` (the model's generation
+    config, `LLMEngine.default_sampling_fields`); its ValueError becomes a 400 naming the API field."""
+    given = {**(defaults or {}), **request.model_dump(include=_SAMPLING_FIELDS, exclude_none=True)}
     given.pop("logprobs", None)
-    given.pop("max_tokens", None)
+    default_max_tokens = given.pop("max_tokens", None)
     given.pop("prompt_logprobs", None)
     try:
-        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              structured_outputs=constraint)
+        return SamplingParams(**given, max_tokens=default_max_tokens if max_tokens is None else max_tokens, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
     except ValueError as exc:
         message = str(exc)
         field = message.split(" ", 1)[0]

@@ -320,3 +320,47 @@ def test_an_engine_is_freed_without_the_cyclic_collector(tiny_llama_dir):
     finally:
         if collecting:
             gc.enable()
+
+
+@pytest.fixture
+def model_with_generation_config(tiny_llama_dir, tmp_path):
+    """The tiny model in a copy whose generation_config.json sets sampling defaults, as model creators do."""
+    import json
+    import shutil
+
+    directory = tmp_path / "with-generation-config"
+    shutil.copytree(tiny_llama_dir, directory)
+    path = directory / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    config.update(do_sample=True, temperature=0.6, top_p=0.9, top_k=50, repetition_penalty=1.1, max_new_tokens=5)
+    path.write_text(json.dumps(config))
+    return directory
+
+
+def test_the_models_generation_config_sets_the_default_sampling_parameters(model_with_generation_config):
+    llm = LLM(model=str(model_with_generation_config), device="cpu", dtype="float32")
+    params = llm.get_default_sampling_params()
+    # top_k 50 is HF's own default, so it is not the model's choice (vLLM's get_diff_sampling_param).
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty, params.max_tokens) == (0.6, 0.9, 0, 1.1, 5)
+    assert [len(o.outputs[0].token_ids) for o in llm.generate(["Hello", "The capital of"], use_tqdm=False)] == [5, 5]
+    plain = LLM(model=str(model_with_generation_config), device="cpu", dtype="float32", generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(model=str(model_with_generation_config), generation_config="nowhere")
+
+
+def test_a_request_takes_the_generation_config_only_for_the_fields_it_leaves_unset(model_with_generation_config):
+    from hetero.server.protocol import ChatCompletionRequest, CompletionRequest
+    from hetero.server.serving import chat_sampling_params, completion_sampling_params
+
+    defaults = LLM(model=str(model_with_generation_config), device="cpu", dtype="float32").llm_engine.default_sampling_fields
+    unset = completion_sampling_params(CompletionRequest(model="m", prompt="Hi"), None, defaults)
+    assert (unset.temperature, unset.top_p, unset.repetition_penalty) == (0.6, 0.9, 1.1)
+    assert unset.max_tokens == 16  # OpenAI's completions default is a value, not unset
+    given = completion_sampling_params(CompletionRequest(model="m", prompt="Hi", temperature=0.3, max_tokens=9), None, defaults)
+    assert (given.temperature, given.top_p, given.max_tokens) == (0.3, 0.9, 9)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = chat_sampling_params(ChatCompletionRequest(model="m", messages=messages), None, defaults)
+    assert (chat.temperature, chat.max_tokens) == (0.6, 5)
+    chat = chat_sampling_params(ChatCompletionRequest(model="m", messages=messages, max_completion_tokens=3), None, defaults)
+    assert chat.max_tokens == 3
