@@ -69,6 +69,11 @@ NEUTRAL_ARGS: tuple[NeutralArg, ...] = (
     NeutralArg("enable_lora", _one_of(False), "False", "LoRA adapters are not supported", None),
     NeutralArg("cpu_offload_gb", _one_of(0, 0.0), "0", "weights stay on the GPU (the CPU holds the draft and the prefix "
                "cache's offload tier: --cpu-offload-gib)", float),
+    NeutralArg("preemption_mode", _one_of(None, "recompute"), "None or 'recompute'", "preempted sequences are recomputed"),
+    NeutralArg("scheduling_policy", _one_of("fcfs"), "'fcfs'", "requests are scheduled first come, first served"),
+    NeutralArg("use_v2_block_manager", _is_bool, "True or False", "KV blocks have one manager (paged, with prefix caching)", None),
+    NeutralArg("enable_sleep_mode", _one_of(False), "False", "the engine has no sleep mode", None),
+    NeutralArg("limit_mm_per_prompt", _one_of(None, {}), "None", "prompts are text only"),
 )
 NEUTRAL_BY_NAME = {arg.name: arg for arg in NEUTRAL_ARGS}
 

@@ -86,10 +86,10 @@ def _sampling_params(
     config, `LLMEngine.default_sampling_fields`); its ValueError becomes a 400 naming the API field."""
     given = {**(defaults or {}), **request.model_dump(include=_SAMPLING_FIELDS, exclude_none=True)}
     given.pop("logprobs", None)
-    default_max_tokens = given.pop("max_tokens", None)
+    fallback_max_tokens = given.pop("max_tokens", None)  # the request's own, else the model's default
     given.pop("prompt_logprobs", None)
     try:
-        return SamplingParams(**given, max_tokens=default_max_tokens if max_tokens is None else max_tokens, logprobs=logprobs,
+        return SamplingParams(**given, max_tokens=fallback_max_tokens if max_tokens is None else max_tokens, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
     except ValueError as exc:
         message = str(exc)
