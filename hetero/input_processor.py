@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from gpu_target.model_config import ModelConfig
-from hetero.core.sampling_params import SamplingParams
+from hetero.core.sampling_params import SamplingParams, logprobs_over_cap
 from hetero.scheduler import Sequence, SequenceGroup
 
 
@@ -72,12 +72,9 @@ class InputProcessor:
 
     def _validate_logprobs(self, params: SamplingParams) -> None:
         """logprobs and prompt_logprobs within `max_logprobs` (vLLM's check; -1 asks for the whole vocabulary)."""
-        if self.max_logprobs == -1:
-            return
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            requested = self.vocab_size if value == -1 else value
-            if requested is not None and requested > self.max_logprobs:
+            requested = logprobs_over_cap(getattr(params, name), self.max_logprobs, self.vocab_size)
+            if requested is not None:
                 raise ValueError(f"{name}: requested {requested} logprobs, more than max_logprobs={self.max_logprobs}")
 
     def _validate_logit_bias(self, params: SamplingParams) -> None:

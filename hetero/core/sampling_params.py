@@ -100,6 +100,15 @@ def _normalise_logit_bias(logit_bias: Any) -> Optional[dict[int, float]]:
     return result or None
 
 
+def logprobs_over_cap(value: Optional[int], max_logprobs: int, vocab_size: int) -> Optional[int]:
+    """The logprobs a request's ``value`` asks for (-1: the whole vocabulary) where they exceed
+    ``max_logprobs`` (vLLM's cap; -1: none), else None."""
+    if value is None or max_logprobs == -1:
+        return None
+    requested = vocab_size if value == -1 else value
+    return requested if requested > max_logprobs else None
+
+
 class RequestOutputKind(enum.Enum):
     """Which RequestOutputs a request gets (vLLM's names and values).
 

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Optional
 import pydantic
 
 from hetero.core.config import DEFAULT_MAX_LOGPROBS
+from hetero.core.sampling_params import logprobs_over_cap
 from hetero.server.errors import APIError, malformed_json, validation_error
 from hetero.server.serving import check_supported
 
@@ -154,10 +155,8 @@ def check_sampling(params, limits: RequestLimits, vocab_size: int, logprobs_fiel
             param=field,
         )
     for field, value in ((logprobs_field, params.logprobs), ("prompt_logprobs", getattr(params, "prompt_logprobs", None))):
-        if value is None or limits.max_logprobs == -1:
-            continue
-        requested = vocab_size if value == -1 else value
-        if requested > limits.max_logprobs:
+        requested = logprobs_over_cap(value, limits.max_logprobs, vocab_size)
+        if requested is not None:
             raise APIError(
                 400, f"{field}: requested {requested} logprobs, more than the {limits.max_logprobs} allowed (--max-logprobs)",
                 param=field,
