@@ -350,8 +350,11 @@ class WorkerDraftProposer(Proposer):
             self._step_s = step if self._step_s is None else 0.7 * self._step_s + 0.3 * step
         worker = self._slot.worker
         try:
-            if self._outstanding is not None and not self._read_late_reply(worker):
-                return empty
+            if self._outstanding is not None:  # a late reply to drop first (its trees are for contexts since passed)
+                late = self._await_reply(worker)
+                if late is None:
+                    return empty
+                self._read_trees(worker, late)
             seq_ids, messages = self._update_messages(batch)
             messages[-1]["batch"] = np.asarray(seq_ids, np.int64)
             messages[-1]["max_nodes"] = np.asarray([r.max_nodes for r in batch], np.int64)
@@ -361,13 +364,8 @@ class WorkerDraftProposer(Proposer):
             messages[-1]["sent_at"] = np.asarray([self._outstanding], np.float64)
             worker.channel.send(PROPOSE, messages[-1], timeout=self.reply_timeout_s)
             self._released = []
-            try:
-                reply = worker.channel.recv(timeout=self._late_after_s(), spin_s=REPLY_SPIN_S)
-            except RecvTimeoutError:
-                if time.monotonic() - self._outstanding >= self.reply_timeout_s:
-                    raise  # hung, not late
-                self.late_replies += 1
-                self._replied = None  # the next proposal's distance from the last reply holds this wait: no step
+            reply = self._await_reply(worker)
+            if reply is None:
                 return empty
             trees = self._read_trees(worker, reply)
             if len(trees) != len(batch):
@@ -383,22 +381,23 @@ class WorkerDraftProposer(Proposer):
         until the engine's step is measured, ``reply_timeout_s``."""
         if self._step_s is None:
             return self.reply_timeout_s
-        return min(self.reply_timeout_s, max(LATE_REPLY_FLOOR_S, LATE_REPLY_STEPS * self._step_s))
+        return max(LATE_REPLY_FLOOR_S, LATE_REPLY_STEPS * self._step_s)
 
-    def _read_late_reply(self, worker: "_WorkerProcess") -> bool:
-        """Read and drop the reply to a proposal answered empty (its trees are for contexts the
-        engine has since moved past); False while it is still late. A worker silent for
-        ``reply_timeout_s`` since that proposal is hung (RecvTimeoutError)."""
+    def _await_reply(self, worker: "_WorkerProcess"):
+        """The reply to the outstanding proposal, waited for up to `_late_after_s`; None when it is
+        late (counted). A worker silent for ``reply_timeout_s`` since that proposal is hung
+        (RecvTimeoutError)."""
         waited = time.monotonic() - self._outstanding
         if waited >= self.reply_timeout_s:
             raise RecvTimeoutError(f"no reply from the draft worker (pid {worker.pid}) within {self.reply_timeout_s} s")
         try:
-            reply = worker.channel.recv(timeout=min(self._late_after_s(), self.reply_timeout_s - waited), spin_s=REPLY_SPIN_S)
+            return worker.channel.recv(timeout=min(self._late_after_s(), self.reply_timeout_s - waited), spin_s=REPLY_SPIN_S)
         except RecvTimeoutError:
+            if time.monotonic() - self._outstanding >= self.reply_timeout_s:
+                raise  # hung, not late
             self.late_replies += 1
-            return False
-        self._read_trees(worker, reply)
-        return True
+            self._replied = None  # the next proposal's distance from the last reply holds this wait: no step
+            return None
 
     def _read_trees(self, worker: "_WorkerProcess", reply) -> list[TokenTree]:
         """A TREES reply's trees; takes its stats, frees its slot and marks the proposal answered."""
