@@ -30,9 +30,9 @@ from typing import Any, Optional
 import torch
 
 from cpu_draft.affinity import tp_worker_cpus
+from gpu_target.hf_checkpoint import sampling_defaults
 from gpu_target.kv_cache import BlockAllocator
 from gpu_target.kv_offload import HitCountLog, PrefixCacheOffload
-from gpu_target.hf_checkpoint import sampling_defaults
 from gpu_target.loader import load_config, load_tokenizer, resolve_model_path
 from gpu_target.runner import num_kv_blocks
 from gpu_target.sampler import sample, target_probs
@@ -68,6 +68,7 @@ def _generation_defaults(generation_config: str, model_path) -> dict:
         logger.info("default sampling parameters from %s: %s (generation_config='vllm' to use vLLM's own)",
                     directory / "generation_config.json", defaults)
     return defaults
+
 
 _DEFAULT_TREE_NODES = 16
 
