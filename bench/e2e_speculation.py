@@ -187,7 +187,8 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: 0.5 for 8b, 0.97 for 70b")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per step (the tree's node budget)")
+    parser.add_argument("--k", type=int, default=4,
+                        help="draft tokens per step (the tree's node budget); 0: the engine's default, as a user gets it")
     parser.add_argument("--draft-vocab", type=int, default=32768, help="the drafts' reduced head (FR-Spec); 0: the whole vocabulary")
     parser.add_argument("--hot-tokens", type=int, default=32768, help="the text's most frequent tokens (the lowest ids)")
     parser.add_argument("--cold-scale", type=float, default=0.8, help="scale of the other tokens' head rows in both models")
@@ -215,10 +216,10 @@ def main(argv=None) -> None:
     save_file(draft, os.path.join(draft_dir, "model.safetensors"))
     lookahead_dir = tempfile.mkdtemp(prefix="lookahead-")
     with open(os.path.join(lookahead_dir, "lookahead_cache_config.json"), "w") as f:
-        json.dump({"is_debug": False, "copy_length": args.k}, f)
-    draft_model = dict(speculative_model=draft_dir, num_speculative_tokens=args.k,
+        json.dump({"is_debug": False, **({"copy_length": args.k} if args.k else {})}, f)
+    draft_model = dict(speculative_model=draft_dir, num_speculative_tokens=args.k or None,
                        speculative_draft_vocab_size=args.draft_vocab or None)
-    lookahead = dict(lookahead_cache_config_dir=lookahead_dir, num_speculative_tokens=args.k)
+    lookahead = dict(lookahead_cache_config_dir=lookahead_dir, num_speculative_tokens=args.k or None)
     cpu_draft = {"quantization": None if args.cpu_draft_quantization == "none" else args.cpu_draft_quantization}
     speculation = {
         "plain": {},
