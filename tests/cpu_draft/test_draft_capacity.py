@@ -145,3 +145,25 @@ def test_a_draft_ahead_cut_off_by_the_next_message_still_measures_its_levels(tin
     service.draft_ahead([(s, 4) for s in prompts], lambda: next(polls, other))
     assert not service.predrafted  # cut off
     assert service.capacity.level_s is not None and service.capacity.level_rows == 2
+
+
+
+def _batch_of_one(level_s: float, accepted: int, drafted: int) -> DraftCapacity:
+    capacity = DraftCapacity(row_overhead=5.0)
+    capacity.observe_cycle(0.0055)  # a 5.5 ms verification step
+    capacity.observe_levels(level_s, levels=1, rows=1)
+    for _ in range(10):
+        capacity.observe_accepted(0, accepted, drafted)
+    return capacity
+
+
+def test_a_batch_of_one_drafts_as_deep_as_its_draft_ahead_fits_the_step():
+    """0.6 ms a level in a 5.5 ms step: 8 levels and the bonus guess take 5.4 ms; a budget of
+    16 would make the engine wait 4.8 ms a step for the other 8. The draft's acceptance does
+    not move it (the engine's tree sizing grants fewer nodes where they do not pay)."""
+    assert _batch_of_one(0.0006, 9, 10).plan([0], depth=16) == ({0}, 8)
+    assert _batch_of_one(0.0006, 1, 2).plan([0], depth=16) == ({0}, 8)
+    assert _batch_of_one(0.0006, 9, 10).plan([0], depth=4) == ({0}, 4)  # the whole budget fits
+    assert _batch_of_one(0.0015, 9, 10).plan([0], depth=16) == ({0}, 2)  # 3 levels of 1.5 ms fit, not 4
+    assert _batch_of_one(0.006, 9, 10).plan([0], depth=16) == ({0}, 1)  # nothing fits: one level
+    assert DraftCapacity().plan([0], depth=16) == ({0}, 16)  # unmeasured: the whole budget
