@@ -187,7 +187,7 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: 0.5 for 8b, 0.97 for 70b")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--k", type=int, default=4,
+    parser.add_argument("--k", type=int, default=0,
                         help="draft tokens per step (the tree's node budget); 0: the engine's default, as a user gets it")
     parser.add_argument("--draft-vocab", type=int, default=32768, help="the drafts' reduced head (FR-Spec); 0: the whole vocabulary")
     parser.add_argument("--hot-tokens", type=int, default=32768, help="the text's most frequent tokens (the lowest ids)")
