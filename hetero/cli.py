@@ -78,6 +78,8 @@ FLAGS: tuple[Flag, ...] = (
          choices=["hermes", "llama3_json"]),
     # --- the model and its memory (vLLM's names)
     Flag("tokenizer", "Tokenizer directory (default: the model's)."),
+    Flag("hf_overrides", 'vLLM\'s: keys merged into the model\'s config.json before it is read, as JSON, e.g. '
+         '\'{"max_position_embeddings": 8192}\' (HF checkpoints only).', json_object),
     Flag("trust_remote_code", "Allow custom code from the model repository.", None),
     Flag("skip_tokenizer_init", "Load no tokenizer: prompts must be token ids and outputs carry no text.", None),
     Flag("load_format", "auto (the checkpoint), or dummy: random weights in its shapes, for timing."),

@@ -114,6 +114,9 @@ SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_
 class EngineConfig:
     model: str
     tokenizer: Optional[str] = None
+    # vLLM's hf_overrides: keys merged into the model's config.json before it is read, e.g.
+    # {"max_position_embeddings": 8192} or {"rope_theta": 1e6} (gpu_target/hf_checkpoint.py); HF checkpoints only.
+    hf_overrides: Optional[dict[str, Any]] = None
     dtype: str = "auto"
     seed: int = 0
     max_model_len: Optional[int] = None
@@ -179,6 +182,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a path to an HF model directory or a .gguf file")
+        if self.hf_overrides is not None:
+            _check(isinstance(self.hf_overrides, dict) and all(isinstance(key, str) for key in self.hf_overrides),
+                   "hf_overrides", self.hf_overrides, "must be a dict of config.json keys to values (vLLM's callable "
+                   "form, over transformers' PretrainedConfig, is not supported: hetero reads config.json itself)")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         self._check_tensor_parallel()

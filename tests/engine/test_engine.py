@@ -71,6 +71,28 @@ def test_num_gpu_blocks_override_sizes_the_kv_cache_exactly(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), max_model_len=96, dtype="float32", num_gpu_blocks_override=2)
 
 
+
+def test_hf_overrides_set_the_model_config_and_max_model_len_follows(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", hf_overrides={"max_position_embeddings": 128})
+    assert (llm.llm_engine.model_config.max_position_embeddings, llm.llm_engine.max_model_len) == (128, 128)
+    too_long = r"max_model_len \(256\) is larger than the model's max_position_embeddings \(128\)"
+    with pytest.raises(ValueError, match=too_long):
+        LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, hf_overrides={"max_position_embeddings": 128})
+
+
+def test_an_hf_overrides_rope_theta_changes_the_logits(tiny_llama_dir):
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def prompt_logprobs(**kwargs) -> list[float]:
+        (out,) = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, **kwargs).generate(
+            PROMPTS[0], params, use_tqdm=False)
+        return [logprob.logprob for position in out.prompt_logprobs[1:] for logprob in position.values()]
+
+    plain = prompt_logprobs()
+    assert prompt_logprobs(hf_overrides={"rope_theta": 10000.0}) == plain  # the checkpoint's own value
+    faster = prompt_logprobs(hf_overrides={"rope_theta": 1e6})
+    assert max(abs(a - b) for a, b in zip(plain, faster)) > 1e-3
+
 def test_chunked_prefill_matches(tiny_llama_dir, llama_reference):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", max_num_batched_tokens=8, max_num_seqs=8)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -198,6 +220,8 @@ def test_bad_prompts_are_clear_errors_and_lose_nothing(llama, prompt, message):
         ({"max_model_len": 100000}, "max_model_len"),
         ({"block_size": 7}, "block_size"),
         ({"max_logprobs": -2}, "max_logprobs"),
+        ({"hf_overrides": "max_position_embeddings=128"}, "hf_overrides"),
+        ({"hf_overrides": {"max_position_embeddings": "long"}}, "hf_overrides"),
     ],
 )
 def test_bad_llm_arguments_name_the_field(tiny_llama_dir, kwargs, field):
