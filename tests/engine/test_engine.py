@@ -8,6 +8,7 @@ import transformers
 from gpu_target.kv_cache import KVCachePool
 from gpu_target.loader import load_config
 from hetero import LLM, SamplingParams
+from hetero.server.startup import kv_cache_source
 from tiny_models import PROMPTS
 
 
@@ -67,6 +68,7 @@ def test_kv_pressure_preempts_and_loses_nothing(tiny_llama_dir, llama_reference)
 def test_num_gpu_blocks_override_sizes_the_kv_cache_exactly(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=96, dtype="float32", kv_cache_space=1.0, num_gpu_blocks_override=9)
     assert llm.llm_engine.kv_pool.num_blocks == 9
+    assert kv_cache_source(llm.llm_engine) == "--num-gpu-blocks-override 9"
     with pytest.raises(ValueError, match="num_gpu_blocks_override"):
         LLM(model=str(tiny_llama_dir), max_model_len=96, dtype="float32", num_gpu_blocks_override=2)
 
