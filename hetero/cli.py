@@ -95,6 +95,8 @@ FLAGS: tuple[Flag, ...] = (
          "request leaves unset), vllm (none), or a directory holding a generation_config.json."),
     Flag("gpu_memory_utilization", "Fraction of GPU memory hetero may use (weights + KV cache).", float),
     Flag("kv_cache_space", "GiB of KV cache when the target runs on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).", float),
+    Flag("kv_cache_memory_bytes", "vLLM's: the KV cache's size in bytes (per GPU); given, it sizes the cache on any "
+         "device, and --gpu-memory-utilization and --kv-cache-space are ignored.", int),
     Flag("num_gpu_blocks_override", "KV cache blocks, overriding what the memory settings give (vLLM's flag).", int),
     Flag("block_size", "Tokens per KV cache block: 8, 16, 32, 64 or 128.", int),
     Flag("enable_prefix_caching", "Reuse the KV of prompts' shared prefixes.", None),

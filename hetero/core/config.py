@@ -128,6 +128,9 @@ class EngineConfig:
     generation_config: str = "auto"
     gpu_memory_utilization: float = 0.9
     kv_cache_space: Optional[float] = None  # GiB of KV cache on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    # vLLM's: the KV cache's bytes (per GPU under tensor parallelism); given, it sizes the cache on any
+    # device, and gpu_memory_utilization and kv_cache_space are ignored (gpu_target/runner.py: num_kv_blocks).
+    kv_cache_memory_bytes: Optional[int] = None
     num_gpu_blocks_override: Optional[int] = None  # KV blocks, whatever memory says (vLLM's name; any device)
     block_size: int = 16
     enable_prefix_caching: bool = True  # on by default, as in vLLM V1
@@ -200,6 +203,9 @@ class EngineConfig:
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         if self.kv_cache_space is not None:
             _check(self.kv_cache_space > 0, "kv_cache_space", self.kv_cache_space, "must be positive (GiB)")
+        if self.kv_cache_memory_bytes is not None:
+            _check(_is_int(self.kv_cache_memory_bytes) and self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
+                   self.kv_cache_memory_bytes, "must be a positive int (bytes)")
         if self.num_gpu_blocks_override is not None:
             _check(self.num_gpu_blocks_override > 0, "num_gpu_blocks_override", self.num_gpu_blocks_override, "must be positive")
         if self.num_scheduler_steps is not None:
