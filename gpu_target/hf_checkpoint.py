@@ -111,8 +111,46 @@ def _max_positions(hf: dict[str, Any], architecture: str) -> int:
     return max_positions
 
 
-def load_config(directory: pathlib.Path) -> ModelConfig:
+def load_config(directory: pathlib.Path, hf_overrides: Optional[dict[str, Any]] = None) -> ModelConfig:
+    """The architecture config.json describes, with vLLM's `hf_overrides` merged in first ("arguments to
+    be forwarded to the Hugging Face config", https://docs.vllm.ai/en/latest/configuration/engine_args.html):
+    each key replaces config.json's, as vLLM's update of the HF config does, so a key hetero does not
+    read is kept and changes nothing. An override hetero cannot read as the setting it names (a string
+    for an int, a rope type it does not run) is a ValueError naming the overrides."""
     hf = _read_json(directory / "config.json")
+    if not hf_overrides:
+        return _model_config(hf, directory)
+    for key, value in hf_overrides.items():
+        _check_override_type(key, value, hf.get(key))
+    try:
+        return _model_config(_with_overrides(hf, hf_overrides), directory)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"hf_overrides {hf_overrides!r} do not give a config hetero can run: {exc}") from exc
+
+
+def _check_override_type(key: str, value: Any, stored: Any) -> None:
+    """An override of one of config.json's numbers, flags or strings keeps its type (an int may stand
+    for a float): config values are read with int(), float() and bool(), which would take 4096.5 as
+    4096 and "false" as True without a word."""
+    scalars = (bool, int, float, str)
+    if not (isinstance(stored, scalars) and isinstance(value, scalars)):
+        return
+    if type(value) is not type(stored) and not (type(stored) is float and type(value) is int):
+        raise ValueError(f"hf_overrides[{key!r}] is {value!r} ({type(value).__name__}), but config.json's {key} "
+                         f"is {stored!r} ({type(stored).__name__})")
+
+
+def _with_overrides(hf: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """config.json with `overrides`' keys replacing its own. transformers 5 keeps rope_theta inside
+    rope_parameters, where it wins over a top-level one (`_rope`), so an override in the older
+    spelling is written there too: {"rope_theta": ...} takes effect whichever spelling the checkpoint has."""
+    merged = {**hf, **overrides}
+    if "rope_theta" in overrides and isinstance(hf.get("rope_parameters"), dict) and "rope_parameters" not in overrides:
+        merged["rope_parameters"] = {**hf["rope_parameters"], "rope_theta": overrides["rope_theta"]}
+    return merged
+
+
+def _model_config(hf: dict[str, Any], directory: pathlib.Path) -> ModelConfig:
     architecture = _architecture(hf, directory)
     if hf.get("mlp_bias"):
         raise ValueError(f"{directory}: mlp_bias=True is not supported (the runner's MLP has no bias)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import transformers
@@ -104,11 +104,19 @@ def is_gguf(path: PathLike) -> bool:
     return pathlib.Path(path).suffix == ".gguf"
 
 
-def load_config(path: PathLike, require_weights: bool = True) -> ModelConfig:
+def load_config(
+    path: PathLike, require_weights: bool = True, hf_overrides: Optional[dict[str, Any]] = None
+) -> ModelConfig:
+    """The model's architecture. `hf_overrides` (vLLM's engine argument) are merged into an HF
+    checkpoint's config.json first (`hf_checkpoint.load_config`); a GGUF file has no HF config to
+    merge them into, so with overrides it is a ValueError."""
     path = resolve_model_path(path, require_weights)
     if is_gguf(path):
+        if hf_overrides:
+            raise ValueError(f"hf_overrides applies to HF checkpoints (config.json), but {str(path)!r} is a GGUF file; "
+                             "drop hf_overrides or use the model's HF directory")
         return gguf_checkpoint.load_config(path)
-    return hf_checkpoint.load_config(path)
+    return hf_checkpoint.load_config(path, hf_overrides)
 
 
 def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

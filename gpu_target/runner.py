@@ -200,14 +200,20 @@ class ModelRunner:
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, max_model_len: int, dtype: torch.dtype,
                   device: torch.device) -> int:
-    """KV blocks that fit gpu_memory_utilization (CUDA) or kv_cache_space (CPU), or exactly
-    num_gpu_blocks_override (vLLM's knob, for runs that must compare equal cache sizes); at
-    least one sequence's worth."""
+    """KV blocks that fit gpu_memory_utilization (CUDA) or kv_cache_space (CPU); or that fit
+    kv_cache_memory_bytes, on any device and uncapped (vLLM: "if specified, it ignores
+    gpu_memory_utilization", https://docs.vllm.ai/en/latest/configuration/engine_args.html; here
+    kv_cache_space too, so that one argument sizes the cache wherever the target runs); or exactly
+    num_gpu_blocks_override (vLLM's knob, for runs that must compare equal cache sizes; it wins over
+    the others, as in vLLM). At least one sequence's worth."""
     per_block = KVCachePool.bytes_per_block(model_config, config.block_size, dtype)
     blocks_per_seq = -(-max_model_len // config.block_size)
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
         knob = "num_gpu_blocks_override"
+    elif config.kv_cache_memory_bytes is not None:
+        num_blocks = config.kv_cache_memory_bytes // per_block
+        knob = f"kv_cache_memory_bytes ({per_block} bytes a block)"
     elif device.type == "cuda":
         gc.collect()  # an engine dropped but still in a reference cycle holds its KV cache until collected (vLLM collects here too)
         torch.cuda.empty_cache()

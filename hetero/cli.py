@@ -78,6 +78,8 @@ FLAGS: tuple[Flag, ...] = (
          choices=["hermes", "llama3_json"]),
     # --- the model and its memory (vLLM's names)
     Flag("tokenizer", "Tokenizer directory (default: the model's)."),
+    Flag("hf_overrides", 'vLLM\'s: keys merged into the model\'s config.json before it is read, as JSON, e.g. '
+         '\'{"max_position_embeddings": 8192}\' (HF checkpoints only).', json_object),
     Flag("trust_remote_code", "Allow custom code from the model repository.", None),
     Flag("skip_tokenizer_init", "Load no tokenizer: prompts must be token ids and outputs carry no text.", None),
     Flag("load_format", "auto (the checkpoint), or dummy: random weights in its shapes, for timing."),
@@ -93,6 +95,8 @@ FLAGS: tuple[Flag, ...] = (
          "request leaves unset), vllm (none), or a directory holding a generation_config.json."),
     Flag("gpu_memory_utilization", "Fraction of GPU memory hetero may use (weights + KV cache).", float),
     Flag("kv_cache_space", "GiB of KV cache when the target runs on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).", float),
+    Flag("kv_cache_memory_bytes", "vLLM's: the KV cache's size in bytes (per GPU); given, it sizes the cache on any "
+         "device, and --gpu-memory-utilization and --kv-cache-space are ignored.", int),
     Flag("num_gpu_blocks_override", "KV cache blocks, overriding what the memory settings give (vLLM's flag).", int),
     Flag("block_size", "Tokens per KV cache block: 8, 16, 32, 64 or 128.", int),
     Flag("enable_prefix_caching", "Reuse the KV of prompts' shared prefixes.", None),

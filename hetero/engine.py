@@ -124,7 +124,7 @@ class LLMEngine:
         self.dtype = config.resolve_dtype(self.device)
         real_weights = config.load_format != "dummy"
         model_path = resolve_model_path(config.model, require_weights=real_weights)
-        self.model_config = load_config(model_path, require_weights=real_weights)
+        self.model_config = load_config(model_path, require_weights=real_weights, hf_overrides=config.hf_overrides)
         self.tokenizer = (
             None if config.skip_tokenizer_init else load_tokenizer(model_path, config.tokenizer, config.trust_remote_code)
         )

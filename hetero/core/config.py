@@ -114,6 +114,9 @@ SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_
 class EngineConfig:
     model: str
     tokenizer: Optional[str] = None
+    # vLLM's hf_overrides: keys merged into the model's config.json before it is read, e.g.
+    # {"max_position_embeddings": 8192} or {"rope_theta": 1e6} (gpu_target/hf_checkpoint.py); HF checkpoints only.
+    hf_overrides: Optional[dict[str, Any]] = None
     dtype: str = "auto"
     seed: int = 0
     max_model_len: Optional[int] = None
@@ -125,6 +128,9 @@ class EngineConfig:
     generation_config: str = "auto"
     gpu_memory_utilization: float = 0.9
     kv_cache_space: Optional[float] = None  # GiB of KV cache on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    # vLLM's: the KV cache's bytes (per GPU under tensor parallelism); given, it sizes the cache on any
+    # device, and gpu_memory_utilization and kv_cache_space are ignored (gpu_target/runner.py: num_kv_blocks).
+    kv_cache_memory_bytes: Optional[int] = None
     num_gpu_blocks_override: Optional[int] = None  # KV blocks, whatever memory says (vLLM's name; any device)
     block_size: int = 16
     enable_prefix_caching: bool = True  # on by default, as in vLLM V1
@@ -179,6 +185,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a path to an HF model directory or a .gguf file")
+        if self.hf_overrides is not None:
+            _check(isinstance(self.hf_overrides, dict) and all(isinstance(key, str) for key in self.hf_overrides),
+                   "hf_overrides", self.hf_overrides, "must be a dict of config.json keys to values (vLLM's callable "
+                   "form, over transformers' PretrainedConfig, is not supported: hetero reads config.json itself)")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         self._check_tensor_parallel()
@@ -193,6 +203,9 @@ class EngineConfig:
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         if self.kv_cache_space is not None:
             _check(self.kv_cache_space > 0, "kv_cache_space", self.kv_cache_space, "must be positive (GiB)")
+        if self.kv_cache_memory_bytes is not None:
+            _check(_is_int(self.kv_cache_memory_bytes) and self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
+                   self.kv_cache_memory_bytes, "must be a positive int (bytes)")
         if self.num_gpu_blocks_override is not None:
             _check(self.num_gpu_blocks_override > 0, "num_gpu_blocks_override", self.num_gpu_blocks_override, "must be positive")
         if self.num_scheduler_steps is not None:

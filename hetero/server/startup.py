@@ -1,9 +1,9 @@
 """What `hetero serve` tells its operator at start-up: the memory it took, and an open door.
 
-The KV cache is sized by `gpu_memory_utilization` on CUDA and by `kv_cache_space` (vLLM's
-VLLM_CPU_KVCACHE_SPACE, default 4 GiB) on the CPU, where it is also capped at what
-`max_num_seqs` sequences of `max_model_len` tokens can use; the log line names which one
-decided, so an operator knows which flag to turn.
+The KV cache is sized by `num_gpu_blocks_override` or `kv_cache_memory_bytes` when given, else by
+`gpu_memory_utilization` on CUDA and by `kv_cache_space` (vLLM's VLLM_CPU_KVCACHE_SPACE, default
+4 GiB) on the CPU, where it is also capped at what `max_num_seqs` sequences of `max_model_len`
+tokens can use; the log line names which one decided, so an operator knows which flag to turn.
 """
 from __future__ import annotations
 
@@ -20,8 +20,12 @@ logger = logging.getLogger("hetero.server")
 
 
 def kv_cache_source(engine: LLMEngine) -> str:
-    """Which setting decided the KV cache's size."""
+    """Which setting decided the KV cache's size (in `num_kv_blocks`' order)."""
     config = engine.config
+    if config.num_gpu_blocks_override is not None:
+        return f"--num-gpu-blocks-override {config.num_gpu_blocks_override}"
+    if config.kv_cache_memory_bytes is not None:
+        return f"--kv-cache-memory-bytes {config.kv_cache_memory_bytes}"
     if engine.device.type == "cuda":
         return f"--gpu-memory-utilization {config.gpu_memory_utilization}"
     blocks_per_seq = -(-engine.max_model_len // config.block_size)

@@ -42,13 +42,13 @@ def test_defaults_come_from_engine_config_and_flags_reach_it():
     args = parse_serve_args([
         "serve", "m", "--max-model-len", "512", "--enable-prefix-caching", "--dtype", "float32",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}', "--cpu-draft-worker",
-        "--lookahead-cache-config-dir", "/tmp/la", "--kv-cache-space", "2.5",
+        "--lookahead-cache-config-dir", "/tmp/la", "--kv-cache-space", "2.5", "--kv-cache-memory-bytes", "1073741824",
     ])
     config = engine_config_from_args(args)
     assert (config.max_model_len, config.enable_prefix_caching, config.dtype) == (512, True, "float32")
     assert config.speculative_config == {"method": "ngram", "num_speculative_tokens": 4}
     assert config.num_speculative_tokens == 4 and config.cpu_draft_worker and config.kv_cache_space == 2.5
-    assert config.lookahead_cache_config_dir == "/tmp/la"
+    assert config.lookahead_cache_config_dir == "/tmp/la" and config.kv_cache_memory_bytes == 2**30
 
 
 def test_vllms_flags_that_change_nothing_here_are_accepted_and_the_others_named():
@@ -63,11 +63,26 @@ def test_vllms_flags_that_change_nothing_here_are_accepted_and_the_others_named(
             engine_config_from_args(parse_serve_args(["serve", "m", *argv]))
 
 
+
+def test_hf_overrides_is_json_on_the_command_line_and_a_mapping_in_config_files(tmp_path, tiny_llama_dir, capsys):
+    args = parse_serve_args(["serve", "m", "--hf-overrides", '{"max_position_embeddings": 4096, "rope_theta": 1e6}'])
+    assert engine_config_from_args(args).hf_overrides == {"max_position_embeddings": 4096, "rope_theta": 1e6}
+    path = tmp_path / "serve.yaml"
+    path.write_text("hf-overrides:\n  max_position_embeddings: 4096\n")
+    assert engine_config_from_args(parse_serve_args(["serve", "m", "--config", str(path)])).hf_overrides == {
+        "max_position_embeddings": 4096}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", str(tiny_llama_dir), "--hf-overrides", '{"max_position_embeddings": "long"}'])
+    assert exit_info.value.code == 2
+    assert "hf_overrides['max_position_embeddings']" in capsys.readouterr().err
+
 @pytest.mark.parametrize("argv", [
     ["serve", "m", "--no-such-flag"],
     ["serve", "m", "--max-model"],  # abbreviations are not accepted
     ["serve", "m", "--max-num-seqs", "many"],
+    ["serve", "m", "--kv-cache-memory-bytes", "1.5e9"],  # an int, as vLLM's
     ["serve", "m", "--speculative-config", "{not json"],
+    ["serve", "m", "--hf-overrides", '["max_position_embeddings"]'],  # a JSON object, not a list
     ["serve"],  # no model
 ])
 def test_bad_command_lines_are_usage_errors(argv, capsys):

@@ -8,6 +8,7 @@ import transformers
 from gpu_target.kv_cache import KVCachePool
 from gpu_target.loader import load_config
 from hetero import LLM, SamplingParams
+from hetero.server.startup import kv_cache_source
 from tiny_models import PROMPTS
 
 
@@ -67,8 +68,47 @@ def test_kv_pressure_preempts_and_loses_nothing(tiny_llama_dir, llama_reference)
 def test_num_gpu_blocks_override_sizes_the_kv_cache_exactly(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), max_model_len=96, dtype="float32", kv_cache_space=1.0, num_gpu_blocks_override=9)
     assert llm.llm_engine.kv_pool.num_blocks == 9
+    assert kv_cache_source(llm.llm_engine) == "--num-gpu-blocks-override 9"
     with pytest.raises(ValueError, match="num_gpu_blocks_override"):
         LLM(model=str(tiny_llama_dir), max_model_len=96, dtype="float32", num_gpu_blocks_override=2)
+
+
+
+def test_hf_overrides_set_the_model_config_and_max_model_len_follows(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", hf_overrides={"max_position_embeddings": 128})
+    assert (llm.llm_engine.model_config.max_position_embeddings, llm.llm_engine.max_model_len) == (128, 128)
+    too_long = r"max_model_len \(256\) is larger than the model's max_position_embeddings \(128\)"
+    with pytest.raises(ValueError, match=too_long):
+        LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, hf_overrides={"max_position_embeddings": 128})
+
+
+def test_an_hf_overrides_rope_theta_changes_the_logits(tiny_llama_dir):
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def prompt_logprobs(**kwargs) -> list[float]:
+        (out,) = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, **kwargs).generate(
+            PROMPTS[0], params, use_tqdm=False)
+        return [logprob.logprob for position in out.prompt_logprobs[1:] for logprob in position.values()]
+
+    plain = prompt_logprobs()
+    assert prompt_logprobs(hf_overrides={"rope_theta": 10000.0}) == plain  # the checkpoint's own value
+    faster = prompt_logprobs(hf_overrides={"rope_theta": 1e6})
+    assert max(abs(a - b) for a, b in zip(plain, faster)) > 1e-3
+
+def test_kv_cache_memory_bytes_sizes_the_kv_cache_in_blocks_on_any_device(tiny_llama_dir):
+    block_bytes = KVCachePool.bytes_per_block(load_config(tiny_llama_dir), 16, torch.float32)
+    common = dict(model=str(tiny_llama_dir), max_model_len=96, dtype="float32")  # 96 tokens: 6 blocks a sequence
+    llm = LLM(**common, kv_cache_space=1.0, kv_cache_memory_bytes=11 * block_bytes + block_bytes // 2)
+    assert llm.llm_engine.kv_pool.num_blocks == llm.llm_engine.scheduler.allocator.num_blocks == 11
+    assert kv_cache_source(llm.llm_engine) == f"--kv-cache-memory-bytes {11 * block_bytes + block_bytes // 2}"
+    # Not capped at max_num_seqs sequences' worth (1 x 6 + 1 blocks), as kv_cache_space is on the CPU.
+    assert LLM(**common, max_num_seqs=1, kv_cache_memory_bytes=20 * block_bytes).llm_engine.kv_pool.num_blocks == 20
+    overridden = LLM(**common, kv_cache_memory_bytes=20 * block_bytes, num_gpu_blocks_override=9)  # vLLM's order
+    assert overridden.llm_engine.kv_pool.num_blocks == 9
+    for size, holds in ((5 * block_bytes, 80), (block_bytes - 1, 0)):  # less than one sequence, less than one block
+        with pytest.raises(ValueError, match=rf"holds {holds} tokens, fewer than max_model_len \(96\); raise "
+                                             rf"kv_cache_memory_bytes \({block_bytes} bytes a block\)"):
+            LLM(**common, kv_cache_memory_bytes=size)
 
 
 def test_chunked_prefill_matches(tiny_llama_dir, llama_reference):
@@ -198,6 +238,10 @@ def test_bad_prompts_are_clear_errors_and_lose_nothing(llama, prompt, message):
         ({"max_model_len": 100000}, "max_model_len"),
         ({"block_size": 7}, "block_size"),
         ({"max_logprobs": -2}, "max_logprobs"),
+        ({"hf_overrides": "max_position_embeddings=128"}, "hf_overrides"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
+        ({"kv_cache_memory_bytes": 2e9}, "kv_cache_memory_bytes"),
+        ({"hf_overrides": {"max_position_embeddings": "long"}}, "hf_overrides"),
     ],
 )
 def test_bad_llm_arguments_name_the_field(tiny_llama_dir, kwargs, field):

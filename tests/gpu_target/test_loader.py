@@ -484,6 +484,51 @@ def test_missing_gguf_tensor_names_it(tmp_path):
         loader.load_state_dict(path, config, torch.float32, "cpu")
 
 
+
+# ------------------------------------------------------------------ hf_overrides (vLLM's engine argument)
+LEGACY_ROPE = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+               "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 256, "rope_theta": 10000.0,
+               "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("spelling", ["transformers 5: rope_parameters", "transformers 4: rope_theta"])
+def test_hf_overrides_replace_config_json_keys_before_it_is_read(tmp_path, spelling):
+    if spelling.endswith("rope_parameters"):
+        _tiny_hf_config("llama").save_pretrained(tmp_path)
+        assert "rope_theta" in json.loads((tmp_path / "config.json").read_text())["rope_parameters"]
+    else:
+        (tmp_path / "config.json").write_text(json.dumps(LEGACY_ROPE))
+    plain = loader.load_config(tmp_path, require_weights=False)
+    linear = {"rope_type": "linear", "factor": 2.0}
+    overrides = {"max_position_embeddings": 64, "rope_theta": 1e6, "rope_scaling": linear, "a_key_hetero_does_not_read": [1]}
+    config = loader.load_config(tmp_path, require_weights=False, hf_overrides=overrides)
+    assert (plain.max_position_embeddings, plain.rope_theta, plain.rope_scaling) == (256, 10000.0, None)
+    assert config == ModelConfig(**{**plain.__dict__, "max_position_embeddings": 64, "rope_theta": 1e6, "rope_scaling": linear})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"max_position_embeddings": "4096"}, r"hf_overrides\['max_position_embeddings'\] is '4096' \(str\).*256 \(int\)"),
+    ({"max_position_embeddings": 4096.5}, r"hf_overrides\['max_position_embeddings'\] is 4096.5 \(float\)"),
+    ({"tie_word_embeddings": "false"}, r"hf_overrides\['tie_word_embeddings'\] is 'false' \(str\)"),
+    ({"rope_theta": "fast"}, r"hf_overrides \{'rope_theta': 'fast'\}.*could not convert"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+     r"hf_overrides \{'rope_scaling'.*unsupported rope_scaling type 'yarn'"),
+])
+def test_hf_overrides_hetero_cannot_read_are_named(tmp_path, overrides, message):
+    _tiny_hf_config("llama").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        loader.load_config(tmp_path, require_weights=False, hf_overrides=overrides)
+
+
+def test_hf_overrides_on_a_gguf_are_refused(tmp_path):
+    model, hf_config = _tiny_model("llama", tied=True)
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path, "llama", _reference_state(model, True), hf_config)
+    assert loader.load_config(path, hf_overrides={}) == loader.load_config(path)
+    with pytest.raises(ValueError, match="hf_overrides applies to HF checkpoints.*GGUF"):
+        loader.load_config(path, hf_overrides={"max_position_embeddings": 64})
+
+
 # ------------------------------------------------------------------ every GGUF tensor type
 def _random_tensor_bytes(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
     """A tensor of `qtype` as the GGUF stores it: random values, or random block bytes below 0x7C,
