@@ -3,9 +3,9 @@
 The controller measures, per batch-size bucket (powers of two), the tokens per second per
 sequence that whole engine steps deliver with and without speculation (`record_step`).
 Each option is judged by its mean tokens per step over its typical seconds per step (the
-mean without the slowest eighth, `trimmed_mean_seconds`): the mean of acceptance is what
-pays, an isolated slow step (a pause) is left out, and steps that often wait (for drafts)
-count.
+mean without the slowest eighth, `trimmed_mean_seconds`, plus the mean wait for drafts): the
+mean of acceptance is what pays, an isolated slow step (a pause) is left out, and the waits
+for drafts count, each of them (a draft worker's stall is the draft's cost, not a pause).
 
 It first alternates, starting with speculation, until each option has `min_samples` steps.
 Then it runs the faster option and probes the other, to notice when acceptance changes.
@@ -72,7 +72,8 @@ def trimmed_mean_seconds(seconds: list[float]) -> float:
 
 @dataclass
 class _Samples:
-    """Recent steps of one option in one bucket: (tokens emitted, seconds, sequences) each.
+    """Recent steps of one option in one bucket: (tokens emitted, seconds, sequences, seconds
+    of those waiting for drafts) each.
 
     The statistics are refreshed when a step is added, not when they are read: the engine
     reads them several times per step, plain windows included, and a sort per read cost
@@ -87,16 +88,18 @@ class _Samples:
     _relative_error: float = 0.0
     _one_token_each: bool = True  # every step emitted at most one token per sequence
 
-    def add(self, tokens: int, seconds: float, num_seqs: int) -> None:
-        self.recent.append((tokens, seconds, num_seqs))
+    def add(self, tokens: int, seconds: float, num_seqs: int, waited: float = 0.0) -> None:
+        self.recent.append((tokens, seconds, num_seqs, min(waited, seconds)))
         if len(self.recent) > self.window:
             self.recent.popleft()
         count = len(self.recent)
-        self._sequence_steps = sum(n for _, _, n in self.recent)
-        self._mean_tokens = sum(t for t, _, _ in self.recent) / count
-        self._typical_seconds = trimmed_mean_seconds([s for _, s, _ in self.recent])
-        self._one_token_each = all(t <= n for t, _, n in self.recent)
-        variance = sum((t - self._mean_tokens) ** 2 for t, _, _ in self.recent) / max(count - 1, 1)
+        self._sequence_steps = sum(n for _, _, n, _ in self.recent)
+        self._mean_tokens = sum(t for t, _, _, _ in self.recent) / count
+        # The slowest steps are trimmed by their own time; every wait for drafts counts.
+        self._typical_seconds = (trimmed_mean_seconds([s - w for _, s, _, w in self.recent])
+                                 + sum(w for _, _, _, w in self.recent) / count)
+        self._one_token_each = all(t <= n for t, _, n, _ in self.recent)
+        variance = sum((t - self._mean_tokens) ** 2 for t, _, _, _ in self.recent) / max(count - 1, 1)
         self._relative_error = (variance / count) ** 0.5 / self._mean_tokens if self._mean_tokens else 0.0
 
     def sequence_steps(self) -> int:
@@ -118,7 +121,7 @@ class _Samples:
         """Tokens per sequence-step over typical seconds per step: tokens per second per sequence.
 
         Tokens vary from step to step for real (acceptance), and their mean is what a step
-        delivers; seconds are `trimmed_mean_seconds`.
+        delivers; seconds are `trimmed_mean_seconds` of the steps' own time plus the mean wait for drafts.
         Per sequence, because a bucket spans batch sizes up to twice apart: a draining batch
         that speculated at 32 sequences and decoded plainly at 20 would otherwise credit
         speculation with the 12 sequences that had left.
@@ -347,12 +350,13 @@ class SpeculationController:
         plain = any(v is False and key < bucket for key, v in verdicts.items())
         return None if speculate == plain else speculate
 
-    def record_step(self, num_seqs: int, speculated: bool, tokens_emitted: int, seconds: float) -> None:
-        """Measured outcome of one decode step."""
+    def record_step(self, num_seqs: int, speculated: bool, tokens_emitted: int, seconds: float,
+                    draft_wait: float = 0.0) -> None:
+        """Measured outcome of one decode step; ``draft_wait``: the part of ``seconds`` spent waiting for its drafts."""
         if seconds <= 0:
             return
         state = self._state(num_seqs)
-        (state.spec if speculated else state.plain).add(tokens_emitted, seconds, num_seqs)
+        (state.spec if speculated else state.plain).add(tokens_emitted, seconds, num_seqs, draft_wait)
         speculate = self._verdict(state)
         if speculate is None:
             return
