@@ -167,3 +167,20 @@ def test_a_batch_of_one_drafts_as_deep_as_its_draft_ahead_fits_the_step():
     assert _batch_of_one(0.0015, 9, 10).plan([0], depth=16) == ({0}, 2)  # 3 levels of 1.5 ms fit, not 4
     assert _batch_of_one(0.006, 9, 10).plan([0], depth=16) == ({0}, 1)  # nothing fits: one level
     assert DraftCapacity().plan([0], depth=16) == ({0}, 16)  # unmeasured: the whole budget
+
+
+def test_a_worker_drafting_for_one_sequence_cuts_a_large_budget_to_what_hides_behind_the_step(tiny_llama_dir):
+    """The engine's default budget is 16 nodes; with a 5.5 ms step and 1 ms a level, a batch of
+    one gets trees of 4 (4 levels and the bonus guess take 5 ms), drafted ahead to that depth."""
+    service = DraftService(Drafter.load(str(tiny_llama_dir), DraftModelOptions(dtype=torch.float32)), overlap=True, budget=16)
+    prompt = list(range(10, 20))
+    service.apply_updates(update_arrays([ContextUpdate(0, 0, prompt)]))
+    service.catch_up(lambda: None)
+    assert [len(t) for t in service.propose([(0, 16)])] == [16]  # unmeasured: the whole budget
+    service.capacity = DraftCapacity()
+    service.capacity.observe_cycle(0.0055)
+    service.capacity.observe_levels(0.001, levels=1, rows=1)
+    trees = service.propose([(0, 16)])  # drafted now (4 levels are worth the wait at batch 1)
+    assert service.depth == 4 and [len(t) for t in trees] == [4]
+    service.draft_ahead([(0, 16)], lambda: None)
+    assert len(service.predrafted[0].tree) == 4
