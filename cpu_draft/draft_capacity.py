@@ -7,9 +7,10 @@ never waits for drafts it cannot use. Shallower trees fit more sequences into th
 so the depth is chosen with them: the plan that yields the most tokens per step, each
 sequence's tree worth (1 - a^(d+1)) / (1 - a) tokens at depth d for its acceptance rate a
 (Leviathan et al., "Fast Inference from Transformers via Speculative Decoding", 2023, eq. 1).
-A batch of one cannot shed sequences: its trees are as deep as its draft-ahead fits the
-step (a deeper tree makes the engine wait for every level past it; how many of the granted
-nodes pay at the sequence's acceptance is the engine's tree sizing).
+A depth at which not even one sequence's tree fits the step is no plan: a batch of one,
+which cannot shed sequences, gets trees as deep as its draft-ahead fits (a deeper tree makes
+the engine wait for every level past it; how many of the granted nodes pay at the
+sequence's acceptance is the engine's tree sizing).
 The cost model is the worker's own measurements: the time from answering one proposal to the
 next (the verification step), and the seconds per drafted depth level, which grow with the
 rows of the forward as `row_overhead` + rows (a forward's fixed cost of thread barriers and
@@ -104,16 +105,16 @@ class DraftCapacity:
 
     def plan(self, seq_ids: Iterable[int], depth: int) -> tuple[set[int], int]:
         """The sequences to draft for (those accepted most, new ones first) and the depth, at most
-        ``depth``, that together fit one step and yield the most tokens; the deepest on a tie. A
-        batch of one, once measured, gets the deepest trees that fit (at least one level).
+        ``depth``, that together fit one step and yield the most tokens; the deepest on a tie.
+        Once measured, only depths at which at least one tree fits (one level where none does).
         Sequences left out regain `aging` of the benefit of the doubt."""
         seq_ids = list(seq_ids)
-        if len(seq_ids) == 1 and self.cycle_s is not None and self.level_s is not None:
-            fitting = (trial for trial in range(depth, 0, -1) if self._rows_in_step(trial) >= 1)
-            return set(seq_ids), next(fitting, min(depth, 1))
         ranked = sorted(seq_ids, key=lambda s: -self.acceptance_rate(s))
+        measured = self.cycle_s is not None and self.level_s is not None
         best_tokens, count, best_depth = -1.0, len(ranked), depth
         for trial in range(depth, 0, -1):
+            if measured and trial > 1 and self._rows_in_step(trial) < 1:
+                continue
             fits = self.capacity(len(ranked), trial)
             tokens = sum(self.expected_tokens(s, trial) for s in ranked[:fits]) + len(ranked) - fits
             if tokens > best_tokens + 1e-9:

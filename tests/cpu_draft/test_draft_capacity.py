@@ -84,7 +84,7 @@ def test_a_worker_short_of_cores_drafts_for_the_best_sequences_only(tiny_llama_d
     trees = service.propose([(s, 4) for s in prompts])
     assert all(len(t) == 4 for t in trees)  # unmeasured: every sequence
     service.capacity.observe_cycle(0.010)
-    service.capacity.observe_levels(0.010, levels=1, rows=1)  # far too slow: one sequence fits
+    service.capacity.observe_levels(0.010, levels=1, rows=1)  # far too slow: not even one tree fits the step
     accepted = {0: [], 1: trees[1].tokens.tolist()[:2], 2: [], 3: []}  # only sequence 1's drafts held
     service.apply_updates(update_arrays([ContextUpdate(s, len(p), accepted[s] + [7]) for s, p in prompts.items()]))
     assert service.capacity.acceptance_rate(1) == 2 / 3 and service.capacity.acceptance_rate(0) == 0.0
@@ -92,7 +92,8 @@ def test_a_worker_short_of_cores_drafts_for_the_best_sequences_only(tiny_llama_d
     # Only sequence 1 is drafted for; its tree, too slow to wait for, follows the reply.
     assert [len(t) for t in trees] == [0, 0, 0, 0] and all(t.ready for t in trees)
     service.draft_ahead([(s, 4) for s in prompts], lambda: None)
-    assert set(service.predrafted) == {1} and len(service.predrafted[1].tree) == 4
+    # The best sequence only, one level deep: a deeper tree would hold the batch up for levels past the step.
+    assert set(service.predrafted) == {1} and len(service.predrafted[1].tree) == 1
 
 
 def test_a_batch_waits_for_missed_trees_only_where_they_are_worth_the_wait():
@@ -167,6 +168,20 @@ def test_a_batch_of_one_drafts_as_deep_as_its_draft_ahead_fits_the_step():
     assert _batch_of_one(0.0015, 9, 10).plan([0], depth=16) == ({0}, 2)  # 3 levels of 1.5 ms fit, not 4
     assert _batch_of_one(0.006, 9, 10).plan([0], depth=16) == ({0}, 1)  # nothing fits: one level
     assert DraftCapacity().plan([0], depth=16) == ({0}, 16)  # unmeasured: the whole budget
+
+
+def test_a_small_batch_does_not_trade_its_trees_for_one_that_overruns_the_step():
+    """Two sequences accepted at 0.97, a 5.5 ms step, 0.1 ms a row (0.6 ms a level at one row):
+    one 16-deep tree (14.5 tokens with the other's one) would overrun the step by 4.7 ms, and a
+    single sequence's draft-ahead is finished, not cut, so both would wait for it. Depth 6 fits
+    both: 2 x 6.6 tokens."""
+    capacity = DraftCapacity(row_overhead=5.0)
+    capacity.observe_cycle(0.0055)
+    capacity.observe_levels(0.0006, levels=1, rows=1)
+    for seq_id in (0, 1):
+        for _ in range(10):
+            capacity.observe_accepted(seq_id, 97, 100)
+    assert capacity.plan([0, 1], depth=16) == ({0, 1}, 6)
 
 
 def test_a_worker_drafting_for_one_sequence_cuts_a_large_budget_to_what_hides_behind_the_step(tiny_llama_dir):
