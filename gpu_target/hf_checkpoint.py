@@ -9,6 +9,8 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from hetero.core.sampling_params import GENERATION_CONFIG_FIELDS
+
 from .model_config import ModelConfig
 
 ARCHITECTURE_BY_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
@@ -65,13 +67,6 @@ def _eos_token_ids(hf: dict[str, Any], directory: pathlib.Path) -> tuple[int, ..
     return tuple(ids)
 
 
-# generation_config.json's sampling fields, HF GenerationConfig's defaults, and SamplingParams' names:
-# what vLLM's generation_config="auto" takes as the default sampling parameters (`get_diff_sampling_param`).
-_SAMPLING_DEFAULTS = {"temperature": (1.0, "temperature"), "top_p": (1.0, "top_p"), "top_k": (50, "top_k"),
-                      "min_p": (None, "min_p"), "repetition_penalty": (1.0, "repetition_penalty"),
-                      "max_new_tokens": (None, "max_tokens")}
-
-
 def sampling_defaults(directory: pathlib.Path) -> dict[str, Any]:
     """The sampling parameters a model directory's generation_config.json sets away from HF's
     defaults, under SamplingParams' names (`max_new_tokens` as `max_tokens`); {} without one."""
@@ -79,7 +74,7 @@ def sampling_defaults(directory: pathlib.Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     config = _read_json(path)
-    return {name: config[key] for key, (hf_default, name) in _SAMPLING_DEFAULTS.items()
+    return {name: config[key] for key, (hf_default, name) in GENERATION_CONFIG_FIELDS.items()
             if config.get(key) is not None and config[key] != hf_default}
 
 

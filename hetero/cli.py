@@ -21,6 +21,7 @@ import yaml
 
 from hetero import __version__
 from hetero.core.config import QUANTIZATION_METHODS, SPECULATIVE_CONFIG_KEYS, EngineConfig
+from hetero.core.sampling_params import GENERATION_CONFIG_FIELDS
 from hetero.core.vllm_args import NEUTRAL_ARGS, NEUTRAL_BY_NAME
 
 _NO_DEFAULT = object()
@@ -93,6 +94,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max_logprobs", "Most logprobs, top_logprobs or prompt_logprobs one request may ask for, as vLLM's; -1: no cap.", int),
     Flag("generation_config", "vLLM's: auto (the sampling defaults of the model's generation_config.json for the fields a "
          "request leaves unset), vllm (none), or a directory holding a generation_config.json."),
+    Flag("override_generation_config", 'vLLM\'s: default sampling parameters set over --generation-config\'s, as JSON '
+         f'under generation_config.json\'s names, e.g. \'{{"temperature": 0.5}}\'; its keys: {", ".join(GENERATION_CONFIG_FIELDS)}.',
+         json_object),
     Flag("gpu_memory_utilization", "Fraction of GPU memory hetero may use (weights + KV cache).", float),
     Flag("kv_cache_space", "GiB of KV cache when the target runs on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).", float),
     Flag("kv_cache_memory_bytes", "vLLM's: the KV cache's size in bytes (per GPU); given, it sizes the cache on any "

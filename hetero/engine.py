@@ -41,7 +41,7 @@ from gpu_target.tensor_parallel import SINGLE, local_config
 from gpu_target.tp_worker import DrivingRunner, start_ranks
 from hetero.core.config import EngineConfig
 from hetero.core.protocols import DEFAULT_TARGET_PARALLELISM, MAX_TREE_NODES, DraftsAhead, ProposalRequest, Proposer, SpecStats
-from hetero.core.sampling_params import SamplingParams
+from hetero.core.sampling_params import SamplingParams, generation_config_overrides
 from hetero.input_layout import ChunkRows, SampleRow, build_chunks, row_offsets
 from hetero.input_processor import InputProcessor
 from hetero.output_processor import OutputProcessor
@@ -56,17 +56,23 @@ from hetero.spec.verifier import BatchVerifier
 logger = logging.getLogger("hetero")
 
 
-def _generation_defaults(generation_config: str, model_path) -> dict:
-    """The sampling parameters requests default to (`EngineConfig.generation_config`, as vLLM's):
-    the model directory's generation_config.json for "auto", none for "vllm", else the given
-    directory's. Logged when there are any, as vLLM does, since they change unset fields' outputs."""
-    if generation_config == "vllm":
-        return {}
-    directory = pathlib.Path(model_path if generation_config == "auto" else generation_config)
-    defaults = sampling_defaults(directory) if directory.is_dir() else {}
+def _generation_defaults(config: EngineConfig, model_path) -> dict:
+    """The sampling parameters requests default to, as vLLM's `generation_config` and
+    `override_generation_config` give them: the model directory's generation_config.json for
+    "auto", none for "vllm", else the given directory's; then the overrides over those. Logged
+    when there are any, as vLLM does, since they change unset fields' outputs."""
+    defaults, sources = {}, []
+    if config.generation_config != "vllm":
+        directory = pathlib.Path(model_path if config.generation_config == "auto" else config.generation_config)
+        defaults = sampling_defaults(directory) if directory.is_dir() else {}
+        if defaults:
+            sources.append(f"{directory / 'generation_config.json'} (generation_config='vllm' leaves it out)")
+    overrides = generation_config_overrides(config.override_generation_config)
+    if overrides:
+        sources.append("override_generation_config")
+    defaults.update(overrides)
     if defaults:
-        logger.info("default sampling parameters from %s: %s (generation_config='vllm' to use vLLM's own)",
-                    directory / "generation_config.json", defaults)
+        logger.info("default sampling parameters: %s, from %s", defaults, " then ".join(sources))
     return defaults
 
 
@@ -128,7 +134,7 @@ class LLMEngine:
         self.tokenizer = (
             None if config.skip_tokenizer_init else load_tokenizer(model_path, config.tokenizer, config.trust_remote_code)
         )
-        self.default_sampling_fields = _generation_defaults(config.generation_config, model_path)
+        self.default_sampling_fields = _generation_defaults(config, model_path)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from hetero.core.lookahead_config import LookaheadConfig
+from hetero.core.sampling_params import generation_config_overrides
 from hetero.core.vllm_args import drop_neutral_args
 
 
@@ -126,6 +127,9 @@ class EngineConfig:
     # vLLM's: "auto", the sampling defaults of the model's generation_config.json for the fields a
     # request leaves unset; "vllm", none; or a directory holding a generation_config.json.
     generation_config: str = "auto"
+    # vLLM's: default sampling parameters set over generation_config's (over none for "vllm"), under
+    # generation_config.json's names, e.g. {"temperature": 0.5, "max_new_tokens": 256}.
+    override_generation_config: Optional[dict[str, Any]] = None
     gpu_memory_utilization: float = 0.9
     kv_cache_space: Optional[float] = None  # GiB of KV cache on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
     # vLLM's: the KV cache's bytes (per GPU under tensor parallelism); given, it sizes the cache on any
@@ -200,6 +204,7 @@ class EngineConfig:
         _check(self.max_logprobs >= -1, "max_logprobs", self.max_logprobs, "must be non-negative or -1 (no cap)")
         _check(self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config), "generation_config",
                self.generation_config, "must be 'auto', 'vllm' or a directory holding a generation_config.json")
+        generation_config_overrides(self.override_generation_config)  # checked here; the engine applies them
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         if self.kv_cache_space is not None:
             _check(self.kv_cache_space > 0, "kv_cache_space", self.kv_cache_space, "must be positive (GiB)")

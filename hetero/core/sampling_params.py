@@ -286,3 +286,36 @@ class SamplingParams:
             f"structured_outputs={self.structured_outputs}, "
             f"output_kind={self.output_kind})"
         )
+
+
+# generation_config.json's sampling keys, each with HF GenerationConfig's default and SamplingParams'
+# name: what vLLM's generation_config takes as default sampling parameters (`get_diff_sampling_param`),
+# and the keys its override_generation_config may set.
+GENERATION_CONFIG_FIELDS = {"temperature": (1.0, "temperature"), "top_p": (1.0, "top_p"), "top_k": (50, "top_k"),
+                            "min_p": (None, "min_p"), "repetition_penalty": (1.0, "repetition_penalty"),
+                            "max_new_tokens": (None, "max_tokens")}
+
+
+def generation_config_overrides(overrides: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """vLLM's `override_generation_config` under SamplingParams' names (`max_new_tokens` as `max_tokens`):
+    default sampling parameters set over generation_config's
+    (https://docs.vllm.ai/en/latest/configuration/engine_args.html). A ValueError names a key that is
+    not one of generation_config's sampling fields, or a value SamplingParams would refuse."""
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"override_generation_config must be a dict such as {{'temperature': 0.5}}, got {overrides!r}")
+    fields = {}
+    for key, value in overrides.items():
+        if key not in GENERATION_CONFIG_FIELDS:
+            raise ValueError(f"override_generation_config[{key!r}] is not a sampling field of generation_config; "
+                             f"it takes {', '.join(GENERATION_CONFIG_FIELDS)}")
+        if value is None:
+            raise ValueError(f"override_generation_config[{key!r}] must be a value, got None")
+        name = GENERATION_CONFIG_FIELDS[key][1]
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as exc:
+            raise ValueError(f"override_generation_config[{key!r}]: {exc}") from None
+        fields[name] = value
+    return fields

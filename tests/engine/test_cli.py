@@ -76,6 +76,24 @@ def test_hf_overrides_is_json_on_the_command_line_and_a_mapping_in_config_files(
     assert exit_info.value.code == 2
     assert "hf_overrides['max_position_embeddings']" in capsys.readouterr().err
 
+def test_override_generation_config_is_json_on_the_command_line_and_reaches_the_engines_defaults(
+        tmp_path, tiny_llama_dir, capsys):
+    from hetero.engine import LLMEngine
+
+    argv = ["serve", str(tiny_llama_dir), "--device", "cpu", "--generation-config", "vllm",
+            "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 3}']
+    engine = LLMEngine(engine_config_from_args(parse_serve_args(argv)))
+    assert engine.default_sampling_fields == {"temperature": 0.5, "max_tokens": 3}
+    path = tmp_path / "serve.yaml"
+    path.write_text("override-generation-config:\n  top_k: 20\n")
+    assert engine_config_from_args(parse_serve_args(["serve", "m", "--config", str(path)])).override_generation_config == {
+        "top_k": 20}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "m", "--override-generation-config", '{"do_sample": true}'])
+    assert exit_info.value.code == 2
+    assert "override_generation_config['do_sample']" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [
     ["serve", "m", "--no-such-flag"],
     ["serve", "m", "--max-model"],  # abbreviations are not accepted
@@ -83,6 +101,7 @@ def test_hf_overrides_is_json_on_the_command_line_and_a_mapping_in_config_files(
     ["serve", "m", "--kv-cache-memory-bytes", "1.5e9"],  # an int, as vLLM's
     ["serve", "m", "--speculative-config", "{not json"],
     ["serve", "m", "--hf-overrides", '["max_position_embeddings"]'],  # a JSON object, not a list
+    ["serve", "m", "--override-generation-config", "0.5"],  # a JSON object, as vLLM's
     ["serve"],  # no model
 ])
 def test_bad_command_lines_are_usage_errors(argv, capsys):

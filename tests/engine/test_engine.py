@@ -1,6 +1,8 @@
 """The engine against HF transformers: greedy equivalence, preemption, seeds, outputs, errors."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import transformers
@@ -242,6 +244,11 @@ def test_bad_prompts_are_clear_errors_and_lose_nothing(llama, prompt, message):
         ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
         ({"kv_cache_memory_bytes": 2e9}, "kv_cache_memory_bytes"),
         ({"hf_overrides": {"max_position_embeddings": "long"}}, "hf_overrides"),
+        ({"override_generation_config": "temperature=0.5"}, "override_generation_config must be a dict"),
+        ({"override_generation_config": {"max_tokens": 5}}, r"override_generation_config\['max_tokens'\] is not"),
+        ({"override_generation_config": {"temperature": "hot"}}, r"override_generation_config\['temperature'\]"),
+        ({"override_generation_config": {"top_k": 2.5}}, r"override_generation_config\['top_k'\]"),
+        ({"override_generation_config": {"max_new_tokens": None}}, r"override_generation_config\['max_new_tokens'\]"),
     ],
 )
 def test_bad_llm_arguments_name_the_field(tiny_llama_dir, kwargs, field):
@@ -391,6 +398,24 @@ def test_the_models_generation_config_sets_the_default_sampling_parameters(model
     assert plain.get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="generation_config"):
         LLM(model=str(model_with_generation_config), generation_config="nowhere")
+
+
+def test_override_generation_config_sets_defaults_over_the_generation_config(model_with_generation_config, tiny_llama_dir,
+                                                                           caplog):
+    overrides = {"temperature": 0.5, "top_p": 1.0, "max_new_tokens": 3}  # top_p: HF's default, still set over the model's
+
+    def llm(model, **kwargs):
+        return LLM(model=str(model), device="cpu", dtype="float32", override_generation_config=overrides, **kwargs)
+
+    with caplog.at_level(logging.INFO, logger="hetero"):
+        auto = llm(model_with_generation_config)
+    assert "override_generation_config" in caplog.text
+    params = auto.get_default_sampling_params()
+    assert (params.temperature, params.top_p, params.repetition_penalty, params.max_tokens) == (0.5, 1.0, 1.1, 3)
+    assert [len(o.outputs[0].token_ids) for o in auto.generate(["Hello", "The capital of"], use_tqdm=False)] == [3, 3]
+    assert llm(tiny_llama_dir, generation_config=str(model_with_generation_config)).get_default_sampling_params() == params
+    only_overrides = llm(model_with_generation_config, generation_config="vllm").get_default_sampling_params()
+    assert only_overrides == SamplingParams(temperature=0.5, top_p=1.0, max_tokens=3)
 
 
 def test_a_request_takes_the_generation_config_only_for_the_fields_it_leaves_unset(model_with_generation_config):
