@@ -28,6 +28,10 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _one_of(*values: Any) -> Callable[[Any], bool]:
     return lambda value: value in values
 
@@ -43,6 +47,8 @@ class NeutralArg:
     cli_type: Optional[Callable[[str], Any]] = str  # `hetero serve`'s flag; None: a --flag/--no-flag boolean
 
 
+_ONE_PARTIAL_PREFILL = ("at most one prompt is part-way through its chunked prefill at a time: the chunk that "
+                        "takes the rest of a step's token budget ends that step's admissions")
 NEUTRAL_ARGS: tuple[NeutralArg, ...] = (
     NeutralArg("enable_chunked_prefill", _is_bool, "True or False",
                "prompts longer than max_num_batched_tokens are always prefilled in chunks", None),
@@ -74,6 +80,29 @@ NEUTRAL_ARGS: tuple[NeutralArg, ...] = (
     NeutralArg("use_v2_block_manager", _is_bool, "True or False", "KV blocks have one manager (paged, with prefix caching)", None),
     NeutralArg("enable_sleep_mode", _one_of(False), "False", "the engine has no sleep mode", None),
     NeutralArg("limit_mm_per_prompt", _one_of(None, {}), "None", "prompts are text only"),
+    NeutralArg("enable_prompt_embeds", _one_of(False), "False", "prompts are text or token ids (no prompt embeddings)", None),
+    NeutralArg("disable_cascade_attn", _is_bool, "True or False",
+               "attention runs over each sequence's own paged KV: there is no cascade attention to turn off", None),
+    NeutralArg("max_num_partial_prefills", _one_of(1), "1", _ONE_PARTIAL_PREFILL, int),
+    NeutralArg("max_long_partial_prefills", _one_of(1), "1", _ONE_PARTIAL_PREFILL, int),
+    NeutralArg("long_prefill_token_threshold", _one_of(0), "0",
+               "a prefill chunk takes as much of the step's token budget as is left, however long the prompt", int),
+    NeutralArg("disable_sliding_window", _is_bool, "True or False", "no sliding window is applied: as vLLM does with True, "
+               "a sliding-window model's context (Mistral; Qwen2 with use_sliding_window) is capped at its window, and a "
+               "longer max_model_len is refused, so attention never reaches past the window", None),
+    NeutralArg("model_impl", _one_of("auto"), "'auto'", "models run on hetero's own implementation (no Transformers backend)"),
+    NeutralArg("config_format", _one_of("auto", "hf"), "'auto' or 'hf'",
+               "a model's config is read from its config.json (HF's format) or its GGUF metadata (not Mistral's params.json)"),
+    NeutralArg("max_parallel_loading_workers", lambda v: v is None or (_is_int(v) and v > 0), "None or a positive int",
+               "each tensor-parallel rank reads only its own shard, one tensor at a time: no batches of loaders to bound", int),
+    NeutralArg("num_lookahead_slots", lambda v: _is_int(v) and v >= 0, "an int >= 0", "vLLM V1 ignores it too: the KV blocks "
+               "of a step's draft-tree nodes are reserved from the speculation settings as the step is scheduled", int),
+    NeutralArg("worker_cls", _one_of("auto"), "'auto'", "the target runs in hetero's own model runner (no worker class to pick)"),
+    NeutralArg("enable_expert_parallel", _one_of(False), "False",
+               "expert parallelism is not supported (hetero runs dense models: Llama, Mistral, Qwen2)", None),
+    NeutralArg("guided_decoding_backend", _one_of("auto", "guidance", "xgrammar", "outlines"),
+               "'auto', 'guidance', 'xgrammar' or 'outlines'", "structured outputs are enforced by llguidance (vLLM's "
+               "'guidance') whichever backend is named, as with the request field of that name: the constraint is the same"),
 )
 NEUTRAL_BY_NAME = {arg.name: arg for arg in NEUTRAL_ARGS}
 

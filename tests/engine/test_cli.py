@@ -55,10 +55,22 @@ def test_vllms_flags_that_change_nothing_here_are_accepted_and_the_others_named(
     args = parse_serve_args([
         "serve", "m", "--enable-chunked-prefill", "--disable-log-requests", "--disable-log-stats",
         "--kv-cache-dtype", "auto", "--swap-space", "4", "--max-seq-len-to-capture", "8192", "--pipeline-parallel-size", "1",
+        "--disable-cascade-attn", "--max-num-partial-prefills", "1", "--max-long-partial-prefills", "1",
+        "--long-prefill-token-threshold", "0", "--disable-sliding-window", "--no-enable-prompt-embeds", "--model-impl", "auto",
+        "--config-format", "hf", "--max-parallel-loading-workers", "2", "--num-lookahead-slots", "4", "--worker-cls", "auto",
+        "--no-enable-expert-parallel", "--guided-decoding-backend", "xgrammar",
     ])
     assert engine_config_from_args(args) == EngineConfig(model="m")
     for argv, name in [(["--kv-cache-dtype", "fp8"], "kv_cache_dtype"), (["--pipeline-parallel-size", "2"], "pipeline_parallel_size"),
-                       (["--revision", "main"], "revision"), (["--enable-lora"], "enable_lora")]:
+                       (["--revision", "main"], "revision"), (["--enable-lora"], "enable_lora"),
+                       (["--max-num-partial-prefills", "4"], "max_num_partial_prefills"),
+                       (["--long-prefill-token-threshold", "512"], "long_prefill_token_threshold"),
+                       (["--enable-prompt-embeds"], "enable_prompt_embeds"), (["--model-impl", "transformers"], "model_impl"),
+                       (["--config-format", "mistral"], "config_format"),
+                       (["--max-parallel-loading-workers", "0"], "max_parallel_loading_workers"),
+                       (["--num-lookahead-slots", "-1"], "num_lookahead_slots"), (["--worker-cls", "my.Worker"], "worker_cls"),
+                       (["--enable-expert-parallel"], "enable_expert_parallel"),
+                       (["--guided-decoding-backend", "lm-format-enforcer"], "guided_decoding_backend")]:
         with pytest.raises(ValueError, match=f"{name}=.* is not supported"):
             engine_config_from_args(parse_serve_args(["serve", "m", *argv]))
 

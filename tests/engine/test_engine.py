@@ -271,10 +271,18 @@ def test_vllm_arguments_that_change_nothing_here_are_accepted():
 
     vllm_script = dict(enable_chunked_prefill=True, disable_log_stats=True, kv_cache_dtype="auto", swap_space=4,
                        tokenizer_mode="auto", revision=None, task="generate", max_seq_len_to_capture=8192,
-                       compilation_config={"level": 3}, distributed_executor_backend="mp", enable_lora=False, cpu_offload_gb=0)
+                       compilation_config={"level": 3}, distributed_executor_backend="mp", enable_lora=False, cpu_offload_gb=0,
+                       disable_cascade_attn=True, max_num_partial_prefills=1, max_long_partial_prefills=1,
+                       long_prefill_token_threshold=0, disable_sliding_window=True, enable_prompt_embeds=False, model_impl="auto",
+                       config_format="hf", max_parallel_loading_workers=2, num_lookahead_slots=4, worker_cls="auto",
+                       enable_expert_parallel=False, guided_decoding_backend="xgrammar")
     assert EngineConfig.from_kwargs("m", max_num_seqs=4, **vllm_script) == EngineConfig(model="m", max_num_seqs=4)
     for name, value in [("kv_cache_dtype", "fp8"), ("swap_space", -1), ("enable_chunked_prefill", "yes"), ("task", "embed"),
-                        ("distributed_executor_backend", "ray"), ("cpu_offload_gb", 4)]:
+                        ("distributed_executor_backend", "ray"), ("cpu_offload_gb", 4), ("disable_cascade_attn", "yes"),
+                        ("max_num_partial_prefills", 2), ("max_long_partial_prefills", 2), ("long_prefill_token_threshold", 512),
+                        ("disable_sliding_window", None), ("enable_prompt_embeds", True), ("model_impl", "transformers"),
+                        ("config_format", "mistral"), ("max_parallel_loading_workers", 0), ("num_lookahead_slots", -1),
+                        ("worker_cls", "my.Worker"), ("enable_expert_parallel", True), ("guided_decoding_backend", "lm-format-enforcer")]:
         with pytest.raises(ValueError, match=f"{name}={value!r} is not supported"):
             EngineConfig.from_kwargs("m", **{name: value})
 
