@@ -88,6 +88,7 @@ def test_hf_overrides_is_json_on_the_command_line_and_a_mapping_in_config_files(
     assert exit_info.value.code == 2
     assert "hf_overrides['max_position_embeddings']" in capsys.readouterr().err
 
+
 def test_override_generation_config_is_json_on_the_command_line_and_reaches_the_engines_defaults(
         tmp_path, tiny_llama_dir, capsys):
     from hetero.engine import LLMEngine
