@@ -37,7 +37,8 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no sampling parameters, as vLLM's: the
-        model's generation_config.json defaults (`generation_config`), else SamplingParams()'s."""
+        model's generation_config.json defaults (`generation_config`) with
+        `override_generation_config` over them, else SamplingParams()'s."""
         return SamplingParams(**self.llm_engine.default_sampling_fields)
 
     def generate(

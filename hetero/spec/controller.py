@@ -60,9 +60,10 @@ def cut_short(rooms: list[int], tokens_per_seq: int, tolerance: float = 0.1) -> 
 def trimmed_mean_seconds(seconds: list[float]) -> float:
     """The mean of the step times without the slowest eighth (at least one, from three steps on).
 
-    A step that a pause or a cold start made slow is rare, and left out; steps that wait
-    for something in a quarter or a third of cases (a draft worker's misses, its overruns
-    in a large batch) are what the option costs, and stay in, where a median would hide them.
+    A step that a pause or a cold start made slow is rare, and left out; steps that are slow
+    in a quarter or a third of cases are what the option costs, and stay in, where a median
+    would hide them. Waits for drafts are not trimmed at all: `_Samples.add` takes them out
+    of the steps' times first and adds their mean back.
     """
     ordered = sorted(seconds)
     drop = max(len(ordered) // 8, 1) if len(ordered) >= 3 else 0
