@@ -14,7 +14,8 @@ depth level once a message is waiting, so it delays a request by at most one for
 Where that message asks for the very trees being drafted (the guess held), a single
 sequence's draft is finished (drafting it again would cost more), and a batch's trees are
 cut at the level they reached and sent as they are, shallower, rather than holding the
-whole batch's step for the rest.
+whole batch's step for the rest; a batch's trees are cut and kept as soon as one of its
+guesses held, so the misses among them do not cost the hits their trees.
 Sequences the coordinator decodes without trees (prefill, plain steps) arrive as SYNC
 updates; the worker feeds their new tokens and drafts their next trees between messages
 (`DraftService.catch_up`), so a prompt's draft prefill and a return to speculation after
@@ -138,26 +139,30 @@ class DraftService:
                 self.capacity.observe_accepted(update.seq_id, common_prefix_length(context[start:], chain), len(chain))
 
     def needed_by(self, message: Optional[Message], seq_ids: Sequence[int]) -> bool:
-        """Whether ``message`` asks for trees of exactly the contexts the drafter is drafting
-        ``seq_ids`` from (its guess held): then drafting goes on instead of stopping for it."""
-        if message is None or message.kind != PROPOSE or set(message.arrays["released"].tolist()) & set(seq_ids):
+        """Whether ``message`` asks for a tree of at least one of ``seq_ids`` from the very context
+        the drafter is drafting it from (that sequence's guess held): then drafting goes on, to be
+        cut (`_cut`), instead of stopping for it. One guess that missed among a batch's must not
+        throw away the trees of those that held."""
+        if message is None or message.kind != PROPOSE:
             return False
-        contexts = {seq_id: self.contexts[seq_id] for seq_id in seq_ids}
+        released = set(message.arrays["released"].tolist())
+        contexts = {seq_id: self.contexts[seq_id] for seq_id in seq_ids if seq_id not in released}
         for update in read_updates(message.arrays):
             if update.seq_id in contexts:
                 contexts[update.seq_id] = contexts[update.seq_id][: update.keep] + update.new_tokens
-        return all(contexts[seq_id] == self.drafter.context(seq_id) for seq_id in seq_ids)
+        return any(context == self.drafter.context(seq_id) for seq_id, context in contexts.items())
 
     def _interrupt(self, pending, seq_ids: Sequence[int]):
-        """Stop drafting ahead for a waiting message, unless it asks for what is being drafted."""
+        """Stop drafting ahead for a waiting message, unless it asks for some of what is being drafted."""
         return lambda: pending() is not None and not self.needed_by(pending(), seq_ids)
 
     @staticmethod
     def _cut(pending, seq_ids: Sequence[int]):
-        """Polled after `_interrupt` let drafting go on: a waiting proposal asks for these very
-        trees. Several sequences' trees are cut at the level they reached and go out as they are
-        (shallower trees, not a whole batch's step held for the rest of a draft that overran it);
-        one sequence's draft is finished (its levels cost less than the tokens they add)."""
+        """Polled after `_interrupt` let drafting go on: a waiting proposal asks for some of these
+        trees. Several sequences' trees are cut at the level they reached and kept as they are
+        (shallower trees, not a whole batch's step held for the rest of a draft that overran it;
+        the proposal takes those whose guess held); one sequence's draft is finished (its levels
+        cost less than the tokens they add)."""
         return lambda: len(seq_ids) > 1 and pending() is not None
 
     def catch_up(self, pending, draft: bool = True) -> None:

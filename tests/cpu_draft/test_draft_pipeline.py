@@ -384,3 +384,31 @@ def test_sequences_back_from_plain_steps_before_their_catch_up_are_pending_not_e
 
     service.apply_updates(update_arrays([ContextUpdate(1, len(accepted[1]) + 3, [9])]))  # the guess missed
     assert service.propose([(1, 4), (2, 4)])[0].ready  # only the first proposal after plain steps waits for the catch-up
+
+
+def test_a_batchs_draft_ahead_keeps_the_hits_trees_when_the_proposal_rejects_another_guess(tiny_llama_dir):
+    """Two sequences drafted ahead; the proposal that arrives mid-draft confirms the first guess
+    and rejects the second: the draft is cut at the level reached, not dropped, and the first
+    sequence's tree is the proposal's hit (before, one miss threw away the whole batch's draft)."""
+    service = _service(tiny_llama_dir)
+    service.apply_updates(update_arrays([ContextUpdate(1, 0, PROMPT), ContextUpdate(2, 0, PROMPT[5:])]))
+    service.catch_up(lambda: None)
+    service.propose([(1, 4), (2, 4)])
+    chain = list(service.drafter.last_chain(2))
+    polls = []
+
+    def pending():  # nothing waits at first; then a proposal with sequence 1's guess and sequence 2's first node rejected
+        polls.append(1)
+        if len(polls) <= 2:
+            return None
+        held = ContextUpdate(1, len(service.contexts[1]), service.drafter.context(1)[len(service.contexts[1]):])
+        return _propose_message([held, ContextUpdate(2, len(service.contexts[2]), [(chain[0] + 1) % 320])], [(1, 4), (2, 4)])
+
+    service.draft_ahead([(1, 4), (2, 4)], pending)
+    ahead = {s: service.predrafted[s] for s in (1, 2)}
+    assert all(0 < len(a.tree) < 4 for a in ahead.values())  # cut, not dropped and not finished
+    service.apply_updates(pending().arrays)
+    hits, misses = service.stats.predraft_hits, service.stats.predraft_misses
+    trees = service.propose([(1, 4), (2, 4)])
+    assert service.stats.predraft_hits == hits + 1 and service.stats.predraft_misses == misses + 1
+    assert trees[0].token_list == ahead[1].tree.token_list
