@@ -109,7 +109,7 @@ class DraftService:
     capacity: DraftCapacity = field(default_factory=DraftCapacity)
     offered: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # per sequence: (context length, chain) last proposed
     unserved: set[int] = field(default_factory=set)  # stale sequences the last proposal answered without a tree (a prompt to prefill)
-    fresh: set[int] = field(default_factory=set)  # new, or told of tokens by SYNC (steps without trees), since their last proposal
+    fresh: set[int] = field(default_factory=set)  # new, or told of tokens of steps without trees (a SYNC's, or a proposal's beyond one step), since their last proposal
     depth: Optional[int] = None  # the depth `DraftCapacity.plan` chose at the last proposal (None: the budget's)
 
     def apply_updates(self, arrays, plain: bool = False) -> None:
@@ -128,14 +128,18 @@ class DraftService:
             context = self.contexts.get(update.seq_id, [])
             if update.keep > len(context):
                 raise RuntimeError(f"sequence {update.seq_id}: told to keep {update.keep} tokens of {len(context)}")
+            before = len(context)
             context = self.contexts[update.seq_id] = context[: update.keep] + update.new_tokens
             self.stale.add(update.seq_id)
             self.unserved.discard(update.seq_id)
-            if plain or new:
-                self.fresh.add(update.seq_id)
             offered = self.offered.pop(update.seq_id, None)
-            if offered is not None and len(context) > offered[0]:  # the tree was verified: how much of its chain held
-                start, chain = offered
+            start, chain = offered if offered is not None else (before, [])
+            # More tokens than one step can verify (the chain and the bonus token): plain steps came
+            # since, told with a proposal rather than a SYNC (under async scheduling a probe that
+            # follows a plain window is launched before the window's tokens are synced).
+            if plain or new or len(context) - start > len(chain) + 1:
+                self.fresh.add(update.seq_id)
+            if offered is not None and len(context) > start:  # the tree was verified: how much of its chain held
                 self.capacity.observe_accepted(update.seq_id, common_prefix_length(context[start:], chain), len(chain))
 
     def needed_by(self, message: Optional[Message], seq_ids: Sequence[int]) -> bool:
@@ -226,7 +230,8 @@ class DraftService:
                 not_ready.add(seq_id)
                 continue
             misses.append((seq_id, max_nodes))
-        if self.overlap and misses and not self.capacity.draft_now_pays([s for s, _ in misses], len(batch), self.depth):
+        fed = sum(self.drafter.uncached(seq_id) for seq_id, _ in misses)
+        if self.overlap and misses and not self.capacity.draft_now_pays([s for s, _ in misses], len(batch), self.depth, fed):
             self.stale.update(seq_id for seq_id, _ in misses)
             self.unserved.update(seq_id for seq_id, _ in misses)
             # New or back from plain steps, and `catch_up` has not drafted for it yet: not ready, as a prompt is.

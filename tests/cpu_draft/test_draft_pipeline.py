@@ -412,3 +412,34 @@ def test_a_batchs_draft_ahead_keeps_the_hits_trees_when_the_proposal_rejects_ano
     trees = service.propose([(1, 4), (2, 4)])
     assert service.stats.predraft_hits == hits + 1 and service.stats.predraft_misses == misses + 1
     assert trees[0].token_list == ahead[1].tree.token_list
+
+
+@pytest.mark.parametrize("plain_window", [False, True])
+def test_plain_steps_told_in_a_proposal_make_misses_too_costly_to_draft_pending(tiny_llama_dir, plain_window):
+    """Under async scheduling a probe that follows a plain window is launched before the window's
+    tokens are synced: the proposal carries them, more than one step verifies. Feeding them
+    makes the misses' trees too costly to wait for, and those sequences are pending, not empty
+    (the engine does not judge speculation by trees the worker could not have drafted). A
+    guess missed by one token is drafted before the reply, as before."""
+    service = _service(tiny_llama_dir)
+    service.apply_updates(update_arrays([ContextUpdate(1, 0, PROMPT), ContextUpdate(2, 0, PROMPT[5:])]))
+    service.catch_up(lambda: None)
+    service.propose([(1, 4), (2, 4)])
+    chains = {s: list(service.drafter.last_chain(s)) for s in (1, 2)}
+    service.draft_ahead([(1, 4), (2, 4)], lambda: None)
+    guessed = {s: service.predrafted[s].context for s in (1, 2)}
+    service.capacity = DraftCapacity()  # measured (not on this clock): a 7 ms step, 0.16 ms a row
+    service.capacity.observe_cycle(0.007)
+    service.capacity.observe_levels(0.00448, 4, 2)
+    window = list(range(3, 11)) if plain_window else []
+    updates = []
+    for s in (1, 2):
+        told = len(service.contexts[s])
+        accepted = chains[s] + [(guessed[s][-1] + 1) % 320]  # the chain held, the bonus token was not the guess
+        updates.append(ContextUpdate(s, told, accepted + window))
+    service.apply_updates(update_arrays(updates))
+    trees = service.propose([(1, 4), (2, 4)])
+    if plain_window:
+        assert [(len(t), t.ready) for t in trees] == [(0, False), (0, False)]
+    else:
+        assert [(len(t), t.ready) for t in trees] == [(4, True), (4, True)]
