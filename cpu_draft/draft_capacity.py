@@ -84,16 +84,13 @@ class DraftCapacity:
         """Rows whose draft-ahead of ``depth`` levels and the bonus guess fits one step (measured)."""
         return int(self.cycle_s / ((depth + 1) * self._seconds_per_row()) - self.row_overhead)
 
-    def draft_now_pays(self, misses: list[int], batch_size: int, depth: int, fed: Optional[int] = None) -> bool:
+    def draft_now_pays(self, misses: list[int], batch_size: int, depth: int) -> bool:
         """Whether the step should wait for the trees of ``misses`` (sequences without a tree
         drafted ahead) rather than decode them without one.
 
         Waiting ``w`` seconds delays all ``batch_size`` sequences, whose step of ``cycle_s``
         yields about E tokens each; the misses' trees add about E - 1 tokens each, E being
-        1 + their accepted share x ``depth``. ``w`` is the first level's forward over the
-        ``fed`` context tokens the misses' KV lacks (one each unless told: the token that
-        replaced a rejected one; a plain window's tokens make it many) and the other levels'
-        forwards over the misses. It pays while ``w < cycle_s * m (E - 1) / (B E)``:
+        1 + their accepted share x ``depth``. It pays while ``w < cycle_s * m (E - 1) / (B E)``:
         at batch 1 a few milliseconds of drafting, in a large batch almost never. Until
         measured, only at batch 1: a wait of unknown length would hold up the whole batch (the
         cycle is measured between proposals in a row, so a batch probing speculation after
@@ -102,8 +99,7 @@ class DraftCapacity:
             return False
         if self.cycle_s is None or self.level_s is None:
             return batch_size == 1
-        fed = len(misses) if fed is None else max(fed, len(misses))
-        wait = self._seconds_per_row() * (self.row_overhead + fed + (depth - 1) * (self.row_overhead + len(misses)))
+        wait = depth * self._seconds_per_row() * (self.row_overhead + len(misses))
         gain = sum(self.expected_tokens(s, depth) for s in misses) / len(misses) - 1.0  # E - 1
         return wait < self.cycle_s * len(misses) * gain / (batch_size * (1.0 + gain))
 

@@ -14,8 +14,7 @@ depth level once a message is waiting, so it delays a request by at most one for
 Where that message asks for the very trees being drafted (the guess held), a single
 sequence's draft is finished (drafting it again would cost more), and a batch's trees are
 cut at the level they reached and sent as they are, shallower, rather than holding the
-whole batch's step for the rest; a batch's trees are cut and kept as soon as one of its
-guesses held, so the misses among them do not cost the hits their trees.
+whole batch's step for the rest.
 Sequences the coordinator decodes without trees (prefill, plain steps) arrive as SYNC
 updates; the worker feeds their new tokens and drafts their next trees between messages
 (`DraftService.catch_up`), so a prompt's draft prefill and a return to speculation after
@@ -109,7 +108,7 @@ class DraftService:
     capacity: DraftCapacity = field(default_factory=DraftCapacity)
     offered: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # per sequence: (context length, chain) last proposed
     unserved: set[int] = field(default_factory=set)  # stale sequences the last proposal answered without a tree (a prompt to prefill)
-    fresh: set[int] = field(default_factory=set)  # new, or told of tokens of steps without trees (a SYNC's, or a proposal's beyond one step), since their last proposal
+    fresh: set[int] = field(default_factory=set)  # new, or told of tokens by SYNC (steps without trees), since their last proposal
     depth: Optional[int] = None  # the depth `DraftCapacity.plan` chose at the last proposal (None: the budget's)
 
     def apply_updates(self, arrays, plain: bool = False) -> None:
@@ -128,45 +127,37 @@ class DraftService:
             context = self.contexts.get(update.seq_id, [])
             if update.keep > len(context):
                 raise RuntimeError(f"sequence {update.seq_id}: told to keep {update.keep} tokens of {len(context)}")
-            before = len(context)
             context = self.contexts[update.seq_id] = context[: update.keep] + update.new_tokens
             self.stale.add(update.seq_id)
             self.unserved.discard(update.seq_id)
-            offered = self.offered.pop(update.seq_id, None)
-            start, chain = offered if offered is not None else (before, [])
-            # More tokens than one step can verify (the chain and the bonus token): plain steps came
-            # since, told with a proposal rather than a SYNC (under async scheduling a probe that
-            # follows a plain window is launched before the window's tokens are synced).
-            if plain or new or len(context) - start > len(chain) + 1:
+            if plain or new:
                 self.fresh.add(update.seq_id)
-            if offered is not None and len(context) > start:  # the tree was verified: how much of its chain held
+            offered = self.offered.pop(update.seq_id, None)
+            if offered is not None and len(context) > offered[0]:  # the tree was verified: how much of its chain held
+                start, chain = offered
                 self.capacity.observe_accepted(update.seq_id, common_prefix_length(context[start:], chain), len(chain))
 
     def needed_by(self, message: Optional[Message], seq_ids: Sequence[int]) -> bool:
-        """Whether ``message`` asks for a tree of at least one of ``seq_ids`` from the very context
-        the drafter is drafting it from (that sequence's guess held): then drafting goes on, to be
-        cut (`_cut`), instead of stopping for it. One guess that missed among a batch's must not
-        throw away the trees of those that held."""
-        if message is None or message.kind != PROPOSE:
+        """Whether ``message`` asks for trees of exactly the contexts the drafter is drafting
+        ``seq_ids`` from (its guess held): then drafting goes on instead of stopping for it."""
+        if message is None or message.kind != PROPOSE or set(message.arrays["released"].tolist()) & set(seq_ids):
             return False
-        released = set(message.arrays["released"].tolist())
-        contexts = {seq_id: self.contexts[seq_id] for seq_id in seq_ids if seq_id not in released}
+        contexts = {seq_id: self.contexts[seq_id] for seq_id in seq_ids}
         for update in read_updates(message.arrays):
             if update.seq_id in contexts:
                 contexts[update.seq_id] = contexts[update.seq_id][: update.keep] + update.new_tokens
-        return any(context == self.drafter.context(seq_id) for seq_id, context in contexts.items())
+        return all(contexts[seq_id] == self.drafter.context(seq_id) for seq_id in seq_ids)
 
     def _interrupt(self, pending, seq_ids: Sequence[int]):
-        """Stop drafting ahead for a waiting message, unless it asks for some of what is being drafted."""
+        """Stop drafting ahead for a waiting message, unless it asks for what is being drafted."""
         return lambda: pending() is not None and not self.needed_by(pending(), seq_ids)
 
     @staticmethod
     def _cut(pending, seq_ids: Sequence[int]):
-        """Polled after `_interrupt` let drafting go on: a waiting proposal asks for some of these
-        trees. Several sequences' trees are cut at the level they reached and kept as they are
-        (shallower trees, not a whole batch's step held for the rest of a draft that overran it;
-        the proposal takes those whose guess held); one sequence's draft is finished (its levels
-        cost less than the tokens they add)."""
+        """Polled after `_interrupt` let drafting go on: a waiting proposal asks for these very
+        trees. Several sequences' trees are cut at the level they reached and go out as they are
+        (shallower trees, not a whole batch's step held for the rest of a draft that overran it);
+        one sequence's draft is finished (its levels cost less than the tokens they add)."""
         return lambda: len(seq_ids) > 1 and pending() is not None
 
     def catch_up(self, pending, draft: bool = True) -> None:
@@ -230,8 +221,7 @@ class DraftService:
                 not_ready.add(seq_id)
                 continue
             misses.append((seq_id, max_nodes))
-        fed = sum(self.drafter.uncached(seq_id) for seq_id, _ in misses)
-        if self.overlap and misses and not self.capacity.draft_now_pays([s for s, _ in misses], len(batch), self.depth, fed):
+        if self.overlap and misses and not self.capacity.draft_now_pays([s for s, _ in misses], len(batch), self.depth):
             self.stale.update(seq_id for seq_id, _ in misses)
             self.unserved.update(seq_id for seq_id, _ in misses)
             # New or back from plain steps, and `catch_up` has not drafted for it yet: not ready, as a prompt is.

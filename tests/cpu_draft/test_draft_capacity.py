@@ -199,12 +199,3 @@ def test_a_worker_drafting_for_one_sequence_cuts_a_large_budget_to_what_hides_be
     assert service.depth == 4 and [len(t) for t in trees] == [4]
     service.draft_ahead([(0, 16)], lambda: None)
     assert len(service.predrafted[0].tree) == 4
-
-
-def test_the_tokens_a_miss_must_feed_count_in_the_wait_for_its_tree():
-    capacity = DraftCapacity()
-    capacity.observe_cycle(0.007)  # a 7 ms verification step
-    capacity.observe_levels(0.0028, levels=4, rows=8)  # 0.7 ms per depth level at 8 rows
-    batch = list(range(8))
-    assert capacity.draft_now_pays(batch, 8, depth=4)  # every guess missed, each by the one token that replaced it
-    assert not capacity.draft_now_pays(batch, 8, depth=4, fed=8 * 9)  # a plain window's 9 tokens each: their feed is most of a step
