@@ -18,7 +18,8 @@ scaled by `--cold-scale` in both models, so greedy tokens are mostly frequent on
 `--trace` caps each tree at the accepted length a real draft got on real text (`TraceReplay`).
 The bytes and FLOPs per step are those of the real shapes: 8B by default, `--shape 70b`
 for Llama-3-70B's (in FP8, `--quantization fp8`, it fits one 80 GB GPU), where a
-verification step is long and the CPU draft cheap beside it.
+verification step is long and the CPU draft cheap beside it. `--rounds N` times N runs
+after each warm-up (one engine, new prompts each), for a ratio's spread within one run.
 
     python -m bench.e2e_speculation --out bench/results
     python -m bench.e2e_speculation --shape 70b --quantization fp8 --batches 1,8 --configs plain,cpu-draft
@@ -31,6 +32,7 @@ import json
 import logging
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -200,6 +202,10 @@ def main(argv=None) -> None:
     parser.add_argument("--trace", default=None,
                         help="replay a real-text acceptance trace (bench/data/traces: e.g. chat, code/draft-chain-4) "
                              "on the draft models' trees instead of the built-in agreement alone")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timed runs per configuration and batch after its one warm-up, each on new prompts; "
+                             "each round's speedup is against plain's same round (same prompts), and the table "
+                             "ends with each configuration's median over the rounds")
     parser.add_argument("--log-level", default=None, choices=["debug", "info"],
                         help="debug: a line per engine step and per draft-worker message on stderr (HETERO_LOGGING_LEVEL)")
     args = parser.parse_args(argv)
@@ -233,41 +239,59 @@ def main(argv=None) -> None:
     for name in args.configs.split(","):
         engine = build_engine(target_dir, draft, args, **speculation[name])
         for batch in args.batches:
-            prompts = random_prompts(batch, args.prompt_len, target["vocab_size"], seed=batch)
             # A warm-up batch of the same size: kernels built and tuned for its shapes, the draft's
             # buffers grown and the speculation controller's first verdict taken (three steps of
-            # each option, then probes at widening spacing) before the timed run, as they are once
-            # per batch size in a server's life; the timed run is the steady state after them.
+            # each option, then probes at widening spacing) before the timed runs, as they are once
+            # per batch size in a server's life; the timed runs are the steady state after them.
             timed_decode(engine, random_prompts(batch, args.prompt_len, target["vocab_size"], seed=1000 + batch), WARM_UP_TOKENS)
-            before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens, engine.spec_stats.num_draft_tokens,
-                      engine.draft_wait_seconds, draft_worker_stats(engine.proposer))
-            elapsed, tokens, _ = timed_decode(engine, prompts, args.new_tokens)
-            steps = engine.spec_stats.num_steps - before[0]
-            accepted = engine.spec_stats.num_accepted_tokens - before[1]
-            drafted = engine.spec_stats.num_draft_tokens - before[2]
-            waited = engine.draft_wait_seconds - before[3]
-            spec_steps = steps / batch  # engine steps that verified trees (one tree per sequence each)
-            row = dict(config=name, shape=args.shape, quantization=args.quantization or "none", trace=args.trace or "", batch=batch, tokens_per_s=round(tokens / elapsed, 1),
-                       spec_seq_steps=steps, draft_tokens=drafted,
-                       mean_accepted_length=round((accepted + steps) / steps, 2) if steps else "",
-                       wait_ms_per_spec_step=round(1e3 * waited / spec_steps, 2) if steps else "",
-                       wait_share=round(waited / elapsed, 3))
-            after = draft_worker_stats(engine.proposer)
-            if after is not None:
-                hidden, exposed = (after[n] - before[4][n] for n in ("hidden_s", "exposed_s"))
-                hits, misses = (after[n] - before[4][n] for n in ("predraft_hits", "predraft_misses"))
-                row["hidden_share"] = round(hidden / (hidden + exposed), 3) if hidden + exposed else ""
-                row["predraft_hit_rate"] = round(hits / (hits + misses), 3) if hits + misses else ""
-                row["late_replies"] = int(after["late_replies"] - before[4]["late_replies"])  # answered empty, not waited for
-            rows.append(row)
-            print(row, flush=True)
+            for round_ in range(args.rounds):
+                prompts = random_prompts(batch, args.prompt_len, target["vocab_size"], seed=batch + 10_000 * round_)
+                row = dict(config=name, shape=args.shape, quantization=args.quantization or "none", trace=args.trace or "",
+                           batch=batch, round=round_, **timed_row(engine, prompts, args.new_tokens))
+                rows.append(row)
+                print(row, flush=True)
         release_engine(engine)
         del engine
-    plain = {r["batch"]: r["tokens_per_s"] for r in rows if r["config"] == "plain"}
+    write(args, rows, median_speedups(rows))
+
+
+def timed_row(engine: LLMEngine, prompts: list[dict], new_tokens: int) -> dict:
+    """One timed run's measurements: tokens/s, the speculative steps and their acceptance, the
+    draft wait, and for a CPU draft worker its hidden share, draft-ahead hits and late replies."""
+    batch = len(prompts)
+    before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens, engine.spec_stats.num_draft_tokens,
+              engine.draft_wait_seconds, draft_worker_stats(engine.proposer))
+    elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
+    steps = engine.spec_stats.num_steps - before[0]
+    accepted = engine.spec_stats.num_accepted_tokens - before[1]
+    drafted = engine.spec_stats.num_draft_tokens - before[2]
+    waited = engine.draft_wait_seconds - before[3]
+    spec_steps = steps / batch  # engine steps that verified trees (one tree per sequence each)
+    row = dict(tokens_per_s=round(tokens / elapsed, 1), spec_seq_steps=steps, draft_tokens=drafted,
+               mean_accepted_length=round((accepted + steps) / steps, 2) if steps else "",
+               wait_ms_per_spec_step=round(1e3 * waited / spec_steps, 2) if steps else "",
+               wait_share=round(waited / elapsed, 3))
+    after = draft_worker_stats(engine.proposer)
+    if after is not None:
+        hidden, exposed = (after[n] - before[4][n] for n in ("hidden_s", "exposed_s"))
+        hits, misses = (after[n] - before[4][n] for n in ("predraft_hits", "predraft_misses"))
+        row["hidden_share"] = round(hidden / (hidden + exposed), 3) if hidden + exposed else ""
+        row["predraft_hit_rate"] = round(hits / (hits + misses), 3) if hits + misses else ""
+        row["late_replies"] = int(after["late_replies"] - before[4]["late_replies"])  # answered empty, not waited for
+    return row
+
+
+def median_speedups(rows: list[dict]) -> list[dict]:
+    """Set each row's `speedup_vs_plain` against the plain row of its batch and round (the same
+    prompts); per configuration and batch, the median, lowest and highest over the rounds."""
+    plain = {(r["batch"], r["round"]): r["tokens_per_s"] for r in rows if r["config"] == "plain"}
+    groups: dict[tuple[str, int], list[float]] = {}
     for row in rows:
-        if row["batch"] in plain:
-            row["speedup_vs_plain"] = round(row["tokens_per_s"] / plain[row["batch"]], 2)
-    write(args, rows)
+        if (row["batch"], row["round"]) in plain:
+            row["speedup_vs_plain"] = round(row["tokens_per_s"] / plain[row["batch"], row["round"]], 2)
+            groups.setdefault((row["config"], row["batch"]), []).append(row["speedup_vs_plain"])
+    return [dict(config=config, batch=batch, rounds=len(values), median_speedup=statistics.median(values),
+                 lowest=min(values), highest=max(values)) for (config, batch), values in groups.items()]
 
 
 def release_engine(engine: LLMEngine) -> None:
@@ -279,11 +303,12 @@ def release_engine(engine: LLMEngine) -> None:
     torch.cuda.empty_cache()
 
 
-def write(args, rows) -> None:
+def write(args, rows, medians) -> None:
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name())
     command = "python -m bench.e2e_speculation " + " ".join(sys.argv[1:])
     stem = os.path.join(args.out, "e2e_speculation-" + time.strftime("%Y%m%d-%H%M%S"))
-    print(write_markdown_and_json(stem, f"End-to-end speculation ({info['gpu']})", command, info, rows, markdown_table(rows)))
+    body = markdown_table(rows) + (["", "## Speedup over the rounds", "", *markdown_table(medians)] if args.rounds > 1 else [])
+    print(write_markdown_and_json(stem, f"End-to-end speculation ({info['gpu']})", command, info, rows, body))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""bench.e2e_speculation's trace replay: trees cut to the accepted length a trace draws."""
+"""bench.e2e_speculation: the trace replay (trees cut to the accepted length a trace draws) and the rounds' speedups."""
 from __future__ import annotations
 
-from bench.e2e_speculation import TraceReplay
+from bench.e2e_speculation import TraceReplay, median_speedups
 from hetero.core.protocols import Proposer, TokenTree
 
 
@@ -36,3 +36,14 @@ def test_siblings_beside_the_chain_go_with_the_cut():
     tree = TokenTree([10, 20, 11, 21, 12], [-1, -1, 0, 0, 2])  # chain 10 11 12 with siblings 20 and 21
     cut = TraceReplay(_Drafts(tree), _Fixed(1), vocab_size=100).propose([None])[0]
     assert cut.token_list == [10, 20, 12] and cut.parent_list == [-1, -1, 0]
+
+
+def test_each_round_is_compared_with_plains_same_round_and_summarised_by_its_median():
+    rows = [dict(config="plain", batch=8, round=0, tokens_per_s=100.0), dict(config="plain", batch=8, round=1, tokens_per_s=200.0),
+            dict(config="plain", batch=8, round=2, tokens_per_s=100.0),
+            dict(config="cpu-draft", batch=8, round=0, tokens_per_s=150.0), dict(config="cpu-draft", batch=8, round=1, tokens_per_s=500.0),
+            dict(config="cpu-draft", batch=8, round=2, tokens_per_s=120.0), dict(config="cpu-draft", batch=1, round=0, tokens_per_s=9.0)]
+    medians = median_speedups(rows)
+    assert [r.get("speedup_vs_plain") for r in rows] == [1.0, 1.0, 1.0, 1.5, 2.5, 1.2, None]  # batch 1 has no plain row
+    assert medians == [dict(config="plain", batch=8, rounds=3, median_speedup=1.0, lowest=1.0, highest=1.0),
+                       dict(config="cpu-draft", batch=8, rounds=3, median_speedup=1.5, lowest=1.2, highest=2.5)]
