@@ -110,9 +110,16 @@ class DraftService:
     unserved: set[int] = field(default_factory=set)  # stale sequences the last proposal answered without a tree (a prompt to prefill)
     fresh: set[int] = field(default_factory=set)  # new, or told of tokens by SYNC (steps without trees), since their last proposal
     depth: Optional[int] = None  # the depth `DraftCapacity.plan` chose at the last proposal (None: the budget's)
+    past_one_step: bool = False  # the last updates held more tokens than one verification step gives (`apply_updates`)
 
     def apply_updates(self, arrays, plain: bool = False) -> None:
-        """Take a message's context updates and releases; ``plain``: a SYNC's, of steps decoded without trees."""
+        """Take a message's context updates and releases; ``plain``: a SYNC's, of steps decoded without trees.
+
+        Sets `past_one_step` when a sequence got more tokens than one verification step gives
+        it (its offered chain and the bonus token; one without a tree): steps without trees came
+        since the last proposal, told in this message rather than by a SYNC (under async
+        scheduling a probe after a plain window is launched before the window is synced)."""
+        self.past_one_step = False
         for seq_id in arrays["released"].tolist():
             self.contexts.pop(seq_id, None)
             self.predrafted.pop(seq_id, None)
@@ -127,14 +134,16 @@ class DraftService:
             context = self.contexts.get(update.seq_id, [])
             if update.keep > len(context):
                 raise RuntimeError(f"sequence {update.seq_id}: told to keep {update.keep} tokens of {len(context)}")
+            told = len(context)
             context = self.contexts[update.seq_id] = context[: update.keep] + update.new_tokens
             self.stale.add(update.seq_id)
             self.unserved.discard(update.seq_id)
             if plain or new:
                 self.fresh.add(update.seq_id)
             offered = self.offered.pop(update.seq_id, None)
-            if offered is not None and len(context) > offered[0]:  # the tree was verified: how much of its chain held
-                start, chain = offered
+            start, chain = offered if offered is not None else (told, [])
+            self.past_one_step |= len(context) - start > len(chain) + 1
+            if offered is not None and len(context) > start:  # the tree was verified: how much of its chain held
                 self.capacity.observe_accepted(update.seq_id, common_prefix_length(context[start:], chain), len(chain))
 
     def needed_by(self, message: Optional[Message], seq_ids: Sequence[int]) -> bool:
@@ -328,10 +337,11 @@ class _Loop:
                     logger.debug("SYNC queued %.2f ms, caught up in %.2f ms", 1e3 * (started - arrived), 1e3 * (time.monotonic() - started))
                 continue
             # The verification step is from the reply to the proposal's sending: a proposal that
-            # waited for the worker's own drafting must not make the step look longer.
+            # waited for the worker's own drafting must not make the step look longer, nor one
+            # whose tokens show that steps without trees (a plain window) came between.
             sent_at = float(message.arrays["sent_at"][0])  # read now: the message's views end at the next poll
             cycle = sent_at - answered if answered is not None else None
-            if cycle is not None:
+            if cycle is not None and not self.service.past_one_step:
                 self.service.capacity.observe_cycle(cycle)
             batch = list(zip(message.arrays["batch"].tolist(), message.arrays["max_nodes"].tolist()))
             syncs = 0

@@ -3,6 +3,7 @@ between messages, so the next proposal is ready; outputs stay those of plain dec
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -384,3 +385,38 @@ def test_sequences_back_from_plain_steps_before_their_catch_up_are_pending_not_e
 
     service.apply_updates(update_arrays([ContextUpdate(1, len(accepted[1]) + 3, [9])]))  # the guess missed
     assert service.propose([(1, 4), (2, 4)])[0].ready  # only the first proposal after plain steps waits for the catch-up
+
+
+class _LazyChannel(_ScriptedChannel):
+    """A scripted channel whose messages are made when received (from the worker's state then)."""
+
+    def recv(self, spin_s=None):
+        return self.messages.pop(0)()
+
+
+def test_a_proposal_after_steps_without_trees_does_not_count_as_a_verification_step(tiny_llama_dir, monkeypatch):
+    """Under async scheduling a probe that follows a plain window carries the window's tokens
+    itself (no SYNC came between): the time since the last reply holds the window, not one
+    verification step, and must not enter the step that the depth plan fits drafts into."""
+    service = _service(tiny_llama_dir)
+    cycles = []
+    monkeypatch.setattr(service.capacity, "observe_cycle", cycles.append)
+
+    def message(kind, tokens_after_chain=None):
+        def make():
+            told = len(service.contexts.get(1, []))
+            if tokens_after_chain is None:
+                update = ContextUpdate(1, told, [] if told else PROMPT)
+            else:
+                start, chain = service.offered.get(1, (told, []))
+                update = ContextUpdate(1, start, list(chain) + [5] + tokens_after_chain)  # the chain held, then the bonus token
+            arrays = update_arrays([update])
+            if kind == PROPOSE:
+                arrays.update(batch=np.asarray([1]), max_nodes=np.asarray([4]), sent_at=np.asarray([time.monotonic()]))
+            return SimpleNamespace(kind=kind, arrays=arrays, copy=lambda: None)
+        return make
+
+    script = [message(SYNC), message(PROPOSE), message(PROPOSE, []), message(PROPOSE, list(range(20, 28))),
+              lambda: SimpleNamespace(kind=SHUTDOWN, arrays={})]
+    _Loop(service, _LazyChannel(script)).run()
+    assert len(cycles) == 1  # the proposal after one verified step; not the first (no reply before it) nor the one after the window
