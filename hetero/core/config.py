@@ -18,7 +18,7 @@ import torch
 
 from hetero.core.lookahead_config import LookaheadConfig
 from hetero.core.sampling_params import generation_config_overrides
-from hetero.core.vllm_args import drop_neutral_args
+from hetero.core.vllm_args import drop_neutral_args, is_int
 
 
 _DTYPES = {
@@ -88,10 +88,10 @@ class DraftConfig:
     speculative_token_map: Optional[str] = None
 
     def __post_init__(self) -> None:
-        _draft_check(_is_int(self.tree_width) and self.tree_width >= 1, "tree_width", self.tree_width, "must be an int of at least 1")
+        _draft_check(is_int(self.tree_width) and self.tree_width >= 1, "tree_width", self.tree_width, "must be an int of at least 1")
         _draft_check(self.quantization in (None, "int8"), "quantization", self.quantization, "must be None or 'int8'")
         _draft_check(self.cpus is None or isinstance(self.cpus, str), "cpus", self.cpus, "must be a cpulist such as '4-15'")
-        _draft_check(self.threads is None or (_is_int(self.threads) and self.threads >= 1), "threads", self.threads,
+        _draft_check(self.threads is None or (is_int(self.threads) and self.threads >= 1), "threads", self.threads,
                      "must be None or an int of at least 1")
         for name in ("kv_cache_gib", "reply_timeout_s"):
             value = getattr(self, name)
@@ -99,7 +99,7 @@ class DraftConfig:
         _draft_check(isinstance(self.overlap, bool), "overlap", self.overlap, "must be True or False")
         _draft_check(self.dtype in DRAFT_DTYPES, "dtype", self.dtype, f"must be one of {list(DRAFT_DTYPES)}")
         if self.draft_vocab_size is not None:
-            _check(_is_int(self.draft_vocab_size) and self.draft_vocab_size >= 1,
+            _check(is_int(self.draft_vocab_size) and self.draft_vocab_size >= 1,
                    "speculative_config.draft_vocab_size", self.draft_vocab_size, "must be a positive int")
         if self.speculative_token_map is not None:
             _check(isinstance(self.speculative_token_map, str) and os.path.isfile(self.speculative_token_map),
@@ -209,7 +209,7 @@ class EngineConfig:
         if self.kv_cache_space is not None:
             _check(self.kv_cache_space > 0, "kv_cache_space", self.kv_cache_space, "must be positive (GiB)")
         if self.kv_cache_memory_bytes is not None:
-            _check(_is_int(self.kv_cache_memory_bytes) and self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
+            _check(is_int(self.kv_cache_memory_bytes) and self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
                    self.kv_cache_memory_bytes, "must be a positive int (bytes)")
         if self.num_gpu_blocks_override is not None:
             _check(self.num_gpu_blocks_override > 0, "num_gpu_blocks_override", self.num_gpu_blocks_override, "must be positive")
@@ -261,7 +261,7 @@ class EngineConfig:
         _check(isinstance(self.draft, DraftConfig), "draft", self.draft, "must be a DraftConfig")
         values: dict[str, Any] = {}
         if self.speculative_draft_vocab_size is not None:
-            _check(_is_int(self.speculative_draft_vocab_size) and self.speculative_draft_vocab_size >= 1,
+            _check(is_int(self.speculative_draft_vocab_size) and self.speculative_draft_vocab_size >= 1,
                    "speculative_draft_vocab_size", self.speculative_draft_vocab_size, "must be a positive int")
             values["draft_vocab_size"] = self.speculative_draft_vocab_size
         if self.speculative_token_map is not None:
@@ -280,7 +280,7 @@ class EngineConfig:
                 self.speculative_model = spec.get("model") or self.speculative_model
             if "num_speculative_tokens" in spec:
                 k = spec["num_speculative_tokens"]
-                _check(_is_int(k) and 1 <= k <= 63, "speculative_config.num_speculative_tokens", k, "must be an int in [1, 63]")
+                _check(is_int(k) and 1 <= k <= 63, "speculative_config.num_speculative_tokens", k, "must be an int in [1, 63]")
                 self.num_speculative_tokens = k
             values.update((key, spec[key]) for key in _DRAFT_KEYS if key in spec)
         if values:
@@ -375,10 +375,6 @@ def _check_speculative_keys(spec: dict[str, Any]) -> None:
         hint = "".join(f" (did you mean {match[0]!r} for {key!r}?)" for key, match in hints.items() if match)
         raise ValueError(f"Unexpected keyword argument(s) {unknown} in speculative_config{hint}; "
                          f"valid keys are: {', '.join(SPECULATIVE_CONFIG_KEYS)}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _env_flag(name: str) -> bool:

@@ -28,7 +28,8 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int and not a bool (True is an int to isinstance)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -93,9 +94,9 @@ NEUTRAL_ARGS: tuple[NeutralArg, ...] = (
     NeutralArg("model_impl", _one_of("auto"), "'auto'", "models run on hetero's own implementation (no Transformers backend)"),
     NeutralArg("config_format", _one_of("auto", "hf"), "'auto' or 'hf'",
                "a model's config is read from its config.json (HF's format) or its GGUF metadata (not Mistral's params.json)"),
-    NeutralArg("max_parallel_loading_workers", lambda v: v is None or (_is_int(v) and v > 0), "None or a positive int",
+    NeutralArg("max_parallel_loading_workers", lambda v: v is None or (is_int(v) and v > 0), "None or a positive int",
                "each tensor-parallel rank reads only its own shard, one tensor at a time: no batches of loaders to bound", int),
-    NeutralArg("num_lookahead_slots", lambda v: _is_int(v) and v >= 0, "an int >= 0", "vLLM V1 ignores it too: the KV blocks "
+    NeutralArg("num_lookahead_slots", lambda v: is_int(v) and v >= 0, "an int >= 0", "vLLM V1 ignores it too: the KV blocks "
                "of a step's draft-tree nodes are reserved from the speculation settings as the step is scheduled", int),
     NeutralArg("worker_cls", _one_of("auto"), "'auto'", "the target runs in hetero's own model runner (no worker class to pick)"),
     NeutralArg("enable_expert_parallel", _one_of(False), "False",
