@@ -110,16 +110,15 @@ class DraftService:
     unserved: set[int] = field(default_factory=set)  # stale sequences the last proposal answered without a tree (a prompt to prefill)
     fresh: set[int] = field(default_factory=set)  # new, or told of tokens by SYNC (steps without trees), since their last proposal
     depth: Optional[int] = None  # the depth `DraftCapacity.plan` chose at the last proposal (None: the budget's)
-    past_one_step: bool = False  # the last updates held more tokens than one verification step gives (`apply_updates`)
 
-    def apply_updates(self, arrays, plain: bool = False) -> None:
+    def apply_updates(self, arrays, plain: bool = False) -> bool:
         """Take a message's context updates and releases; ``plain``: a SYNC's, of steps decoded without trees.
 
-        Sets `past_one_step` when a sequence got more tokens than one verification step gives
-        it (its offered chain and the bonus token; one without a tree): steps without trees came
-        since the last proposal, told in this message rather than by a SYNC (under async
-        scheduling a probe after a plain window is launched before the window is synced)."""
-        self.past_one_step = False
+        Returns whether a sequence got more tokens than one verification step gives it (its
+        offered chain and the bonus token; one without a tree): steps without trees came since
+        the last proposal, told in this message rather than by a SYNC (under async scheduling a
+        probe after a plain window is launched before the window is synced)."""
+        past_one_step = False
         for seq_id in arrays["released"].tolist():
             self.contexts.pop(seq_id, None)
             self.predrafted.pop(seq_id, None)
@@ -142,9 +141,10 @@ class DraftService:
                 self.fresh.add(update.seq_id)
             offered = self.offered.pop(update.seq_id, None)
             start, chain = offered if offered is not None else (told, [])
-            self.past_one_step |= len(context) - start > len(chain) + 1
+            past_one_step |= len(context) - start > len(chain) + 1
             if offered is not None and len(context) > start:  # the tree was verified: how much of its chain held
                 self.capacity.observe_accepted(update.seq_id, common_prefix_length(context[start:], chain), len(chain))
+        return past_one_step
 
     def needed_by(self, message: Optional[Message], seq_ids: Sequence[int]) -> bool:
         """Whether ``message`` asks for trees of exactly the contexts the drafter is drafting
@@ -325,7 +325,7 @@ class _Loop:
             started = time.monotonic()
             stats = self.service.stats
             hits, misses = stats.predraft_hits, stats.predraft_misses
-            self.service.apply_updates(message.arrays, plain=message.kind == SYNC)
+            past_one_step = self.service.apply_updates(message.arrays, plain=message.kind == SYNC)
             if message.kind == SYNC:
                 answered, syncs = None, syncs + 1
                 # After a plain window or two (a controller's comparison, prompts prefilling) the
@@ -341,7 +341,7 @@ class _Loop:
             # whose tokens show that steps without trees (a plain window) came between.
             sent_at = float(message.arrays["sent_at"][0])  # read now: the message's views end at the next poll
             cycle = sent_at - answered if answered is not None else None
-            if cycle is not None and not self.service.past_one_step:
+            if cycle is not None and not past_one_step:
                 self.service.capacity.observe_cycle(cycle)
             batch = list(zip(message.arrays["batch"].tolist(), message.arrays["max_nodes"].tolist()))
             syncs = 0
