@@ -15,6 +15,11 @@ Speculation that is not running must lead by `margin` to be turned on.
 - Drafts that accepted nothing are probed at the longest spacing at once.
 - A probe that got only pending trees (the proposer not ready) is not judged, and is taken
   again, once, at the next step (`probe_not_judged`).
+- A speculative step right after plain steps waits for the proposer to catch up on their
+  tokens (a draft worker feeds a plain window's tokens before it can draft): a cost of
+  switching, not of speculating. That step is not judged; speculation is probed again at
+  the next step, which is, and the switch's extra wait spaces the probes so that they cost
+  at most `SWITCH_COST_SHARE` of the time between them (`record_switch`).
 
 A batch whose caller waits for all of it (`DrainingBatch`) ends with its slowest sequence.
 There, speculation's pace is scaled by its reach, the share of it that reaches the
@@ -24,6 +29,8 @@ in bench/results (`bench.spec_control_sim`, `bench.gpu_decode --sections spec`).
 """
 from __future__ import annotations
 
+import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -32,6 +39,7 @@ from typing import Optional, Sequence
 from hetero.spec.draining import AcceptanceSpread, DrainingBatch, SpreadPrior, speculation_reach
 from hetero.spec.tree_sizer import TreeSizer
 
+logger = logging.getLogger("hetero")
 
 
 # Drafts whose first node is right with probability p accept nothing in this many
@@ -44,6 +52,11 @@ NOTHING_ACCEPTED_SEQUENCE_STEPS = 32
 # the mean accepted length over 128 sequence-steps has a standard error of about a tenth of a
 # token per step, and its seconds come from at least `min_samples` steps.
 SOLID_SEQUENCE_STEPS = 128
+
+# The share of the time between speculation's probes that their switching cost (the catch-up
+# wait of a step right after plain steps) may take: the issue's bound on what speculation that
+# cannot pay may cost.
+SWITCH_COST_SHARE = 0.01
 
 
 def cut_short(rooms: list[int], tokens_per_seq: int, tolerance: float = 0.1) -> bool:
@@ -88,6 +101,7 @@ class _Samples:
     _typical_seconds: float = 0.0
     _relative_error: float = 0.0
     _one_token_each: bool = True  # every step emitted at most one token per sequence
+    _mean_wait: float = 0.0
 
     def add(self, tokens: int, seconds: float, num_seqs: int, waited: float = 0.0) -> None:
         self.recent.append((tokens, seconds, num_seqs, min(waited, seconds)))
@@ -96,9 +110,9 @@ class _Samples:
         count = len(self.recent)
         self._sequence_steps = sum(n for _, _, n, _ in self.recent)
         self._mean_tokens = sum(t for t, _, _, _ in self.recent) / count
+        self._mean_wait = sum(w for _, _, _, w in self.recent) / count
         # The slowest steps are trimmed by their own time; every wait for drafts counts.
-        self._typical_seconds = (trimmed_mean_seconds([s - w for _, s, _, w in self.recent])
-                                 + sum(w for _, _, _, w in self.recent) / count)
+        self._typical_seconds = trimmed_mean_seconds([s - w for _, s, _, w in self.recent]) + self._mean_wait
         self._one_token_each = all(t <= n for t, _, n, _ in self.recent)
         variance = sum((t - self._mean_tokens) ** 2 for t, _, _, _ in self.recent) / max(count - 1, 1)
         self._relative_error = (variance / count) ** 0.5 / self._mean_tokens if self._mean_tokens else 0.0
@@ -132,6 +146,10 @@ class _Samples:
     def seconds_per_step(self) -> float:
         return self._typical_seconds
 
+    def mean_wait(self) -> float:
+        """The mean time its steps waited for drafts."""
+        return self._mean_wait
+
     def relative_error(self) -> float:
         """Standard error of the mean tokens per step, relative to it (0 while they never varied)."""
         return self._relative_error
@@ -149,6 +167,7 @@ class _Bucket:
     reach_seqs: int = 0  # sequences it was projected for
     reprobe_due: bool = False  # speculation's last probe was not judged (`probe_not_judged`): probe again
     reprobing: bool = False  # this step is that second probe
+    switch_seconds: float = 0.0  # the last switch to speculation's wait beyond speculation's mean wait (`record_switch`)
 
 
 class SpeculationController:
@@ -296,6 +315,9 @@ class SpeculationController:
         if speculate != state.speculating:  # a new verdict: probe its loser at the base spacing (twice it on solid evidence)
             state.speculating = speculate
             state.interval = state.countdown = self._probe_spacing(state, speculate, self.probe_interval, draining)
+            logger.debug("batch of %d: %s (tokens per second per sequence: speculative %.1f, plain %.1f); "
+                         "next probe in %d step times", num_seqs, "speculating" if speculate else "decoding plainly",
+                         self._pace(state, True), self._pace(state, False), state.interval)
         elif reprobe and not speculate:
             state.reprobing = True
             return True
@@ -309,9 +331,13 @@ class SpeculationController:
         `current` on solid evidence (a verdict reached on it, or one that follows a thin
         window's short spacing, starts at twice the base); a quarter of the base for
         speculation that lost on a thin window; twice `current` for speculation that lost a
-        close call in a draining batch (see the module doc on draining batches); else the base."""
+        close call in a draining batch (see the module doc on draining batches); else the base.
+        Speculation's probes are never closer than their switching cost allows (`_switch_spacing`)."""
         if state.spec.accepted_nothing():
             return self.max_probe_interval
+        return max(self._spacing_by_evidence(state, speculate, current, draining), self._switch_spacing(state, speculate))
+
+    def _spacing_by_evidence(self, state: _Bucket, speculate: bool, current: int, draining: bool) -> int:
         doubled = min(2 * max(current, self.probe_interval), self.max_probe_interval)  # never under twice the base
         if self._solid(state, speculate):
             return doubled
@@ -320,6 +346,15 @@ class SpeculationController:
         if not speculate and draining:
             return doubled
         return self.probe_interval
+
+    def _switch_spacing(self, state: _Bucket, speculate: bool) -> int:
+        """The spacing, in speculation's step times, at which a probe's switching cost (the last
+        switch's catch-up wait) is `SWITCH_COST_SHARE` of the time between probes; 0 when
+        plain decoding is probed (it has no catch-up)."""
+        if speculate or not state.switch_seconds or not state.spec.recent:
+            return 0
+        steps = state.switch_seconds / SWITCH_COST_SHARE / state.spec.seconds_per_step()
+        return min(math.ceil(steps), self.max_probe_interval)
 
     def _thin(self, samples: _Samples) -> bool:
         """Whether an option's window is too short to trust: not full, and under `SOLID_SEQUENCE_STEPS`.
@@ -385,6 +420,16 @@ class SpeculationController:
         if state is not None and state.speculating is False:
             state.reprobe_due = not state.reprobing
             state.reprobing = False
+
+    def record_switch(self, num_seqs: int, draft_wait: float) -> None:
+        """A speculative step right after steps without trees, not judged (see the module doc):
+        its wait beyond speculation's mean wait (``draft_wait`` less it) is the switch's cost,
+        which spaces speculation's probes (`_switch_spacing`). Where it was a probe against a
+        plain verdict, or exploring, the next step speculates again and is judged."""
+        state = self._state(num_seqs)
+        state.switch_seconds = max(draft_wait - (state.spec.mean_wait() if state.spec.recent else 0.0), 0.0)
+        if state.speculating is False:
+            state.reprobe_due, state.reprobing = True, False
 
     def record_acceptance(self, num_nodes: Sequence[int], num_accepted: Sequence[int]) -> None:
         """One step's verified trees: each one's node count and accepted draft tokens."""

@@ -499,6 +499,7 @@ class _PlainSpy(SpeculationController):
         self.asked = []  # (batch size, the draining batch or None) of each decision
         self.records = []
         self.not_judged = []  # batch sizes of the steps the engine said were not judged (`probe_not_judged`)
+        self.switches = []  # (batch size, draft wait) of the speculative steps right after plain ones (`record_switch`)
 
     def nodes_per_sequence(self, num_seqs, explore=True, draining=None):
         self.asked.append((num_seqs, draining))
@@ -506,6 +507,9 @@ class _PlainSpy(SpeculationController):
 
     def record_step(self, *args):
         self.records.append(args)
+
+    def record_switch(self, num_seqs, draft_wait):
+        self.switches.append((num_seqs, draft_wait))
 
     def probe_not_judged(self, num_seqs):
         self.not_judged.append(num_seqs)
@@ -606,6 +610,8 @@ def test_a_draft_wait_counts_for_the_step_that_waited_for_it(tiny_llama_dir, asy
     assert {True, False} <= {speculated for speculated, _, _ in recorded}
     # The step's time holds its own wait, and the controller is told which part of it that was.
     assert all(seconds == waited == (0.040 if speculated else 0.0) for speculated, seconds, waited in recorded), recorded
+    # Each speculative step after a plain one shows its wait as a switch's (`record_switch`).
+    assert len(spy.switches) >= 3 and all(round(wait, 6) == 0.040 for _, wait in spy.switches), spy.switches
 
 
 def test_offline_generate_drains_its_batch_once_no_request_waits(tiny_llama_dir):
@@ -1178,3 +1184,66 @@ def test_a_draft_workers_stalls_count_where_pauses_of_the_engine_do_not():
     assert pays is False and speculated < 80  # exploration and probes only
     speculated, pays = _speculation_with_stalls(stalls_wait_for_drafts=False)  # the engine's own pauses: left out
     assert pays is True and speculated > 300
+
+
+def _batch_8_after_a_burst_of_stalls(switches_told: bool) -> list[bool]:
+    """Batch 8 on a fake clock: a speculative step emits 2 tokens a sequence in 6.3 ms plus a
+    1 ms wait for drafts, a plain window 8 a sequence in 8 x 4.5 ms (speculation 1.23x ahead).
+    Speculative steps 100-104 stall (15 ms waits, half the tokens), which turns speculation
+    off. The first speculative step after plain steps waits 8 ms more: the draft worker
+    catching up on the window's tokens. ``switches_told``: the engine shows that step as a
+    switch (`record_switch`), not as a step. Returns whether each step speculated."""
+    controller = SpeculationController(max_nodes_per_seq=4, target_parallelism=64)
+    decisions, previous_plain = [], False
+    for step in range(1500):
+        speculate = controller.nodes_per_sequence(8) > 0
+        if speculate:
+            stall = 100 <= step < 105
+            wait = (0.015 if stall else 0.001) + (0.008 if previous_plain else 0.0)
+            if previous_plain and switches_told:
+                controller.record_switch(8, wait)
+            else:
+                controller.record_step(8, True, 8 if stall else 16, 0.0063 + wait, draft_wait=wait)
+        else:
+            controller.record_step(8, False, 64, 8 * 0.0045)
+        previous_plain = not speculate
+        decisions.append(speculate)
+    return decisions
+
+
+def test_speculation_turned_off_by_a_burst_of_stalls_comes_back_once_its_probes_are_judged_past_the_switch():
+    """A probe's first step after plain windows waits for the worker's catch-up (7.6 ms at
+    batch 8 on an H200 host, 2026-11-28), which speculation that pays 1.2-1.3x cannot absorb:
+    judged with it, every probe lost, and speculation stayed off for the rest of the run."""
+    decisions = _batch_8_after_a_burst_of_stalls(switches_told=True)
+    assert not all(decisions[105:200])  # the burst turned it off
+    assert sum(decisions[-500:]) > 0.95 * 500
+    decisions = _batch_8_after_a_burst_of_stalls(switches_told=False)
+    assert sum(decisions[-500:]) < 0.05 * 500
+
+
+def test_a_switch_to_speculation_costs_at_most_a_hundredth_of_the_time_between_its_probes():
+    """Speculation that loses (1.125 tokens a sequence in 6.3 ms against plain's 1 in 4.5 ms),
+    whose first step after plain steps waits 20 ms for the draft worker to catch up: a probe
+    every 16 step times, as for a thin window, would spend a fifth of the time switching."""
+    from hetero.spec.controller import SWITCH_COST_SHARE
+
+    controller = SpeculationController(max_nodes_per_seq=4, target_parallelism=64)
+    now, previous_plain, probes = 0.0, False, []
+    while now < 60.0:
+        if controller.nodes_per_sequence(8):
+            if previous_plain:
+                if controller.speculation_pays(8) is False:
+                    probes.append(now)
+                controller.record_switch(8, 0.021)
+                seconds = 0.0063 + 0.021
+            else:
+                seconds = 0.0063 + 0.001
+                controller.record_step(8, True, 9, seconds, draft_wait=0.001)
+        else:
+            seconds = 8 * 0.0045
+            controller.record_step(8, False, 64, seconds)
+        previous_plain = seconds == 8 * 0.0045
+        now += seconds
+    assert len(probes) >= 5
+    assert min(np.diff(probes)) >= 0.020 / SWITCH_COST_SHARE
