@@ -167,7 +167,7 @@ class _Bucket:
     reach_seqs: int = 0  # sequences it was projected for
     reprobe_due: bool = False  # speculation's last probe was not judged (`probe_not_judged`): probe again
     reprobing: bool = False  # this step is that second probe
-    switch_seconds: float = 0.0  # the last switch to speculation's wait beyond speculation's mean wait (`record_switch`)
+    switch_seconds: deque = field(default_factory=lambda: deque(maxlen=3))  # the last switches' costs (`record_switch`)
 
 
 class SpeculationController:
@@ -314,30 +314,32 @@ class SpeculationController:
             return len(state.spec.recent) <= len(state.plain.recent)
         if speculate != state.speculating:  # a new verdict: probe its loser at the base spacing (twice it on solid evidence)
             state.speculating = speculate
-            state.interval = state.countdown = self._probe_spacing(state, speculate, self.probe_interval, draining)
+            self._space_probes(state, speculate, self.probe_interval, draining)
             logger.debug("batch of %d: %s (tokens per second per sequence: speculative %.1f, plain %.1f); "
-                         "next probe in %d step times", num_seqs, "speculating" if speculate else "decoding plainly",
-                         self._pace(state, True), self._pace(state, False), state.interval)
+                         "next probe in %.0f step times", num_seqs, "speculating" if speculate else "decoding plainly",
+                         self._pace(state, True), self._pace(state, False), state.countdown)
         elif reprobe and not speculate:
             state.reprobing = True
             return True
         if state.countdown > 0:
             return speculate
-        state.interval = state.countdown = self._probe_spacing(state, speculate, state.interval, draining)
+        self._space_probes(state, speculate, state.interval, draining)
         return not speculate
+
+    def _space_probes(self, state: _Bucket, speculate: bool, current: int, draining: bool) -> None:
+        """Sets the loser's next probe spacing (`_probe_spacing`), never closer for speculation
+        than its switching cost allows (`_switch_spacing`)."""
+        state.interval = self._probe_spacing(state, speculate, current, draining)
+        state.countdown = max(state.interval, self._switch_spacing(state, speculate))
 
     def _probe_spacing(self, state: _Bucket, speculate: bool, current: int, draining: bool) -> int:
         """The loser's next probe spacing: the longest for drafts that accepted nothing; twice
         `current` on solid evidence (a verdict reached on it, or one that follows a thin
         window's short spacing, starts at twice the base); a quarter of the base for
         speculation that lost on a thin window; twice `current` for speculation that lost a
-        close call in a draining batch (see the module doc on draining batches); else the base.
-        Speculation's probes are never closer than their switching cost allows (`_switch_spacing`)."""
+        close call in a draining batch (see the module doc on draining batches); else the base."""
         if state.spec.accepted_nothing():
             return self.max_probe_interval
-        return max(self._spacing_by_evidence(state, speculate, current, draining), self._switch_spacing(state, speculate))
-
-    def _spacing_by_evidence(self, state: _Bucket, speculate: bool, current: int, draining: bool) -> int:
         doubled = min(2 * max(current, self.probe_interval), self.max_probe_interval)  # never under twice the base
         if self._solid(state, speculate):
             return doubled
@@ -348,12 +350,14 @@ class SpeculationController:
         return self.probe_interval
 
     def _switch_spacing(self, state: _Bucket, speculate: bool) -> int:
-        """The spacing, in speculation's step times, at which a probe's switching cost (the last
-        switch's catch-up wait) is `SWITCH_COST_SHARE` of the time between probes; 0 when
-        plain decoding is probed (it has no catch-up)."""
+        """The spacing, in speculation's step times, at which a probe's switching cost is
+        `SWITCH_COST_SHARE` of the time between probes; 0 when plain decoding is probed (it
+        has no catch-up). The cost is the least of the last three switches': a catch-up that
+        also fed prompts just admitted (a server's start, a new batch) is not what the next
+        switch will cost."""
         if speculate or not state.switch_seconds or not state.spec.recent:
             return 0
-        steps = state.switch_seconds / SWITCH_COST_SHARE / state.spec.seconds_per_step()
+        steps = min(state.switch_seconds) / SWITCH_COST_SHARE / state.spec.seconds_per_step()
         return min(math.ceil(steps), self.max_probe_interval)
 
     def _thin(self, samples: _Samples) -> bool:
@@ -427,9 +431,10 @@ class SpeculationController:
         which spaces speculation's probes (`_switch_spacing`). Where it was a probe against a
         plain verdict, or exploring, the next step speculates again and is judged."""
         state = self._state(num_seqs)
-        state.switch_seconds = max(draft_wait - (state.spec.mean_wait() if state.spec.recent else 0.0), 0.0)
+        state.switch_seconds.append(max(draft_wait - (state.spec.mean_wait() if state.spec.recent else 0.0), 0.0))
         if state.speculating is False:
             state.reprobe_due, state.reprobing = True, False
+            state.countdown = max(state.interval, self._switch_spacing(state, False))  # spaced by this switch too
 
     def record_acceptance(self, num_nodes: Sequence[int], num_accepted: Sequence[int]) -> None:
         """One step's verified trees: each one's node count and accepted draft tokens."""

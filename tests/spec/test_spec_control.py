@@ -1247,3 +1247,35 @@ def test_a_switch_to_speculation_costs_at_most_a_hundredth_of_the_time_between_i
         now += seconds
     assert len(probes) >= 5
     assert min(np.diff(probes)) >= 0.020 / SWITCH_COST_SHARE
+
+
+def test_a_switch_that_fed_new_prompts_does_not_keep_speculation_off_for_long():
+    """A switch whose catch-up also fed prompts just admitted (80 ms at a new batch) is not
+    what switching costs: once a switch waited 8 ms (7 ms past the steady 1 ms), probes are
+    0.7 s apart, not 7.5 s after every third switch (a new batch's)."""
+    from hetero.spec.controller import SWITCH_COST_SHARE
+
+    controller = SpeculationController(max_nodes_per_seq=4, target_parallelism=64)
+    now, previous_plain, probes = 0.0, False, []
+    while now < 60.0:
+        if controller.nodes_per_sequence(8):
+            if previous_plain:
+                if controller.speculation_pays(8) is False:
+                    probes.append(now)
+                wait = 0.080 if len(probes) <= 1 or len(probes) % 3 == 0 else 0.008
+                controller.record_switch(8, wait)
+                seconds = 0.0063 + wait
+            else:
+                seconds = 0.0063 + 0.001
+                controller.record_step(8, True, 9, seconds, draft_wait=0.001)
+            previous_plain = False
+        else:
+            controller.record_step(8, False, 64, 8 * 0.0045)
+            now += 8 * 0.0045
+            previous_plain = True
+            continue
+        now += seconds
+    gaps = np.diff(probes)
+    assert len(probes) >= 6
+    # (later, speculation that keeps losing is probed ever more rarely, as any solid verdict)
+    assert max(gaps[1:8]) < 2 * (0.008 - 0.001) / SWITCH_COST_SHARE and min(gaps[1:8]) >= (0.008 - 0.001) / SWITCH_COST_SHARE
