@@ -113,7 +113,7 @@ class _StepPlan:
     nodes_per_seq: int = 0  # tree nodes granted per sequence (0: no speculation)
     unready: bool = False  # asked for trees, none came back because the proposer was not ready (`TokenTree.pending`): not judged
     draft_wait_s: float = 0.0  # the time the launch waited for the proposer's trees
-    after_plain: bool = False  # the step before gave its decoding sequences no trees: the proposer caught up on their tokens
+    switch: bool = False  # the first speculative step after steps without trees: the proposer caught up on their tokens
     num_steps: int = 1  # decode steps run ahead (1: a single step)
     rooms: list[int] = field(default_factory=list)  # the sequences' remaining lengths, for `cut_short`
     tokens_before: int = 0  # generated tokens before the step, to count what it emitted
@@ -323,8 +323,6 @@ class LLMEngine:
         plan.nodes_per_seq, plan.trees = self._attach_trees(decoding, measured=plan.decode_only) if decoding else (0, None)
         plan.draft_wait_s = self.draft_wait_seconds - waited
         plan.unready = bool(plan.nodes_per_seq) and self._proposer_pending and all(item.tree is None for item in decoding)
-        if decoding:
-            plan.after_plain, self._decoded_plainly = self._decoded_plainly, not plan.nodes_per_seq
         plan.tokens_before = self.num_generation_tokens_total
         if plan.decode_only and plan.unready:
             # No tree anywhere, the proposer still preparing them. Once: a single step (a draft
@@ -336,6 +334,13 @@ class LLMEngine:
             self.spec_control.probe_not_judged(len(decoding))
         elif plan.decode_only:
             self._unready_steps = 0
+        if decoding:
+            plan.switch = plan.decode_only and bool(plan.nodes_per_seq) and not plan.unready and self._decoded_plainly
+            self._decoded_plainly = not plan.nodes_per_seq
+        if plan.switch:
+            # Told now, not when recorded: under async scheduling the next step is decided before
+            # this one is recorded, and it must probe again (`SpeculationController.record_switch`).
+            self.spec_control.record_switch(len(decoding), plan.draft_wait_s)
         if plan.decode_only and not plan.nodes_per_seq:
             plan.num_steps = self.scheduler.reserve_run_ahead(scheduled, self.num_scheduler_steps, self.max_model_len)
         return plan
@@ -441,17 +446,15 @@ class LLMEngine:
         tokens and a speculative step not. Steps that the requests' lengths cut short (the
         last window or trees of sequences about to finish) say nothing about either
         option's steady pace, and are left out; nor does a speculative step without a tree
-        because the proposer was not ready yet (``plan.unready``). The first speculative step
-        after plain steps shows only its wait, the proposer's catch-up (`record_switch`).
+        because the proposer was not ready yet (``plan.unready``); nor the first speculative
+        step after plain steps, whose wait was the proposer's catch-up (``plan.switch``, told at its launch).
         """
         finished = self.clock()
         tokens_per_seq = plan.nodes_per_seq + 1 if plan.nodes_per_seq else self.num_scheduler_steps
         emitted = self.num_generation_tokens_total - plan.tokens_before
         if self.proposer is not None and plan.decode_only and not plan.unready and not cut_short(plan.rooms, tokens_per_seq):
             seconds = self._step_seconds(started, finished) + moved_wait_s
-            if plan.nodes_per_seq and plan.after_plain:
-                self.spec_control.record_switch(len(plan.scheduled), plan.draft_wait_s)
-            else:
+            if not plan.switch:
                 self.spec_control.record_step(len(plan.scheduled), plan.nodes_per_seq > 0, emitted, seconds, plan.draft_wait_s)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step of %d sequences: %d trees, %d tokens, %.2f ms (%.2f ms waiting for drafts in all)",

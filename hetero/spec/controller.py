@@ -165,7 +165,7 @@ class _Bucket:
     reach: float = 1.0  # share of speculation's pace that reaches a draining batch's end (`speculation_reach`)
     reach_age: int = 0  # steps since the reach was projected
     reach_seqs: int = 0  # sequences it was projected for
-    reprobe_due: bool = False  # speculation's last probe was not judged (`probe_not_judged`): probe again
+    reprobes: int = 0  # steps that probe speculation again, the probe before not judged (`probe_not_judged`, `record_switch`)
     reprobing: bool = False  # this step is that second probe
     switch_seconds: deque = field(default_factory=lambda: deque(maxlen=3))  # the last switches' costs (`record_switch`)
 
@@ -302,7 +302,7 @@ class SpeculationController:
             return bool(verdict)
         state = self._state(num_seqs)
         speculate = self._verdict(state)
-        reprobe, state.reprobe_due, state.reprobing = state.reprobe_due, False, False
+        reprobe, state.reprobes, state.reprobing = state.reprobes > 0, max(state.reprobes - 1, 0), False
         if speculate is None:
             inherited = self._inherited_verdict(self.bucket(num_seqs))
             if inherited is not None and state.countdown > 0:
@@ -422,18 +422,21 @@ class SpeculationController:
         waits for the next spaced probe."""
         state = self._buckets.get(self.bucket(num_seqs))
         if state is not None and state.speculating is False:
-            state.reprobe_due = not state.reprobing
+            state.reprobes = 0 if state.reprobing else 1
             state.reprobing = False
 
     def record_switch(self, num_seqs: int, draft_wait: float) -> None:
         """A speculative step right after steps without trees, not judged (see the module doc):
         its wait beyond speculation's mean wait (``draft_wait`` less it) is the switch's cost,
         which spaces speculation's probes (`_switch_spacing`). Where it was a probe against a
-        plain verdict, or exploring, the next step speculates again and is judged."""
+        plain verdict, the next two steps speculate again and are judged: under async
+        scheduling a step is decided before the one before it is recorded, so a winning first
+        judged probe can only ask for the step after the second (`record_step`: look again at
+        once), which must not follow a plain window (another switch) for a chain of probes to form."""
         state = self._state(num_seqs)
         state.switch_seconds.append(max(draft_wait - (state.spec.mean_wait() if state.spec.recent else 0.0), 0.0))
         if state.speculating is False:
-            state.reprobe_due, state.reprobing = True, False
+            state.reprobes, state.reprobing = 2, False
             state.countdown = max(state.interval, self._switch_spacing(state, False))  # spaced by this switch too
 
     def record_acceptance(self, num_nodes: Sequence[int], num_accepted: Sequence[int]) -> None:

@@ -995,7 +995,9 @@ def test_steps_without_a_tree_because_the_proposer_was_not_ready_are_not_judged(
     # The second pending answer in a row runs a plain window of 4 instead of a single step.
     assert emitted == [1, 2, 6, 7, 11, 12, 13, 14]
     # An empty answer is what speculation delivered (one token at a verification's cost); a pending one is not.
-    assert [(n, speculated, tokens) for n, speculated, tokens, _, _ in spy.records] == [(1, True, 1)] * 3
+    # The first after the window is a switch (its wait the proposer's catch-up), told apart.
+    assert [(n, speculated, tokens) for n, speculated, tokens, _, _ in spy.records] == [(1, True, 1)] * 2
+    assert [n for n, _ in spy.switches] == [1]
     assert spy.not_judged == [1] * 4  # and the controller hears of each pending one (a probe is taken again)
 
 
@@ -1279,3 +1281,60 @@ def test_a_switch_that_fed_new_prompts_does_not_keep_speculation_off_for_long():
     assert len(probes) >= 6
     # (later, speculation that keeps losing is probed ever more rarely, as any solid verdict)
     assert max(gaps[1:8]) < 2 * (0.008 - 0.001) / SWITCH_COST_SHARE and min(gaps[1:8]) >= (0.008 - 0.001) / SWITCH_COST_SHARE
+
+
+class _CatchUpAfterPlainStepsProposer(_RightOrWrongProposer):
+    """Right chains, each answer 1 ms on the engine's clock, but 30 ms where a sequence grew by
+    more than one speculative step since the last answer: the draft worker feeding a plain
+    window's tokens before it can draft (the first answer, to a prompt, is 1 ms: the real
+    worker answers pending until the prompt is prefilled)."""
+
+    def __init__(self, truth, clock, cold_answers=0):
+        super().__init__(truth)
+        self.clock, self.lengths, self.cold_answers = clock, {}, cold_answers
+
+    def propose(self, batch):
+        behind = any(len(r.token_ids) - self.lengths.get(r.request_id, len(r.token_ids)) > r.max_nodes + 1 for r in batch)
+        self.lengths.update((r.request_id, len(r.token_ids)) for r in batch)
+        self.clock.now += 0.050 if len(self.requests) < self.cold_answers else 0.030 if behind else 0.001
+        return super().propose(batch)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("cold_answers", [0, 3])
+def test_speculation_whose_first_step_after_plain_steps_waits_for_a_catch_up_is_judged_past_it(tiny_llama_dir, async_scheduling,
+                                                                                                 cold_answers):
+    """A speculative step (10 ms) emits 5 tokens where a plain window of 4 steps (2.5 ms each)
+    emits 4: speculation leads by 14 % at a 1 ms wait, and loses at the 30 ms catch-up after
+    plain steps. Judged past that switch it is turned on, also after a cold start (the first
+    answers 50 ms) turned it off: under async scheduling the probe after a switch must be the
+    very next step, which is decided before the switch is recorded."""
+    from hetero.core.config import EngineConfig
+    from hetero.core.sampling_params import SamplingParams
+    from hetero.engine import LLMEngine
+
+    prompt = "Hello, my name is"
+    truth = _greedy_truth(tiny_llama_dir, [prompt], 200)
+    clock = SimpleNamespace(now=0.0)
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", device="cpu", num_scheduler_steps=4,
+                          num_speculative_tokens=4, async_scheduling=async_scheduling)
+    engine = LLMEngine(config, proposer=_CatchUpAfterPlainStepsProposer(truth, clock, cold_answers))
+    engine.spec_control = SpeculationController(engine.spec_control.max_nodes_per_seq, engine.spec_control.target_parallelism,
+                                                probe_interval=8)
+    engine.clock = lambda: clock.now
+    forward, decode_steps = engine.runner.forward, engine.runner.decode_steps
+
+    def timed_forward(*args, **kwargs):
+        clock.now += 0.010
+        return forward(*args, **kwargs)
+
+    def timed_decode_steps(chunks, num_steps, *args, **kwargs):
+        clock.now += 0.0025 * num_steps
+        return decode_steps(chunks, num_steps, *args, **kwargs)
+
+    engine.runner.forward, engine.runner.decode_steps = timed_forward, timed_decode_steps
+    engine.add_request("right", prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    outputs, _ = _run(engine)
+    assert list(outputs.values())[0] == list(truth.values())[0]
+    assert engine.spec_control.speculation_pays(1) is True
+    assert engine.spec_stats.num_draft_tokens > 0.5 * 200
