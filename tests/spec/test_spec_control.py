@@ -1224,12 +1224,11 @@ def test_speculation_turned_off_by_a_burst_of_stalls_comes_back_once_its_probes_
     assert sum(decisions[-500:]) < 0.05 * 500
 
 
-def test_a_switch_to_speculation_costs_at_most_a_hundredth_of_the_time_between_its_probes():
-    """Speculation that loses (1.125 tokens a sequence in 6.3 ms against plain's 1 in 4.5 ms),
-    whose first step after plain steps waits 20 ms for the draft worker to catch up: a probe
-    every 16 step times, as for a thin window, would spend a fifth of the time switching."""
-    from hetero.spec.controller import SWITCH_COST_SHARE
-
+def _probes_of_losing_speculation(switch_wait) -> list[float]:
+    """Batch 8 on a fake clock for 60 s: speculation that loses (1.125 tokens a sequence in
+    6.3 ms plus a 1 ms wait, against plain's 1 in 4.5 ms), whose first step after plain steps
+    waits ``switch_wait(probes so far)`` for the draft worker to catch up. Returns when each
+    probe against the plain verdict began."""
     controller = SpeculationController(max_nodes_per_seq=4, target_parallelism=64)
     now, previous_plain, probes = 0.0, False, []
     while now < 60.0:
@@ -1237,16 +1236,27 @@ def test_a_switch_to_speculation_costs_at_most_a_hundredth_of_the_time_between_i
             if previous_plain:
                 if controller.speculation_pays(8) is False:
                     probes.append(now)
-                controller.record_switch(8, 0.021)
-                seconds = 0.0063 + 0.021
+                wait = switch_wait(len(probes))
+                controller.record_switch(8, wait)
+                seconds = 0.0063 + wait
             else:
                 seconds = 0.0063 + 0.001
                 controller.record_step(8, True, 9, seconds, draft_wait=0.001)
+            previous_plain = False
         else:
             seconds = 8 * 0.0045
             controller.record_step(8, False, 64, seconds)
-        previous_plain = seconds == 8 * 0.0045
+            previous_plain = True
         now += seconds
+    return probes
+
+
+def test_a_switch_to_speculation_costs_at_most_a_hundredth_of_the_time_between_its_probes():
+    """Switches that wait 21 ms (20 ms past the steady 1 ms): a probe every 16 step times, as
+    for a thin window, would spend a fifth of the time switching."""
+    from hetero.spec.controller import SWITCH_COST_SHARE
+
+    probes = _probes_of_losing_speculation(lambda _: 0.021)
     assert len(probes) >= 5
     assert min(np.diff(probes)) >= 0.020 / SWITCH_COST_SHARE
 
@@ -1257,26 +1267,7 @@ def test_a_switch_that_fed_new_prompts_does_not_keep_speculation_off_for_long():
     0.7 s apart, not 7.5 s after every third switch (a new batch's)."""
     from hetero.spec.controller import SWITCH_COST_SHARE
 
-    controller = SpeculationController(max_nodes_per_seq=4, target_parallelism=64)
-    now, previous_plain, probes = 0.0, False, []
-    while now < 60.0:
-        if controller.nodes_per_sequence(8):
-            if previous_plain:
-                if controller.speculation_pays(8) is False:
-                    probes.append(now)
-                wait = 0.080 if len(probes) <= 1 or len(probes) % 3 == 0 else 0.008
-                controller.record_switch(8, wait)
-                seconds = 0.0063 + wait
-            else:
-                seconds = 0.0063 + 0.001
-                controller.record_step(8, True, 9, seconds, draft_wait=0.001)
-            previous_plain = False
-        else:
-            controller.record_step(8, False, 64, 8 * 0.0045)
-            now += 8 * 0.0045
-            previous_plain = True
-            continue
-        now += seconds
+    probes = _probes_of_losing_speculation(lambda count: 0.080 if count <= 1 or count % 3 == 0 else 0.008)
     gaps = np.diff(probes)
     assert len(probes) >= 6
     # (later, speculation that keeps losing is probed ever more rarely, as any solid verdict)
