@@ -18,8 +18,8 @@ Speculation that is not running must lead by `margin` to be turned on.
 - A speculative step right after plain steps waits for the proposer to catch up on their
   tokens (a draft worker feeds a plain window's tokens before it can draft): a cost of
   switching, not of speculating. That step is not judged; speculation is probed again at
-  the next step, which is, and the switch's extra wait spaces the probes so that they cost
-  at most `SWITCH_COST_SHARE` of the time between them (`record_switch`).
+  the next two steps, which are, and the switch's extra wait spaces the probes so that they
+  cost at most `SWITCH_COST_SHARE` of the time between them (`record_switch`).
 
 A batch whose caller waits for all of it (`DrainingBatch`) ends with its slowest sequence.
 There, speculation's pace is scaled by its reach, the share of it that reaches the
