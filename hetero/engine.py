@@ -113,7 +113,7 @@ class _StepPlan:
     nodes_per_seq: int = 0  # tree nodes granted per sequence (0: no speculation)
     unready: bool = False  # asked for trees, none came back because the proposer was not ready (`TokenTree.pending`): not judged
     draft_wait_s: float = 0.0  # the time the launch waited for the proposer's trees
-    switch: bool = False  # the first speculative step after steps without trees: the proposer caught up on their tokens
+    switch: bool = False  # the first speculative step after steps without trees: a drafting-ahead proposer caught up on their tokens
     num_steps: int = 1  # decode steps run ahead (1: a single step)
     rooms: list[int] = field(default_factory=list)  # the sequences' remaining lengths, for `cut_short`
     tokens_before: int = 0  # generated tokens before the step, to count what it emitted
@@ -335,7 +335,9 @@ class LLMEngine:
         elif plan.decode_only:
             self._unready_steps = 0
         if decoding:
-            plan.switch = plan.decode_only and bool(plan.nodes_per_seq) and not plan.unready and self._decoded_plainly
+            # A proposer that drafts ahead catches up on the tokens of steps without trees first.
+            plan.switch = (self.observer is not None and plan.decode_only and bool(plan.nodes_per_seq) and not plan.unready
+                           and self._decoded_plainly)
             self._decoded_plainly = not plan.nodes_per_seq
         if plan.switch:
             # Told now, not when recorded: under async scheduling the next step is decided before

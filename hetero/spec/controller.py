@@ -426,13 +426,16 @@ class SpeculationController:
             state.reprobing = False
 
     def record_switch(self, num_seqs: int, draft_wait: float) -> None:
-        """A speculative step right after steps without trees, not judged (see the module doc):
-        its wait beyond speculation's mean wait (``draft_wait`` less it) is the switch's cost,
-        which spaces speculation's probes (`_switch_spacing`). Where it was a probe against a
-        plain verdict, the next two steps speculate again and are judged: under async
-        scheduling a step is decided before the one before it is recorded, so a winning first
-        judged probe can only ask for the step after the second (`record_step`: look again at
-        once), which must not follow a plain window (another switch) for a chain of probes to form."""
+        """A speculative step right after steps without trees, at its launch, for a proposer
+        that drafts ahead and so catches up on their tokens first (the CPU draft worker): not
+        judged (see the module doc). Its wait beyond speculation's mean wait is the switch's
+        cost, which spaces speculation's probes (`_switch_spacing`).
+
+        Where it was a probe against a plain verdict, the next two steps speculate again and
+        are judged: under async scheduling a step is decided before the one before it is
+        recorded, so a winning first judged probe can only ask for the step after the second
+        (`record_step`: look again at once), which must not follow a plain window (another
+        switch) for a chain of probes to form."""
         state = self._state(num_seqs)
         state.switch_seconds.append(max(draft_wait - (state.spec.mean_wait() if state.spec.recent else 0.0), 0.0))
         if state.speculating is False:

@@ -589,6 +589,13 @@ class _SlowProposer(_IdleProposer):
         return [TokenTree.empty() for _ in batch]
 
 
+class _SlowDraftingAheadProposer(_SlowProposer):
+    """As `_SlowProposer`, told of steps without trees (`DraftsAhead`), as the CPU draft worker is."""
+
+    def observe(self, batch):
+        pass
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_a_draft_wait_counts_for_the_step_that_waited_for_it(tiny_llama_dir, async_scheduling):
     """Under async scheduling the next step is proposed (and waits for drafts) before this
@@ -600,7 +607,7 @@ def test_a_draft_wait_counts_for_the_step_that_waited_for_it(tiny_llama_dir, asy
     config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", num_scheduler_steps=4,
                           async_scheduling=async_scheduling)
     clock = SimpleNamespace(now=0.0)
-    engine = LLMEngine(config, proposer=_SlowProposer(clock))
+    engine = LLMEngine(config, proposer=_SlowDraftingAheadProposer(clock))
     engine.spec_control = spy = _AlternatingSpy()
     engine.clock = lambda: clock.now
     engine.add_request("r", "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
@@ -612,6 +619,24 @@ def test_a_draft_wait_counts_for_the_step_that_waited_for_it(tiny_llama_dir, asy
     assert all(seconds == waited == (0.040 if speculated else 0.0) for speculated, seconds, waited in recorded), recorded
     # Each speculative step after a plain one shows its wait as a switch's (`record_switch`).
     assert len(spy.switches) >= 3 and all(round(wait, 6) == 0.040 for _, wait in spy.switches), spy.switches
+
+
+def test_a_proposer_that_does_not_draft_ahead_makes_no_switches(tiny_llama_dir):
+    """A proposer with nothing to catch up on after plain steps (the lookahead cache): its
+    first speculative step after them is judged as any other."""
+    from hetero.core.config import EngineConfig
+    from hetero.engine import LLMEngine
+    from hetero.core.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", num_scheduler_steps=4)
+    clock = SimpleNamespace(now=0.0)
+    engine = LLMEngine(config, proposer=_SlowProposer(clock))
+    engine.spec_control = spy = _AlternatingSpy()
+    engine.clock = lambda: clock.now
+    engine.add_request("r", "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert spy.switches == [] and sum(speculated for _, speculated, _, _, _ in spy.records) >= 3
 
 
 def test_offline_generate_drains_its_batch_once_no_request_waits(tiny_llama_dir):
@@ -971,6 +996,9 @@ class _WarmingProposer(_IdleProposer):
     def __init__(self):
         self.asked = 0
 
+    def observe(self, batch):
+        pass
+
     def propose(self, batch):
         self.asked += 1
         return [TokenTree.pending() if self.asked <= 4 else TokenTree.empty() for _ in batch]
@@ -1284,6 +1312,9 @@ class _CatchUpAfterPlainStepsProposer(_RightOrWrongProposer):
         super().__init__(truth)
         self.clock, self.lengths, self.cold_answers = clock, {}, cold_answers
 
+    def observe(self, batch):
+        pass  # told of plain steps, as the worker is: it feeds their tokens at the next proposal
+
     def propose(self, batch):
         behind = any(len(r.token_ids) - self.lengths.get(r.request_id, len(r.token_ids)) > r.max_nodes + 1 for r in batch)
         self.lengths.update((r.request_id, len(r.token_ids)) for r in batch)
@@ -1329,3 +1360,4 @@ def test_speculation_whose_first_step_after_plain_steps_waits_for_a_catch_up_is_
     assert list(outputs.values())[0] == list(truth.values())[0]
     assert engine.spec_control.speculation_pays(1) is True
     assert engine.spec_stats.num_draft_tokens > 0.5 * 200
+
