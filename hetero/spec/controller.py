@@ -54,8 +54,7 @@ NOTHING_ACCEPTED_SEQUENCE_STEPS = 32
 SOLID_SEQUENCE_STEPS = 128
 
 # The share of the time between speculation's probes that their switching cost (the catch-up
-# wait of a step right after plain steps) may take: the issue's bound on what speculation that
-# cannot pay may cost.
+# wait of a step right after plain steps) may take: speculation that cannot pay may cost 1 %.
 SWITCH_COST_SHARE = 0.01
 
 
@@ -166,7 +165,7 @@ class _Bucket:
     reach_age: int = 0  # steps since the reach was projected
     reach_seqs: int = 0  # sequences it was projected for
     reprobes: int = 0  # steps that probe speculation again, the probe before not judged (`probe_not_judged`, `record_switch`)
-    reprobing: bool = False  # this step is that second probe
+    reprobing: bool = False  # this step is one of those probes
     switch_seconds: deque = field(default_factory=lambda: deque(maxlen=3))  # the last switches' costs (`record_switch`)
 
 
