@@ -454,10 +454,10 @@ class LLMEngine:
         finished = self.clock()
         tokens_per_seq = plan.nodes_per_seq + 1 if plan.nodes_per_seq else self.num_scheduler_steps
         emitted = self.num_generation_tokens_total - plan.tokens_before
-        if self.proposer is not None and plan.decode_only and not plan.unready and not cut_short(plan.rooms, tokens_per_seq):
+        if (self.proposer is not None and plan.decode_only and not plan.unready and not plan.switch
+                and not cut_short(plan.rooms, tokens_per_seq)):
             seconds = self._step_seconds(started, finished) + moved_wait_s
-            if not plan.switch:
-                self.spec_control.record_step(len(plan.scheduled), plan.nodes_per_seq > 0, emitted, seconds, plan.draft_wait_s)
+            self.spec_control.record_step(len(plan.scheduled), plan.nodes_per_seq > 0, emitted, seconds, plan.draft_wait_s)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step of %d sequences: %d trees, %d tokens, %.2f ms (%.2f ms waiting for drafts in all)",
                          len(plan.scheduled), sum(item.tree is not None for item in plan.scheduled), emitted,
