@@ -290,7 +290,7 @@ def median_speedups(rows: list[dict]) -> list[dict]:
         if (row["batch"], row["round"]) in plain:
             row["speedup_vs_plain"] = round(row["tokens_per_s"] / plain[row["batch"], row["round"]], 2)
             groups.setdefault((row["config"], row["batch"]), []).append(row["speedup_vs_plain"])
-    return [dict(config=config, batch=batch, rounds=len(values), median_speedup=statistics.median(values),
+    return [dict(config=config, batch=batch, rounds=len(values), median_speedup=round(statistics.median(values), 3),
                  lowest=min(values), highest=max(values)) for (config, batch), values in groups.items()]
 
 

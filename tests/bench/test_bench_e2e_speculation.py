@@ -47,3 +47,9 @@ def test_each_round_is_compared_with_plains_same_round_and_summarised_by_its_med
     assert [r.get("speedup_vs_plain") for r in rows] == [1.0, 1.0, 1.0, 1.5, 2.5, 1.2, None]  # batch 1 has no plain row
     assert medians == [dict(config="plain", batch=8, rounds=3, median_speedup=1.0, lowest=1.0, highest=1.0),
                        dict(config="cpu-draft", batch=8, rounds=3, median_speedup=1.5, lowest=1.2, highest=2.5)]
+
+
+def test_the_median_of_an_even_number_of_rounds_is_rounded_as_the_ratios_are():
+    rows = [dict(config="plain", batch=8, round=r, tokens_per_s=100.0) for r in range(4)]
+    rows += [dict(config="cpu-draft", batch=8, round=r, tokens_per_s=t) for r, t in enumerate([99.0, 134.0, 137.0, 102.0])]
+    assert median_speedups(rows)[1]["median_speedup"] == 1.18  # 1.02 and 1.34: not 1.1800000000000002
