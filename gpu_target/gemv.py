@@ -27,9 +27,11 @@ that they are. gpu_target/model.py picks them for one row where `streaming_appli
 The skinny GEMM does the same for tree verification: `skinny_gemm_rotary_and_store_kv`
 and `skinny_gemm_silu_and_mul` keep its programs, tile (`streaming_tile` of the whole
 matrix), bytes and K loop (`_skinny_rows`), and gather each program's BLOCK_N W rows as
-BLOCK_N/2 interleaved pairs (gate row j and up row I + j; dimension d and d + D/2 of one
-head, so BLOCK_N/2 must divide D/2: `rotary_fits`). The rounded [BLOCK_M, BLOCK_N]
-result then splits into the pairs' halves in registers. The model takes them wherever the
+BLOCK_N/2 pairs (gate row j and up row I + j; dimension d and d + D/2 of one head, so
+BLOCK_N/2 must divide D/2: `rotary_fits`), the pairs' first rows in the tile's first half
+and their partners in the second, as the fused GEMVs do (pairs interleaved row by row
+streamed slower: `bench.fused_epilogues`). The rounded [BLOCK_M, BLOCK_N] result then
+splits into its halves in registers. The model takes them wherever the
 plain path would call `skinny_gemm` for that projection (`skinny_wins`), and the separate
 kernels elsewhere.
 
@@ -603,7 +605,8 @@ def gemv_silu_and_mul(
 ) -> torch.Tensor:
     """[1, I] = `fused_ops.silu_and_mul(gemv(x, weight))`, bit for bit, in one kernel.
 
-    Program p streams gate rows p BLOCK_N/2 .. + BLOCK_N/2 and the matching up rows.
+    Program p streams gate rows p BLOCK_N/2 .. + BLOCK_N/2 in the first half of its tile and
+    the matching up rows in the second (see the module docstring).
     """
     N, K = weight.shape
     if x.shape != (1, K) or N % 2:
@@ -628,13 +631,13 @@ def _gemv_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cou
                               PREFETCH: tl.constexpr):
     PAIRS: tl.constexpr = BLOCK_N // 2
     lanes = tl.arange(0, BLOCK_N)
-    j = tl.program_id(0) * PAIRS + lanes // 2  # the output column each W row feeds
-    rows = j + (lanes % 2) * inter  # gate row j, up row I + j
+    j = tl.program_id(0) * PAIRS + lanes % PAIRS  # the output column each W row feeds
+    rows = j + (lanes // PAIRS) * inter  # the tile's first half gate rows j, its second the up rows I + j
     y, last = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, x_ptr, part_ptr, count_ptr, rows, j < inter, 2 * inter, K, K_SHARE,
                          stride_wn, stride_sn, False, W_FORMAT, HAS_ZEROS, GROUP, EVEN_K, SPLIT_K, BLOCK_N, BLOCK_K,
                          PREFETCH)
     if last:
-        gate, up = tl.split(tl.reshape(y, [PAIRS, 2]))
+        gate, up = tl.split(tl.permute(tl.reshape(y, [2, PAIRS]), [1, 0]))
         cols = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
         tl.store(out_ptr + cols, fused_ops._silu_mul(gate, up), mask=cols < inter)
 
@@ -751,12 +754,12 @@ def _gemv_rotary_kv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, q_out_ptr, k_ca
     d0 = (tl.program_id(0) % programs_per_head) * PAIRS
     head_dim = 2 * half
     lanes = tl.arange(0, BLOCK_N)
-    rows = head * head_dim + d0 + lanes // 2 + (lanes % 2) * half  # dim d0 + i, then its partner
+    rows = head * head_dim + d0 + lanes % PAIRS + (lanes // PAIRS) * half  # dims d0 + i, then their partners
     y, last = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, part_ptr, count_ptr, rows, lanes < BLOCK_N, N, K, K_SHARE,
                          stride_wn, stride_sn, HAS_BIAS, W_FORMAT, HAS_ZEROS, GROUP, EVEN_K, SPLIT_K, BLOCK_N, BLOCK_K,
                          PREFETCH)
     if last:
-        x1, x2 = tl.split(tl.reshape(y, [PAIRS, 2]))
+        x1, x2 = tl.split(tl.permute(tl.reshape(y, [2, PAIRS]), [1, 0]))
         dims = d0 + tl.arange(0, PAIRS)
         position = tl.load(positions_ptr).to(tl.int64)
         cos = tl.load(cos_ptr + position * stride_cos + dims).to(tl.float32)
@@ -1057,13 +1060,13 @@ def _skinny_silu_and_mul_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, c
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     lanes = tl.arange(0, BLOCK_N)
-    j = tl.program_id(0) * PAIRS + lanes // 2  # the output column each W row feeds
-    w_rows = j + (lanes % 2) * inter  # gate row j, up row I + j
+    j = tl.program_id(0) * PAIRS + lanes % PAIRS  # the output column each W row feeds
+    w_rows = j + (lanes // PAIRS) * inter  # the tile's first half gate rows j, its second the up rows I + j
     acc, last = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, w_rows, row_mask, j < inter, M, 2 * inter, K,
                              K_SHARE, stride_xm, stride_wn, stride_sn, W_FORMAT, HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K,
                              W_FIRST, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
     if last:
-        gate, up = tl.split(tl.reshape(acc.to(out_ptr.dtype.element_ty), [BLOCK_M, PAIRS, 2]))
+        gate, up = tl.split(tl.permute(tl.reshape(acc.to(out_ptr.dtype.element_ty), [BLOCK_M, 2, PAIRS]), [0, 2, 1]))
         cols = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
         out = out_ptr + rows[:, None] * stride_om + cols[None, :]
         tl.store(out, fused_ops._silu_mul(gate, up), mask=row_mask[:, None] & (cols < inter)[None, :])
@@ -1156,14 +1159,14 @@ def _skinny_rotary_kv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, q_out_ptr, k_
     rows = tl.arange(0, BLOCK_M)  # tokens
     row_mask = rows < M
     lanes = tl.arange(0, BLOCK_N)
-    w_rows = head * head_dim + d0 + lanes // 2 + (lanes % 2) * half  # dim d0 + i, then its partner
+    w_rows = head * head_dim + d0 + lanes % PAIRS + (lanes // PAIRS) * half  # dims d0 + i, then their partners
     acc, last = _skinny_rows(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, w_rows, row_mask, lanes < BLOCK_N, M, N, K,
                              K_SHARE, stride_xm, stride_wn, stride_sn, W_FORMAT, HAS_ZEROS, GROUP, DOT_IN_FP32, EVEN_K,
                              W_FIRST, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
     if last:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
-        x1, x2 = tl.split(tl.reshape(acc.to(x_ptr.dtype.element_ty), [BLOCK_M, PAIRS, 2]))
+        x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(x_ptr.dtype.element_ty), [BLOCK_M, 2, PAIRS]), [0, 2, 1]))
         dims = d0 + tl.arange(0, PAIRS)[None, :]
         mask = row_mask[:, None]
         # Each branch names its own pointers: Triton requires a name assigned in both branches of
