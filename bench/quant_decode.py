@@ -7,6 +7,7 @@ shape (`load_format="dummy"`, quantised as drawn) is timed on:
            (every projection's quantised bytes, the LM head, the B embedding rows and the
            KV cache) over the measured device copy bandwidth;
   verify   step ms of verifying a 16-node chain per sequence at batch 1 over a plain step;
+  profile  (with --profile) the kernel-time table of the batch-1 decode graph's replays;
   prefill  ms from adding one prompt of each `--prefill-lens` length to its first token, the
            prompt in one engine step (a fresh prompt each time: the prefix cache stays cold);
 `speedup_vs_none` divides each format's tokens/s (prefill: prompt tokens/s) by bf16's from the same run.
@@ -36,8 +37,8 @@ import torch
 
 from bench._machine import describe_machine
 from bench._report import section_tables, write_markdown_and_json
-from bench.gpu_decode import (LLAMA3_8B, LLAMA3_70B, ChainOracle, copy_bandwidth, graph_replay_ms, greedy, random_prompts,
-                              timed_decode, timed_steps)
+from bench.gpu_decode import (LLAMA3_8B, LLAMA3_70B, ChainOracle, copy_bandwidth, graph_replay_ms, greedy,
+                              profile_decode_step, random_prompts, timed_decode, timed_steps)
 from gpu_target.quantization.linear import QuantizedLinear
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
@@ -71,7 +72,8 @@ def weight_bytes_read(model, batch: int) -> int:
     return total
 
 
-def bench_decode(model_dir, quantization, batches, prompt_len, new_tokens, bandwidth, utilization, max_model_len, rows):
+def bench_decode(model_dir, quantization, batches, prompt_len, new_tokens, bandwidth, utilization, max_model_len, rows,
+                 profile=False):
     engine = engine_for(model_dir, quantization, max(batches), utilization, max_model_len)
     cfg = engine.model_config
     kv_tokens = (engine.kv_pool.num_blocks - 1) * engine.config.block_size
@@ -95,6 +97,8 @@ def bench_decode(model_dir, quantization, batches, prompt_len, new_tokens, bandw
                          fraction_of_roofline=round(steps_s * step_bytes / bandwidth, 3),
                          graph_fraction_of_roofline=round(step_bytes / bandwidth / (replay_ms / 1e3), 3) if replay_ms else ""))
         print(rows[-1], flush=True)
+        if profile and batch == 1:
+            rows.append(dict(section="profile", quantization=quantization or "none", text=profile_decode_step(engine)))
     del engine
 
 
@@ -159,6 +163,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="default: 0.55 for 8b (as bench.gpu_decode), 0.97 for 70b")
+    parser.add_argument("--profile", action="store_true", help="the batch-1 decode graph's kernel times, per format")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     formats = [None if q == "none" else q for q in args.quantization.split(",")]
@@ -174,7 +179,7 @@ def main(argv=None) -> None:
     for quantization in formats:
         if "decode" in sections:
             bench_decode(model_dir, quantization, batches, args.prompt_len, args.new_tokens, bandwidth, utilization,
-                         args.max_model_len, rows)
+                         args.max_model_len, rows, args.profile)
             gc.collect()
             torch.cuda.empty_cache()
         if "verify" in sections:
@@ -190,6 +195,9 @@ def main(argv=None) -> None:
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name(), python=platform.python_version())
     command = "python -m bench.quant_decode " + " ".join(sys.argv[1:] if argv is None else argv)
     body = section_tables(rows, ("machine", "memory", "decode", "verify", "prefill"))
+    for row in rows:
+        if row.get("section") == "profile":
+            body += [f"## profile ({row['quantization']}, batch-1 decode step)", "", "```", row["text"], "```", ""]
     stem = os.path.join(args.out, f"quant_decode-{args.shape}-{time.strftime('%Y%m%d-%H%M%S')}")
     print(write_markdown_and_json(stem, f"Quantised target decode ({args.shape}, {info['gpu']})", command, info, rows, body))
 
