@@ -515,16 +515,14 @@ def test_quantized_fused_gemvs_with_several_pairs_a_program_equal_gemv_then_the_
     _assert_fused_equal_unfused(fmt, 9, [29], [5], tile, gemv.gemv, gemv.gemv_silu_and_mul, gemv.gemv_rotary_and_store_kv)
 
 
-def test_rotary_fusion_above_one_row_only_where_the_tile_keeps_k_whole(monkeypatch):
-    """The fused qkv + rotary kernel keeps the plain kernel's tile; above one row a tile that
-    splits K takes the skinny GEMM and the rotary kernel apart instead (the fused one was
-    slower there), at one row the fused GEMV splits K as the plain one does."""
+def test_rotary_fusion_keeps_the_plain_kernels_tile_whether_it_splits_k_or_not(monkeypatch):
+    """The fused qkv + rotary kernel keeps the plain kernel's tile, K split or whole, at one
+    row and above, wherever a program's rotary pairs lie in one head."""
     weight = int4.quantize_int4(torch.randn(5 * 16, 256) / 16, 128)
     tiles = {1: dict(block_n=16, block_k=128, num_warps=1, num_stages=1, split_k=2),
              16: dict(block_n=16, block_k=128, num_warps=1, num_stages=1, w_first=True, split_k=2)}
     monkeypatch.setattr(gemv, "streaming_tile", lambda w, m, **over: dict(tiles[min(m, 16)], **over))
-    assert gemv.rotary_fits(1, weight, 16)
-    assert not gemv.rotary_fits(16, weight, 16)
+    assert gemv.rotary_fits(1, weight, 16) and gemv.rotary_fits(16, weight, 16)
     tiles[16]["split_k"] = 1
     assert gemv.rotary_fits(16, weight, 16)
     assert not gemv.rotary_fits(16, weight, 12)  # 8 pairs a program do not divide a head's 6
