@@ -2,7 +2,8 @@
 
 Grammars are compiled and matched by llguidance (the engine vLLM and SGLang use next to
 xgrammar): `grammar_of` turns vLLM's `StructuredOutputsParams` into an llguidance
-grammar, and each sequence gets a `SequenceGrammar` that tracks the tokens it has emitted.
+grammar (a JSON schema closed to the properties it lists: `closed_schema`), and each
+sequence gets a `SequenceGrammar` that tracks the tokens it has emitted.
 
 `SequenceGrammar.row_masks(tree)` gives the allowed tokens at every sampling row of a step:
 the row after the sequence's last token, and, under speculation, the row after each draft
@@ -14,7 +15,7 @@ constrained distribution whether or not anything was drafted.
 from __future__ import annotations
 
 import json
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import llguidance
 import llguidance.hf
@@ -31,6 +32,51 @@ from hetero.core.sampling_params import StructuredOutputsParams
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
+# Keywords whose values map names to subschemas; whose subschemas apply to the same object as
+# the schema holding them (closing one would forbid the properties the others list); whose
+# values are data, not schemas.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SAME_OBJECT = ("allOf", "if", "then", "else", "not", "dependentSchemas")
+_DATA = ("enum", "const", "default", "examples", "required")
+
+
+def closed_schema(schema: Any) -> Any:
+    """A copy of `schema` in which every object schema that lists its properties and says
+    nothing of others allows no others ("additionalProperties": false).
+
+    vLLM's default structured-output backend (xgrammar, in its default strict mode) generates
+    no property a schema does not list; JSON Schema itself allows them, and a small model
+    given the freedom invents keys (a tool call's arguments then name parameters the tool does
+    not have). A schema that sets additionalProperties keeps what it says. Subschemas that
+    apply to the same object as their parent (allOf, if / then / else, not,
+    dependentSchemas) are left open at their top.
+    """
+    return _close(schema, closable=True)
+
+
+def _close(node: Any, closable: bool) -> Any:
+    if isinstance(node, list):
+        return [_close(item, True) for item in node]
+    if not isinstance(node, dict):
+        return node
+    closed = {}
+    for key, value in node.items():
+        if key in _DATA:
+            closed[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: _close(sub, True) for name, sub in value.items()}
+        elif key == "dependentSchemas" and isinstance(value, dict):
+            closed[key] = {name: _close(sub, False) for name, sub in value.items()}
+        elif key in _SAME_OBJECT:
+            closed[key] = [_close(sub, False) for sub in value] if isinstance(value, list) else _close(value, False)
+        else:
+            closed[key] = _close(value, True)
+    lists_properties = "properties" in node or "patternProperties" in node
+    if closable and lists_properties and "additionalProperties" not in node and "unevaluatedProperties" not in node:
+        closed["additionalProperties"] = False
+    return closed
+
+
 def _lark_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
@@ -39,7 +85,7 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar for `spec`; ValueError (naming the field) when it does not compile."""
     try:
         if spec.json is not None:
-            schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+            schema = closed_schema(json.loads(spec.json) if isinstance(spec.json, str) else spec.json)
             grammar, field = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS), "json"
         elif spec.json_object:
             grammar, field = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS), "json_object"

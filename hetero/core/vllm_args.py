@@ -103,7 +103,8 @@ NEUTRAL_ARGS: tuple[NeutralArg, ...] = (
                "expert parallelism is not supported (hetero runs dense models: Llama, Mistral, Qwen2)", None),
     NeutralArg("guided_decoding_backend", _one_of("auto", "guidance", "xgrammar", "outlines"),
                "'auto', 'guidance', 'xgrammar' or 'outlines'", "structured outputs are enforced by llguidance (vLLM's "
-               "'guidance') whichever backend is named, as with the request field of that name: the constraint is the same"),
+               "'guidance') whichever backend is named, as with the request field of that name, JSON schemas closed to "
+               "the properties they list as vLLM's default backend (xgrammar) closes them"),
 )
 NEUTRAL_BY_NAME = {arg.name: arg for arg in NEUTRAL_ARGS}
 

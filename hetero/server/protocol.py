@@ -97,7 +97,7 @@ class StructuredOutputs(_Strict):
     json_object: Optional[bool] = None
     disable_any_whitespace: Optional[bool] = None  # no free whitespace is what this server does anyway
     disable_fallback: Optional[bool] = None
-    disable_additional_properties: Optional[bool] = None
+    disable_additional_properties: Optional[bool] = None  # what this server does anyway (`closed_schema`)
 
 
 class SamplingRequest(_Strict):

@@ -18,7 +18,7 @@ from hetero import LLM, SamplingParams, StructuredOutputsParams
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.core.protocols import ProposalRequest, Proposer, TokenTree
-from hetero.structured_output import GrammarCompiler, grammar_of
+from hetero.structured_output import GrammarCompiler, closed_schema, grammar_of
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def add(a, b):", "x"]
 SCHEMA = {
@@ -194,3 +194,46 @@ def test_logit_bias_moves_the_choice_and_stays_lossless_under_speculation(plain,
         SamplingParams(logit_bias={"x": 1})
     with pytest.raises(ValueError, match="logit_bias"):
         plain.generate("x", SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+
+
+def _allows_after(engine, compiler, schema: dict, text: str, next_text: str) -> bool:
+    """Whether the grammar of `schema`, after `text`, allows the first token of `next_text`."""
+    state = compiler.new_states(StructuredOutputsParams(json=schema), 1)[0]
+    for token in engine.tokenizer.encode(text):
+        state.accept(token)
+    return bool(state.row_masks(None, torch.device("cpu"))[0][engine.tokenizer.encode(next_text)[0]])
+
+
+def test_a_schema_that_lists_its_properties_gets_no_others_unless_it_allows_them(tiny_llama_dir):
+    """As vLLM's default backend (xgrammar, strict): after the listed properties the object
+    closes; a schema that says additionalProperties: true, or a nested object's, keeps them open."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_model_len=64, dtype="float32"))
+    compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids)
+    listed = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    assert _allows_after(engine, compiler, listed, '{"ok":true', "}")
+    assert not _allows_after(engine, compiler, listed, '{"ok":true', ",")
+    assert _allows_after(engine, compiler, dict(listed, additionalProperties=True), '{"ok":true', ",")
+    nested = {"type": "object", "properties": {"inner": listed}, "required": ["inner"], "additionalProperties": True}
+    assert not _allows_after(engine, compiler, nested, '{"inner":{"ok":true', ",")
+    assert _allows_after(engine, compiler, nested, '{"inner":{"ok":true}', ",")
+
+
+def test_closing_a_schema_leaves_data_same_object_subschemas_and_the_callers_schema_alone():
+    schema = {
+        "type": "object",
+        "properties": {"properties": {"type": "string"}, "tags": {"type": "array", "items": {"properties": {"x": {}}}}},
+        "allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}],
+        "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "number"}}}},
+        "enum": [{"properties": 1}],
+        "anyOf": [{"properties": {"c": {}}, "additionalProperties": {"type": "integer"}}],
+    }
+    original = json.loads(json.dumps(schema))
+    closed = closed_schema(schema)
+    assert schema == original  # a copy: the request's schema is not changed
+    assert closed["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]  # a property named "properties", not a schema
+    assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert all("additionalProperties" not in sub for sub in closed["allOf"])
+    assert closed["$defs"]["Point"]["additionalProperties"] is False
+    assert closed["enum"] == [{"properties": 1}]
+    assert closed["anyOf"][0]["additionalProperties"] == {"type": "integer"}
