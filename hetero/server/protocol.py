@@ -50,11 +50,14 @@ class ChatMessage(BaseModel):
         return content
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates read it: text parts joined, and earlier tool calls'
-        JSON `arguments` as objects (Qwen2.5's and Llama 3's templates serialise them), as vLLM does."""
+        """The message as chat templates read it: text parts joined, no content as "" (an
+        assistant turn that only called tools: templates read its content as a string), and
+        earlier tool calls' JSON `arguments` as objects (Qwen2.5's and Llama 3's templates
+        serialise them), as vLLM does."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part["text"] for part in self.content)
+        message.setdefault("content", "")
         for call in message.get("tool_calls") or ():
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict) and isinstance(function.get("arguments"), str):

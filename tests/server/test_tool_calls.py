@@ -174,3 +174,19 @@ def test_earlier_tool_calls_reach_the_template_with_object_arguments():
     message = ChatMessage(role="assistant", content=None, tool_calls=[call]).for_template()
     assert message["tool_calls"][0]["function"]["arguments"] == {"zone": "UTC"}
     assert call["function"]["arguments"] == '{"zone": "UTC"}'  # the request itself is left as it came
+
+
+# ChatML as SmolLM2's template writes it: the content joined with "+", which fails on a missing one.
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_turn_that_only_called_tools_goes_back_to_a_template_that_reads_its_content(tool_server):
+    """The OpenAI client sends an assistant turn that only called tools back with content null;
+    a template that concatenates message['content'] must still render it (as "")."""
+    _, client = tool_server
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    reply = client.chat.completions.create(model="tiny", messages=history, max_tokens=4, extra_body={"chat_template": CHATML})
+    assert reply.choices[0].message.content is not None
