@@ -21,11 +21,12 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hetero import __version__
-from hetero.async_engine import AsyncLLMEngine
+from hetero.async_engine import AsyncLLMEngine, RequestStream
+from hetero.core.sampling_params import SamplingParams
 from hetero.engine import LLMEngine
 from hetero.llm import render_chat_prompt
 from hetero.metrics import CONTENT_TYPE, ServerMetrics
-from hetero.server import serving
+from hetero.server import responses, serving
 from hetero.server.body_limit import BodySizeLimitMiddleware
 from hetero.server.errors import APIError, error_body, install_error_handlers
 from hetero.server.limits import PARSE_ON_LOOP_BYTES, RequestLimits, check_sampling, check_text_fits, parse_request
@@ -33,11 +34,12 @@ from hetero.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from hetero.server.request_prompts import chat_prompt, check_messages, completion_prompts
-from hetero.server.streams import chat_events, collect, completion_events, submit, until_disconnect
-from hetero.server.tool_parsers import TOOL_PARSERS, tool_calling
+from hetero.server.streams import chat_events, collect, completion_events, response_events, submit, until_disconnect
+from hetero.server.tool_parsers import TOOL_PARSERS, ToolCalling, tool_calling
 
 _CLIENT_CLOSED_REQUEST = 499
 BodyModel = TypeVar("BodyModel", bound=pydantic.BaseModel)
@@ -166,9 +168,8 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: R
         ]
         return {**serving.envelope(response_id, "text_completion", model), "choices": choices, "usage": serving.usage(finals)}
 
-    @router.post("/chat/completions")
-    async def chat_completions(raw: Request):
-        body = await parse_body(raw, ChatCompletionRequest)
+    async def start_chat(body: ChatCompletionRequest, id_prefix: str) -> _ChatRun:
+        """Check, template and submit a chat request (also a Responses request made one)."""
         model = serving.check_model(body.model, names)
         if body.modalities and body.modalities != ["text"]:
             raise APIError(400, f"modalities {body.modalities} are not supported: this server answers in text only", param="modalities")
@@ -181,12 +182,18 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: R
         prompt = await chat_prompt(
             async_engine, body, params, lambda: _render_chat(engine, body, settings.chat_template, tools.template_tools)
         )
-        response_id = async_engine.new_request_id("chatcmpl")
+        response_id = async_engine.new_request_id(id_prefix)
         streams = await submit(async_engine, response_id, [prompt], params, "messages")
+        return _ChatRun(model, tools, params, len(prompt["prompt_token_ids"]), response_id, streams)
+
+    @router.post("/chat/completions")
+    async def chat_completions(raw: Request):
+        body = await parse_body(raw, ChatCompletionRequest)
+        run = await start_chat(body, "chatcmpl")
+        model, tools, params, response_id, streams = run.model, run.tools, run.params, run.response_id, run.streams
         top = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
-            events = chat_events(streams, response_id, model, params, top, _usage_mode(body),
-                                  len(prompt["prompt_token_ids"]), tools)
+            events = chat_events(streams, response_id, model, params, top, _usage_mode(body), run.num_prompt_tokens, tools)
             return StreamingResponse(events, media_type="text/event-stream")
         finals = await until_disconnect(raw, collect(streams))
         if finals is None:
@@ -211,7 +218,32 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: R
             })
         return {**serving.envelope(response_id, "chat.completion", model), "choices": choices, "usage": serving.usage(finals)}
 
+    @router.post("/responses")
+    async def create_response(raw: Request):
+        body = await parse_body(raw, ResponsesRequest)
+        run = await start_chat(responses.chat_request(body), "resp")
+        if body.stream:
+            events = response_events(run.streams, run.response_id, run.model, body, run.params, run.tools)
+            return StreamingResponse(events, media_type="text/event-stream")
+        created_at = int(time.time())
+        finals = await until_disconnect(raw, collect(run.streams))
+        if finals is None:
+            return Response(status_code=_CLIENT_CLOSED_REQUEST)
+        return responses.finished_response(run.response_id, run.model, body, created_at, finals[0], run.tools)
+
     return router
+
+
+@dataclass
+class _ChatRun:
+    """A submitted chat request: what its reply is formatted with, and its output stream."""
+
+    model: str
+    tools: ToolCalling
+    params: SamplingParams
+    num_prompt_tokens: int
+    response_id: str
+    streams: list[RequestStream]
 
 
 def _require_tokenizer(engine: LLMEngine, what: str):

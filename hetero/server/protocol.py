@@ -276,3 +276,36 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: Optional[str] = None
     tokens: list[int]
+
+
+class TextConfig(_Strict):
+    format: Optional[dict[str, Any]] = None
+    verbosity: Optional[str] = None  # no verbosity control here: accepted, unused
+
+
+class ResponsesRequest(_Strict):
+    """The fields of OpenAI's response-create body this server reads; the ones that change
+    nothing here are accepted (`store`, `metadata`, `reasoning`, ...), unknown ones are a 400."""
+
+    model: Optional[str] = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stream: bool = False
+    text: Optional[TextConfig] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    previous_response_id: Optional[str] = None
+    store: Optional[bool] = None
+    background: Optional[bool] = None
+    include: Optional[list[str]] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+    reasoning: Optional[dict[str, Any]] = None
+    metadata: Optional[dict[str, Any]] = None
+    user: Optional[str] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None

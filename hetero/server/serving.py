@@ -194,8 +194,10 @@ def next_delta(progress: ChoiceProgress, completion: CompletionOutput, holdback:
     return ChoiceDelta(delta_text, new_tokens, new_logprobs, completion.finish_reason, completion.stop_reason)
 
 
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def sse(payload: dict[str, Any], event: Optional[str] = None) -> str:
+    """One server-sent event; with `event`, its type line (the Responses API's events have one)."""
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 # ------------------------------------------------------------------ responses

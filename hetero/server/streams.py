@@ -1,11 +1,13 @@
 """The engine calls behind the OpenAI endpoints: submitting a request's prompts all or none,
 collecting their outputs, giving up when the client disconnects, and the SSE bodies of
-/v1/completions and /v1/chat/completions (stop-string hold-back, usage, errors in-stream).
+/v1/completions, /v1/chat/completions (stop-string hold-back, usage, errors in-stream) and
+/v1/responses (the Responses API's typed events).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence, Union
 
 from fastapi import Request
@@ -13,8 +15,9 @@ from fastapi import Request
 from hetero.async_engine import AsyncLLMEngine, EngineDeadError, EngineShutdownError, RequestStream
 from hetero.core.sampling_params import SamplingParams
 from hetero.outputs import RequestOutput
-from hetero.server import serving
+from hetero.server import responses, serving
 from hetero.server.errors import APIError, error_body
+from hetero.server.protocol import ResponsesRequest
 from hetero.server.tool_parsers import ToolCalling, ToolCallStream
 
 
@@ -220,3 +223,72 @@ def chat_events(
         for index in range(params.n)
     ]
     return _sse_events(streams, head, params, usage_mode, num_prompt_tokens, build_choice, roles)
+
+
+async def response_events(streams: list[RequestStream], response_id: str, model: str, request: ResponsesRequest,
+                          params: SamplingParams, tools: ToolCalling) -> AsyncIterator[str]:
+    """The Responses API's SSE events for one reply: text deltas as they come (stop strings
+    held back as in chat), function calls once the reply is complete."""
+    created_at = int(time.time())
+    sequence = 0
+
+    def event(kind: str, **fields: Any) -> str:
+        nonlocal sequence
+        sequence += 1
+        return serving.sse({"type": kind, "sequence_number": sequence - 1, **fields}, event=kind)
+
+    opening = responses.response_object(response_id, model, request, created_at, "in_progress", [], None)
+    yield event("response.created", response=opening)
+    yield event("response.in_progress", response=opening)
+    holdback = serving.stop_holdback(params)
+    progress = serving.ChoiceProgress()
+    calls_stream = ToolCallStream(tools.extractor) if tools.extractor is not None else None
+    message_id, text, output = responses.item_id("msg"), "", []
+    final: Optional[RequestOutput] = None
+    try:
+        async for _, update in _merge(streams):
+            delta = serving.next_delta(progress, update.outputs[0], holdback)
+            if delta is not None:
+                finished = delta.finish_reason is not None
+                content, calls = calls_stream.feed(delta.text, finished) if calls_stream else (delta.text, [])
+                if content:
+                    if not text:
+                        yield event("response.output_item.added", output_index=0,
+                                    item={**responses.message_item(message_id, "", "in_progress"), "content": []})
+                        yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+                    text += content
+                    yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
+                                delta=content, logprobs=[])
+                if finished:
+                    status, reason = responses.ending(delta.finish_reason)
+                    item_status = "incomplete" if status == "incomplete" else "completed"
+                    if text:
+                        item = responses.message_item(message_id, text, item_status)
+                        yield event("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
+                                    text=text, logprobs=[])
+                        yield event("response.content_part.done", item_id=message_id, output_index=0, content_index=0,
+                                    part=item["content"][0])
+                        yield event("response.output_item.done", output_index=0, item=item)
+                        output.append(item)
+                    for call in calls:
+                        item = responses.function_call_item(call, item_status)
+                        index = len(output)
+                        yield event("response.output_item.added", output_index=index,
+                                    item={**item, "arguments": "", "status": "in_progress"})
+                        yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                    delta=call.arguments)
+                        yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                    arguments=call.arguments)
+                        yield event("response.output_item.done", output_index=index, item=item)
+                        output.append(item)
+            if update.finished:
+                final = update
+        if final is not None:
+            usage = responses.response_usage(len(final.prompt_token_ids), len(final.outputs[0].token_ids))
+            status, reason = responses.ending(final.outputs[0].finish_reason)
+            kind = "response.incomplete" if status == "incomplete" else "response.completed"
+            yield event(kind, response=responses.response_object(response_id, model, request, created_at, status, output, usage, reason))
+    except Exception as exc:  # noqa: BLE001 - headers are sent; the error goes in the stream
+        error = _stream_error(exc)["error"]
+        yield event("error", code=error.get("code"), message=error["message"], param=error.get("param"))
