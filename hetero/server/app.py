@@ -127,17 +127,19 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: R
     names = settings.served_model_names
     engine = async_engine.engine
 
+    def model_card(name: str, created: int) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "hetero",
+                "root": engine.config.model, "max_model_len": engine.max_model_len}
+
     @router.get("/models")
     async def models() -> dict[str, Any]:
         created = int(time.time())
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": created, "owned_by": "hetero",
-                 "root": engine.config.model, "max_model_len": engine.max_model_len}
-                for name in names
-            ],
-        }
+        return {"object": "list", "data": [model_card(name, created) for name in names]}
+
+    @router.get("/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        """One served model, as OpenAI's models.retrieve reads it (names may hold "/")."""
+        return model_card(serving.check_model(model, names), int(time.time()))
 
     @router.post("/completions")
     async def completions(raw: Request):

@@ -140,6 +140,12 @@ def test_models_tokenize_detokenize_version_health(server):
     assert httpx.get(server.base_url + "/health").status_code == 200
 
 
+def test_one_model_is_retrieved_as_openais_client_reads_it(server, client):
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("org/other-model")
+
+
 # ------------------------------------------------------------------- auth
 def test_api_key_is_enforced_on_v1_only(server):
     url = server.base_url + "/v1/completions"
