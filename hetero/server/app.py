@@ -223,7 +223,10 @@ def _v1_routes(async_engine: AsyncLLMEngine, settings: ServerSettings, limits: R
     @router.post("/responses")
     async def create_response(raw: Request):
         body = await parse_body(raw, ResponsesRequest)
-        run = await start_chat(responses.chat_request(body), "resp")
+        try:
+            run = await start_chat(responses.chat_request(body), "resp")
+        except APIError as exc:
+            raise responses.responses_error(exc) from exc
         if body.stream:
             events = response_events(run.streams, run.response_id, run.model, body, run.params, run.tools)
             return StreamingResponse(events, media_type="text/event-stream")

@@ -11,6 +11,7 @@ stored: `previous_response_id` is a 400 that says to send the conversation in `i
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from typing import Any, Optional
@@ -51,6 +52,19 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
     except pydantic.ValidationError as exc:
         raise validation_error(exc.errors()) from exc
+
+
+# Chat request fields and the Responses fields they came from, for errors the chat path raises.
+_RESPONSES_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+
+
+def responses_error(error: APIError) -> APIError:
+    """`error`, raised for the chat request a Responses request became, in the Responses request's names."""
+    message = error.message
+    for chat_name, name in _RESPONSES_NAMES.items():
+        if chat_name != "messages":  # also an ordinary word in error messages: only the param is renamed
+            message = message.replace(chat_name, name)
+    return dataclasses.replace(error, message=message, param=_RESPONSES_NAMES.get(error.param, error.param))
 
 
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:

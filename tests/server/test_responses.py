@@ -128,10 +128,12 @@ def test_input_items_become_chat_messages():
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "not supported"),
     ({"text": {"format": {"type": "xml"}}}, "text.format"),
     ({"input": []}, "no messages"),
+    ({"max_output_tokens": 0}, "max_output_tokens must be at least 1"),
 ])
-def test_what_the_server_cannot_do_is_a_400_that_says_so(client, fields, message):
-    with pytest.raises(openai.BadRequestError, match=message):
+def test_what_the_server_cannot_do_is_a_400_that_says_so_in_the_responses_names(client, fields, message):
+    with pytest.raises(openai.BadRequestError, match=message) as error:
         client.responses.create(**{"model": "tiny", "input": "x", **fields})
+    assert error.value.body.get("param") not in ("max_completion_tokens", "messages", "response_format")
 
 
 def test_a_misspelt_field_is_a_400_naming_it(client):
