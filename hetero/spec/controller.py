@@ -326,9 +326,13 @@ class SpeculationController:
         return not speculate
 
     def _space_probes(self, state: _Bucket, speculate: bool, current: int, draining: bool) -> None:
-        """Sets the loser's next probe spacing (`_probe_spacing`), never closer for speculation
-        than its switching cost allows (`_switch_spacing`)."""
+        """Sets the loser's next probe spacing (`_probe_spacing`) and the countdown to it (`_count_down`)."""
         state.interval = self._probe_spacing(state, speculate, current, draining)
+        self._count_down(state, speculate)
+
+    def _count_down(self, state: _Bucket, speculate: bool) -> None:
+        """Steps to the loser's next probe: its spacing, never closer for speculation than its
+        switching cost allows (`_switch_spacing`)."""
         state.countdown = max(state.interval, self._switch_spacing(state, speculate))
 
     def _probe_spacing(self, state: _Bucket, speculate: bool, current: int, draining: bool) -> int:
@@ -439,7 +443,7 @@ class SpeculationController:
         state.switch_seconds.append(max(draft_wait - (state.spec.mean_wait() if state.spec.recent else 0.0), 0.0))
         if state.speculating is False:
             state.reprobes, state.reprobing = 2, False
-            state.countdown = max(state.interval, self._switch_spacing(state, False))  # spaced by this switch too
+            self._count_down(state, False)  # spaced by this switch too
 
     def record_acceptance(self, num_nodes: Sequence[int], num_accepted: Sequence[int]) -> None:
         """One step's verified trees: each one's node count and accepted draft tokens."""
