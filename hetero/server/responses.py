@@ -134,7 +134,7 @@ def message_item(identifier: str, text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def function_call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
+def function_call_item(call: ToolCall, status: str) -> dict[str, Any]:
     return {"type": "function_call", "id": item_id("fc"), "call_id": call.id, "name": call.name,
             "arguments": call.arguments, "status": status}
 
@@ -162,18 +162,17 @@ def response_usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
 
 
 def ending(finish_reason: Optional[str]) -> tuple[str, Optional[str]]:
-    """(the response's status, why it is incomplete) for the choice's finish reason."""
+    """(the response's status, also its output items', and why it is incomplete) for the choice's finish reason."""
     return ("incomplete", "max_output_tokens") if finish_reason == "length" else ("completed", None)
 
 
-def output_items(text: str, tools: ToolCalling) -> list[dict[str, Any]]:
+def output_items(text: str, tools: ToolCalling, status: str) -> list[dict[str, Any]]:
     """A finished reply's output items: its function calls (and any text before them), or one message."""
-    status = "completed"
     if tools.extractor is not None:
         content, calls = tools.extractor.split(text)
         if calls:
             message = [message_item(item_id("msg"), content.strip(), status)] if content.strip() else []
-            return message + [function_call_item(call) for call in calls]
+            return message + [function_call_item(call, status) for call in calls]
     return [message_item(item_id("msg"), text, status)]
 
 
@@ -181,9 +180,6 @@ def finished_response(response_id: str, model: str, request: ResponsesRequest, c
                       final: RequestOutput, tools: ToolCalling) -> dict[str, Any]:
     completion = final.outputs[0]
     status, reason = ending(completion.finish_reason)
-    output = output_items(completion.text, tools)
-    if status == "incomplete":
-        for item in output:
-            item["status"] = "incomplete"
+    output = output_items(completion.text, tools, status)
     usage = response_usage(len(final.prompt_token_ids), len(completion.token_ids))
     return response_object(response_id, model, request, created_at, status, output, usage, reason)

@@ -245,6 +245,7 @@ async def response_events(streams: list[RequestStream], response_id: str, model:
     calls_stream = ToolCallStream(tools.extractor) if tools.extractor is not None else None
     message_id, text, output = responses.item_id("msg"), "", []
     final: Optional[RequestOutput] = None
+    status, reason = "completed", None
     try:
         async for _, update in _merge(streams):
             delta = serving.next_delta(progress, update.outputs[0], holdback)
@@ -262,9 +263,8 @@ async def response_events(streams: list[RequestStream], response_id: str, model:
                                 delta=content, logprobs=[])
                 if finished:
                     status, reason = responses.ending(delta.finish_reason)
-                    item_status = "incomplete" if status == "incomplete" else "completed"
                     if text:
-                        item = responses.message_item(message_id, text, item_status)
+                        item = responses.message_item(message_id, text, status)
                         yield event("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
                                     text=text, logprobs=[])
                         yield event("response.content_part.done", item_id=message_id, output_index=0, content_index=0,
@@ -272,7 +272,7 @@ async def response_events(streams: list[RequestStream], response_id: str, model:
                         yield event("response.output_item.done", output_index=0, item=item)
                         output.append(item)
                     for call in calls:
-                        item = responses.function_call_item(call, item_status)
+                        item = responses.function_call_item(call, status)
                         index = len(output)
                         yield event("response.output_item.added", output_index=index,
                                     item={**item, "arguments": "", "status": "in_progress"})
@@ -286,7 +286,6 @@ async def response_events(streams: list[RequestStream], response_id: str, model:
                 final = update
         if final is not None:
             usage = responses.response_usage(len(final.prompt_token_ids), len(final.outputs[0].token_ids))
-            status, reason = responses.ending(final.outputs[0].finish_reason)
             kind = "response.incomplete" if status == "incomplete" else "response.completed"
             yield event(kind, response=responses.response_object(response_id, model, request, created_at, status, output, usage, reason))
     except Exception as exc:  # noqa: BLE001 - headers are sent; the error goes in the stream
