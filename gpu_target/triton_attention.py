@@ -41,7 +41,7 @@ from gpu_target.attention import AttentionMetadata
 MAX_BLOCK_M = 128  # rows (tokens × heads of a group) per program
 MIN_DOT_DIM = 16  # tl.dot needs every dimension >= 16
 TARGET_PROGRAMS_PER_SM = 2
-MIN_TOKENS_PER_SPLIT = 128  # a split shorter than this costs more to merge than it saves
+MIN_TOKENS_PER_SPLIT = 512  # of the length bound a graph is planned for; shorter splits cost more to merge than they save
 MAX_SPLITS = 64
 
 

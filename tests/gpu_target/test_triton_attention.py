@@ -16,7 +16,13 @@ CUDA = torch.cuda.is_available()  # without CUDA, conftest.py runs Triton kernel
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from gpu_target.attention import AttentionMetadata, reference_attention  # noqa: E402
-from gpu_target.triton_attention import compile_variants, paged_attention, plan_launch, tile_shapes  # noqa: E402
+from gpu_target.triton_attention import (  # noqa: E402
+    MIN_TOKENS_PER_SPLIT,
+    compile_variants,
+    paged_attention,
+    plan_launch,
+    tile_shapes,
+)
 from hetero.core.protocols import TokenTree  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -190,10 +196,11 @@ def test_rejects_bad_shapes():
 
 
 def test_plan_fills_the_gpu_at_batch_one():
-    plan = plan_launch(1, 1, 32, 8, 128, 1, 4096, num_sms=132)
+    plan = plan_launch(1, 1, 32, 8, 128, 1, 32768, num_sms=132)
     assert plan.num_splits > 1 and plan.num_q_programs * 8 * plan.num_splits >= 132
+    assert plan_launch(1, 1, 32, 8, 128, 1, 4096, num_sms=132).num_splits == 4096 // MIN_TOKENS_PER_SPLIT
     assert plan_launch(64, 64, 32, 8, 128, 1, 4096, num_sms=132).num_splits == 1
-    assert plan_launch(1, 1, 32, 8, 128, 1, 100, num_sms=132).num_splits == 1  # too short to split
+    assert plan_launch(1, 1, 32, 8, 128, 1, 500, num_sms=132).num_splits == 1  # too short to split
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 8), (4, 2), (12, 12), (16, 1), (24, 8)])
