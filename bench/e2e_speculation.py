@@ -257,10 +257,12 @@ def main(argv=None) -> None:
 
 def timed_row(engine: LLMEngine, prompts: list[dict], new_tokens: int) -> dict:
     """One timed run's measurements: tokens/s, the speculative steps and their acceptance, the
-    draft wait, and for a CPU draft worker its hidden share, draft-ahead hits and late replies."""
+    draft wait, the steps whose proposals came back only pending (the proposer not ready: a draft
+    worker prefilling prompts), and for a CPU draft worker its hidden share, draft-ahead hits and
+    late replies."""
     batch = len(prompts)
     before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens, engine.spec_stats.num_draft_tokens,
-              engine.draft_wait_seconds, draft_worker_stats(engine.proposer))
+              engine.draft_wait_seconds, draft_worker_stats(engine.proposer), engine.num_unready_steps)
     elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
     steps = engine.spec_stats.num_steps - before[0]
     accepted = engine.spec_stats.num_accepted_tokens - before[1]
@@ -270,7 +272,7 @@ def timed_row(engine: LLMEngine, prompts: list[dict], new_tokens: int) -> dict:
     row = dict(tokens_per_s=round(tokens / elapsed, 1), spec_seq_steps=steps, draft_tokens=drafted,
                mean_accepted_length=round((accepted + steps) / steps, 2) if steps else "",
                wait_ms_per_spec_step=round(1e3 * waited / spec_steps, 2) if steps else "",
-               wait_share=round(waited / elapsed, 3))
+               wait_share=round(waited / elapsed, 3), unready_steps=engine.num_unready_steps - before[5])
     after = draft_worker_stats(engine.proposer)
     if after is not None:
         hidden, exposed = (after[n] - before[4][n] for n in ("hidden_s", "exposed_s"))

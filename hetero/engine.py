@@ -202,6 +202,7 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         self.num_trees_withheld = 0  # sequence-steps whose tree DraftBackoff withheld (drafts that kept missing)
         self.draft_wait_seconds = 0.0  # time the engine waited for the proposer's trees
+        self.num_unready_steps = 0  # steps whose proposal came back only pending (the proposer not ready yet)
         self._proposer_pending = False  # the last proposal had trees the proposer was not ready to draft
         self._unready_steps = 0  # single steps in a row that got only pending trees (then a plain window)
         self._decoded_plainly = False  # the last step with decoding sequences gave them no trees
@@ -324,6 +325,7 @@ class LLMEngine:
         plan.draft_wait_s = self.draft_wait_seconds - waited
         plan.unready = bool(plan.nodes_per_seq) and self._proposer_pending and all(item.tree is None for item in decoding)
         plan.tokens_before = self.num_generation_tokens_total
+        self.num_unready_steps += plan.unready
         if plan.decode_only and plan.unready:
             # No tree anywhere, the proposer still preparing them. Once: a single step (a draft
             # worker catching up after a plain window needs about one). Twice in a row (it is

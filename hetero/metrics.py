@@ -32,6 +32,7 @@ VLLM_PREFIX = "vllm:"
 # Our metric name -> vLLM's, where they differ; metrics absent from vLLM get no vllm: copy.
 _VLLM_NAMES = {"spec_decode_num_steps": "spec_decode_num_drafts"}
 _NOT_IN_VLLM = {"prefix_cache_hit_rate", "spec_decode_mean_acceptance_length", "spec_decode_draft_wait_seconds",
+                "spec_decode_unready_steps",
                 "cpu_draft_hidden_seconds", "cpu_draft_exposed_seconds", "cpu_draft_predraft_hits", "cpu_draft_predraft_misses",
                 "cpu_draft_worker_restarts", "cpu_draft_worker_faults", "cpu_draft_late_replies"}
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -62,6 +63,7 @@ class EngineSnapshot:
     spec_num_accepted_tokens: int = 0
     spec_mean_accepted_length: float = 0.0
     spec_draft_wait_seconds: float = 0.0  # the engine's time waiting for the proposer's trees
+    spec_unready_steps: int = 0  # steps whose proposal came back only pending (the proposer not ready yet)
     cpu_draft: Optional[dict] = None  # the CPU draft worker's counters (`draft_worker_stats`), when there is one
 
     @property
@@ -92,6 +94,7 @@ def snapshot_engine(engine: "LLMEngine") -> EngineSnapshot:
         spec_num_accepted_tokens=spec.num_accepted_tokens,
         spec_mean_accepted_length=spec.mean_accepted_length,
         spec_draft_wait_seconds=engine.draft_wait_seconds,
+        spec_unready_steps=engine.num_unready_steps,
         cpu_draft=draft_worker_stats(engine.proposer),
     )
 
@@ -161,6 +164,8 @@ class _SnapshotCollector:
             s.spec_mean_accepted_length,
         )
         yield self._counter("spec_decode_draft_wait_seconds", "Seconds the engine waited for draft trees.", s.spec_draft_wait_seconds)
+        yield self._counter("spec_decode_unready_steps", "Steps whose proposal came back without a tree because the "
+                            "proposer was not ready yet (a draft worker prefilling prompts).", s.spec_unready_steps)
         if s.cpu_draft is not None:
             yield from self._cpu_draft_families(s.cpu_draft)
 

@@ -389,6 +389,7 @@ def test_killed_worker_loses_no_request_and_is_restarted(tiny_llama_dir, plain_o
         assert samples["hetero:cpu_draft_exposed_seconds_total"] > 0
         assert samples["hetero:spec_decode_draft_wait_seconds_total"] == pytest.approx(engine.draft_wait_seconds)
         assert engine.draft_wait_seconds > 0
+        assert samples["hetero:spec_decode_unready_steps_total"] == engine.num_unready_steps
     finally:
         _close(llm)
 

@@ -1015,6 +1015,7 @@ def test_steps_without_a_tree_because_the_proposer_was_not_ready_are_not_judged(
     assert [(n, speculated, tokens) for n, speculated, tokens, _, _ in spy.records] == [(1, True, 1)] * 2
     assert [n for n, _ in spy.switches] == [1]
     assert spy.not_judged == [1] * 4  # and the controller hears of each pending one (a probe is taken again)
+    assert engine.num_unready_steps == 4  # counted (hetero:spec_decode_unready_steps)
 
 
 def _plain_verdict_at_batch_1() -> SpeculationController:
