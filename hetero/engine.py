@@ -325,7 +325,8 @@ class LLMEngine:
         plan.draft_wait_s = self.draft_wait_seconds - waited
         plan.unready = bool(plan.nodes_per_seq) and self._proposer_pending and all(item.tree is None for item in decoding)
         plan.tokens_before = self.num_generation_tokens_total
-        self.num_unready_steps += plan.unready
+        if plan.unready:
+            self.num_unready_steps += 1
         if plan.decode_only and plan.unready:
             # No tree anywhere, the proposer still preparing them. Once: a single step (a draft
             # worker catching up after a plain window needs about one). Twice in a row (it is
