@@ -48,7 +48,7 @@ from gpu_target.loader import load_config, load_tokenizer, random_state_dict
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.proposers import build_proposer, draft_worker_stats
-from hetero.core.protocols import DraftsAhead, Proposer, TokenTree
+from hetero.core.protocols import DraftsAhead, KnowsWhenReady, Proposer, TokenTree
 
 SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
 DRAFT = dict(LLAMA3_8B, hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
@@ -149,6 +149,9 @@ class TraceReplay(Proposer):
     def observe(self, batch):
         if isinstance(self.draft, DraftsAhead):
             self.draft.observe(batch)
+
+    def ready_in(self):
+        return self.draft.ready_in() if isinstance(self.draft, KnowsWhenReady) else 0.0
 
     def commit(self, verdicts):
         self.draft.commit(verdicts)

@@ -79,7 +79,9 @@ def max_update_tokens(slot_bytes: int, batch_size: int) -> int:
     return max(1, (slot_bytes - _ARRAY_TABLE_BYTES - per_entry_bytes * 2 * batch_size) // 8)
 
 
-def tree_arrays(trees: Sequence[TokenTree], stats: Sequence[float]) -> dict[str, np.ndarray]:
+def tree_arrays(trees: Sequence[TokenTree], stats: Sequence[float], ready_in_s: float = 0.0) -> dict[str, np.ndarray]:
+    """A TREES reply: the trees, the worker's cumulative stats (STAT_NAMES) and the seconds until
+    its pending trees should be ready (0: none pending, or no estimate yet)."""
     if trees:
         tokens = np.concatenate([t.tokens for t in trees])
         parents = np.concatenate([t.parents for t in trees])
@@ -92,6 +94,7 @@ def tree_arrays(trees: Sequence[TokenTree], stats: Sequence[float]) -> dict[str,
         "parents": parents.astype(np.int32, copy=False),
         "scores": scores.astype(np.float32, copy=False),
         "stats": np.asarray(stats, np.float64),
+        "ready_in_s": np.asarray([ready_in_s], np.float64),
     }
 
 

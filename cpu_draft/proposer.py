@@ -296,6 +296,7 @@ class WorkerDraftProposer(Proposer):
         self._outstanding: Optional[float] = None  # when the proposal whose reply is unread was sent
         self._replied: Optional[float] = None  # when the last reply came, while no SYNC went out since
         self._step_s: Optional[float] = None  # running mean of the time from a reply to the next proposal
+        self._ready_at: Optional[float] = None  # when the last reply's pending trees should be ready (its estimate)
         self._slot = _Slot(_WorkerProcess(options))
         self._finalizer = weakref.finalize(self, self._slot.stop)
         try:
@@ -405,10 +406,17 @@ class WorkerDraftProposer(Proposer):
             raise IPCError(f"expected TREES, got message kind {reply.kind}")
         trees = read_trees(reply.arrays)
         self._current = dict(zip(STAT_NAMES, reply.arrays["stats"].tolist()))
+        ready_in = float(reply.arrays["ready_in_s"][0])
+        self._ready_at = time.monotonic() + ready_in if ready_in > 0 else None
         worker.channel.release()
         self._outstanding = None
         self._replied = time.monotonic()
         return trees
+
+    def ready_in(self) -> float:
+        """Seconds until the trees the worker last answered pending should be ready: its estimate
+        (its backlog of prompt tokens over its prefill pace), counted from its reply; 0 once passed."""
+        return 0.0 if self._ready_at is None else max(0.0, self._ready_at - time.monotonic())
 
     def commit(self, verdicts: Sequence[Verdict]) -> None:
         """Nothing to send: the next ``propose`` carries the accepted tokens, and the worker rolls back to them."""
@@ -480,7 +488,7 @@ class WorkerDraftProposer(Proposer):
         self._slot.stop(graceful=False)
         self._sent.clear()
         self._released = []
-        self._outstanding = self._replied = None
+        self._outstanding = self._replied = self._ready_at = None
         if self._consecutive_failures > MAX_CONSECUTIVE_FAILURES:
             logger.error("draft worker failed %d times in a row; speculative decoding stays off", self._consecutive_failures)
             return

@@ -51,6 +51,12 @@ from ipc import Channel, Message, PeerDeadError
 
 logger = logging.getLogger("hetero.cpu_draft.worker")
 NEXT_MESSAGE_SPIN_S = 0.02  # between messages the worker spins this long before it sleeps: the next step's request is due soon
+DUE_MARGIN_S = 0.05  # how long past its estimate the worker still expects the held proposal (`_Loop.run`)
+MIN_PACE_TOKENS = 64  # prompt tokens a catch-up must prefill for its pace to count (`_observe_prefill`)
+# Shortest prompt backlog worth announcing (`DraftService.propose`): one the engine gains from holding
+# its proposals through (a large batch's prompts, the better part of a second); shorter ones (a few
+# prompts: a few windows) it rides out as before, at the cost of a single step or two.
+MIN_ANNOUNCED_BACKLOG_S = 0.25
 PLAIN_WINDOWS_DRAFTED = 2  # SYNCs in a row after which catch-up feeds tokens but drafts no trees (speculation is off)
 
 
@@ -110,6 +116,8 @@ class DraftService:
     unserved: set[int] = field(default_factory=set)  # stale sequences the last proposal answered without a tree (a prompt to prefill)
     fresh: set[int] = field(default_factory=set)  # new, or told of tokens by SYNC (steps without trees), since their last proposal
     depth: Optional[int] = None  # the depth `DraftCapacity.plan` chose at the last proposal (None: the budget's)
+    prefill_pace: Optional[float] = None  # prompt tokens a second its prefills ran at (`catch_up`), None until measured
+    ready_in_s: float = 0.0  # the last proposal's estimate of when its pending trees will be ready (`propose`)
 
     def apply_updates(self, arrays, plain: bool = False) -> bool:
         """Take a message's context updates and releases; ``plain``: a SYNC's, of steps decoded without trees.
@@ -176,12 +184,16 @@ class DraftService:
         stay stale: their trees are drafted at the next catch-up that drafts, or when asked."""
         if not self.overlap or not self.budget or pending() is not None:
             return
-        stale = sorted(self.stale)
+        # The sequences the last proposal answered without a tree first: the prompts of those it will draft for.
+        stale = sorted(self.stale, key=lambda seq_id: (seq_id not in self.unserved, seq_id))
         for seq_id in stale:
             self.drafter.set_context(seq_id, self.contexts[seq_id])
         # The new tokens in short forwards that a waiting message interrupts (a large batch's
         # tokens of a plain window would otherwise be one long forward the next proposal waits for).
-        if not stale or not self.drafter.prefill(stale, interrupt=lambda: pending() is not None) or not draft:
+        backlog, started = self._prompt_backlog(stale), time.perf_counter()
+        prefilled = bool(stale) and self.drafter.prefill(stale, interrupt=lambda: pending() is not None)
+        self._observe_prefill(backlog - self._prompt_backlog(stale), time.perf_counter() - started)
+        if not prefilled or not draft:
             return
         # A sequence answered without a tree is decoding its next token on the GPU now: draft from the guess of it.
         guessed = set(self.drafter.assume_accepted([s for s in stale if s in self.unserved]))
@@ -194,6 +206,17 @@ class DraftService:
             self.predrafted[seq_id] = _Predrafted(list(context), max_nodes, tree)
         self.stale.clear()
         self.unserved.clear()
+
+    def _prompt_backlog(self, seq_ids) -> int:
+        """Prompt tokens whose K/V the sequences still need (feeds longer than a catch-up's)."""
+        return sum(uncached for uncached in map(self.drafter.uncached, seq_ids) if uncached > SHORT_FEED_TOKENS)
+
+    def _observe_prefill(self, tokens: int, seconds: float) -> None:
+        """One catch-up's prompt tokens and time: the pace `propose` estimates readiness from."""
+        if tokens < MIN_PACE_TOKENS or seconds <= 0:
+            return
+        pace = tokens / seconds
+        self.prefill_pace = pace if self.prefill_pace is None else 0.5 * (self.prefill_pace + pace)
 
     def propose(self, batch: list[tuple[int, int]]) -> list[TokenTree]:
         """Trees for (seq_id, max_nodes): drafted ahead where the guess held; none for sequences
@@ -242,6 +265,11 @@ class DraftService:
             chain = self.drafter.last_chain(seq_id)
             if len(tree) and chain:
                 self.offered[seq_id] = (len(self.contexts[seq_id]), list(chain))
+        # Prompts still to prefill keep their trees pending for a while: the engine may hold its next
+        # proposal that long (`WorkerDraftProposer.ready_in`) rather than ask after every plain window.
+        prompts = self._prompt_backlog(not_ready)
+        backlog_s = prompts / self.prefill_pace if prompts and self.prefill_pace else 0.0
+        self.ready_in_s = backlog_s if backlog_s >= MIN_ANNOUNCED_BACKLOG_S else 0.0
         # A prompt still prefilling, or a sequence new or back from plain steps whose catch-up
         # the proposal cut short, is pending (the engine does not judge speculation by it); a miss
         # left for later is an empty tree: its step is what speculation costs here.
@@ -315,6 +343,7 @@ class _Loop:
     def run(self) -> None:
         answered: Optional[float] = None  # when the last proposal was answered (time.monotonic), while no SYNC came since
         syncs = 0  # SYNCs since the last proposal: plain windows in a row
+        due = 0.0  # (time.monotonic) when the engine, told its trees were pending that long, will ask again
         timeline = logger.isEnabledFor(logging.DEBUG)
         while True:
             message, arrived = self.next_message()
@@ -329,9 +358,11 @@ class _Loop:
             if message.kind == SYNC:
                 answered, syncs = None, syncs + 1
                 # After a plain window or two (a controller's comparison, prompts prefilling) the
-                # next proposal is due: draft for it. Past that speculation is off, and its trees
-                # would only contend for the host's cores and memory with the engine: feed the tokens only.
-                self.service.catch_up(self.pending, draft=syncs <= PLAIN_WINDOWS_DRAFTED)
+                # next proposal is due: draft for it; so too until the time the last reply said its
+                # pending trees would be ready (the engine holds its next proposal till then). Past
+                # that speculation is off, and its trees would only contend for the host's cores
+                # and memory with the engine: feed the tokens only.
+                self.service.catch_up(self.pending, draft=syncs <= PLAIN_WINDOWS_DRAFTED or started <= due)
                 stats.hidden_s += time.monotonic() - started
                 if timeline:
                     logger.debug("SYNC queued %.2f ms, caught up in %.2f ms", 1e3 * (started - arrived), 1e3 * (time.monotonic() - started))
@@ -347,8 +378,9 @@ class _Loop:
             syncs = 0
             trees = self.service.propose(batch)
             stats.exposed_s += time.monotonic() - started
-            self.channel.send(TREES, tree_arrays(trees, stats.as_list()))
+            self.channel.send(TREES, tree_arrays(trees, stats.as_list(), self.service.ready_in_s))
             replied = time.monotonic()
+            due = replied + self.service.ready_in_s + DUE_MARGIN_S if self.service.ready_in_s else 0.0
             self.service.draft_ahead(batch, self.pending)
             self.service.catch_up(self.pending)
             stats.hidden_s += time.monotonic() - replied

@@ -40,7 +40,15 @@ from gpu_target.target import CacheShape, TargetSpec, build_runner, load_model, 
 from gpu_target.tensor_parallel import SINGLE, local_config
 from gpu_target.tp_worker import DrivingRunner, start_ranks
 from hetero.core.config import EngineConfig
-from hetero.core.protocols import DEFAULT_TARGET_PARALLELISM, MAX_TREE_NODES, DraftsAhead, ProposalRequest, Proposer, SpecStats
+from hetero.core.protocols import (
+    DEFAULT_TARGET_PARALLELISM,
+    MAX_TREE_NODES,
+    DraftsAhead,
+    KnowsWhenReady,
+    ProposalRequest,
+    Proposer,
+    SpecStats,
+)
 from hetero.core.sampling_params import SamplingParams, generation_config_overrides
 from hetero.input_layout import ChunkRows, SampleRow, build_chunks, row_offsets
 from hetero.input_processor import InputProcessor
@@ -175,6 +183,8 @@ class LLMEngine:
         self.proposer = proposer if proposer is not None else build_proposer(config, self.model_config, self.tokenizer)
         # Told of the tokens of steps without trees, so that it drafts the next tree meanwhile.
         self.observer = self.proposer if isinstance(self.proposer, DraftsAhead) else None
+        # Says how long its pending trees stay pending (`_propose`: not asked again before then).
+        self.readiness = self.proposer if isinstance(self.proposer, KnowsWhenReady) else None
         max_tree_nodes = min(config.num_speculative_tokens or _DEFAULT_TREE_NODES, MAX_TREE_NODES)
         self.num_scheduler_steps = config.resolve_scheduler_steps(self.device)
         target_parallelism = self.proposer.target_parallelism if self.proposer is not None else DEFAULT_TARGET_PARALLELISM
@@ -205,6 +215,7 @@ class LLMEngine:
         self.num_unready_steps = 0  # steps whose proposal came back only pending (the proposer not ready yet)
         self._proposer_pending = False  # the last proposal had trees the proposer was not ready to draft
         self._unready_steps = 0  # single steps in a row that got only pending trees (then a plain window)
+        self._proposals_held_until = 0.0  # (self.clock()) no proposal before then: the proposer said it is not ready
         self._decoded_plainly = False  # the last step with decoding sequences gave them no trees
         self.clock = time.perf_counter  # step timing for the controller (tests replace it)
         self.async_scheduling = config.async_scheduling
@@ -330,9 +341,12 @@ class LLMEngine:
         if plan.decode_only and plan.unready:
             # No tree anywhere, the proposer still preparing them. Once: a single step (a draft
             # worker catching up after a plain window needs about one). Twice in a row (it is
-            # prefilling prompts): a plain window, which beats single steps and leaves it uninterrupted.
+            # prefilling prompts): a plain window, which beats single steps and leaves it
+            # uninterrupted, and no proposal until it expects to be ready (`KnowsWhenReady`).
             if self._unready_steps:
                 plan.nodes_per_seq, plan.trees = 0, None
+                if self.readiness is not None:
+                    self._proposals_held_until = self.clock() + self.readiness.ready_in()
             self._unready_steps = 0 if self._unready_steps else 1
             self.spec_control.probe_not_judged(len(decoding))
         elif plan.decode_only:
@@ -500,13 +514,17 @@ class LLMEngine:
         speculative even when every tree comes back empty: proposing is part of what
         speculation costs; but one that got no tree while some were `TokenTree.pending` (the
         proposer not ready yet, ``_proposer_pending``, then `_StepPlan.unready`) says nothing
-        about speculation's pace, and the controller does not judge it.
+        about speculation's pace, and the controller does not judge it. Once it has answered
+        only pending trees twice in a row, a proposer that says how long they stay pending
+        (`KnowsWhenReady`: a draft worker prefilling a batch's prompts) is not asked before
+        then (`_propose`): each proposal it could only answer pending would cost a wait and a
+        single step in place of a multi-step window.
         """
         self._proposer_pending = False
         if self.proposer is None:
             return 0, None
         per_seq = self.spec_control.nodes_per_sequence(len(decoding), explore=measured, draining=self._draining_batch(decoding))
-        if per_seq == 0:
+        if per_seq == 0 or self.clock() < self._proposals_held_until:
             return 0, None
         gated = not self.spec_control.always_speculate
         requests = []

@@ -233,3 +233,12 @@ class DraftsAhead(Protocol):
 
     def observe(self, batch: Sequence[ProposalRequest]) -> None:
         """The sequences' tokens after a step that verified no tree (prefill, plain decoding); never waits."""
+
+
+@runtime_checkable
+class KnowsWhenReady(Protocol):
+    """A proposer that can say how long its pending trees (`TokenTree.pending`) will stay pending
+    (the CPU draft worker, prefilling prompts): the engine does not ask it again before then."""
+
+    def ready_in(self) -> float:
+        """Seconds until the trees it last answered pending should be ready; 0 when none are, or past."""

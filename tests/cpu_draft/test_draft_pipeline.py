@@ -14,6 +14,7 @@ from cpu_draft.drafter import DraftModelOptions, Drafter
 from types import SimpleNamespace
 
 from cpu_draft.messages import PROPOSE, SHUTDOWN, SYNC, TREES, ContextUpdate, read_trees, tree_arrays, update_arrays
+from cpu_draft import worker as worker_module
 from cpu_draft.worker import PLAIN_WINDOWS_DRAFTED, DraftService, _Loop
 from hetero import LLM, SamplingParams
 from tiny_models import PROMPTS
@@ -74,6 +75,42 @@ def test_a_catch_up_without_drafting_feeds_the_tokens_and_leaves_the_tree_for_la
     assert service.drafter.uncached(1) <= 1  # the context's KV is there, all but the root
     service.catch_up(lambda: None)
     assert service.predrafted[1].context == PROMPT and not service.stale
+
+
+LONG_PROMPT = list(range(40, 140))  # 100 tokens: a catch-up that prefills one measures the prefill pace
+
+
+def test_a_proposal_pending_on_prompts_estimates_when_their_trees_will_be_ready(tiny_llama_dir, monkeypatch):
+    """The estimate is announced only when it spans long enough for a hold to pay (the tiny
+    model prefills in milliseconds: the threshold is lowered, then raised above its estimate)."""
+    monkeypatch.setattr(worker_module, "MIN_ANNOUNCED_BACKLOG_S", 0.0)
+    service = _service(tiny_llama_dir)
+    _sync(service, 1, 0, LONG_PROMPT)
+    service.propose([(1, 4)])
+    assert service.ready_in_s == 0.0  # no prefill measured yet: no estimate
+    service.catch_up(lambda: None)
+    assert service.prefill_pace > 0
+    service.apply_updates(update_arrays([ContextUpdate(2, 0, LONG_PROMPT[::-1]), ContextUpdate(3, 0, LONG_PROMPT[1:])]))
+    trees = service.propose([(2, 4), (3, 4)])
+    assert [t.ready for t in trees] == [False, False]
+    estimate = (100 + 99) / service.prefill_pace
+    assert service.ready_in_s == pytest.approx(estimate)
+    monkeypatch.setattr(worker_module, "MIN_ANNOUNCED_BACKLOG_S", 2 * estimate)
+    assert not any(t.ready for t in service.propose([(2, 4), (3, 4)]))
+    assert service.ready_in_s == 0.0  # a short backlog: ridden out, not announced
+    service.catch_up(lambda: None)
+    assert all(t.ready for t in service.propose([(2, 4), (3, 4)])) and service.ready_in_s == 0.0
+
+
+def test_the_catch_up_prefills_the_prompts_a_proposal_left_pending_first(tiny_llama_dir):
+    """At a large batch the worker drafts for a few sequences: their prompts come before the others'."""
+    service = _service(tiny_llama_dir)
+    service.apply_updates(update_arrays([ContextUpdate(1, 0, LONG_PROMPT), ContextUpdate(2, 0, LONG_PROMPT[::-1])]))
+    service.propose([(2, 4)])  # sequence 1 is not asked for this step
+    message = SimpleNamespace(kind=SYNC, arrays=update_arrays([]))
+    polls = iter([None] * 3)  # the catch-up's first check and two forwards, then a message waits
+    service.catch_up(lambda: next(polls, message))
+    assert service.drafter.uncached(2) < len(LONG_PROMPT) == service.drafter.uncached(1)
 
 
 class _ScriptedChannel:

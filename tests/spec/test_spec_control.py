@@ -1018,6 +1018,54 @@ def test_steps_without_a_tree_because_the_proposer_was_not_ready_are_not_judged(
     assert engine.num_unready_steps == 4  # counted (hetero:spec_decode_unready_steps)
 
 
+class _PrefillingProposer(_WarmingProposer):
+    """Pending for another second (`KnowsWhenReady`: a draft worker prefilling a batch's
+    prompts) until the test sets ``ready``."""
+
+    def __init__(self):
+        super().__init__()
+        self.told = 0
+        self.ready = False
+
+    def observe(self, batch):
+        self.told += 1
+
+    def ready_in(self):
+        return 0.0 if self.ready else 1.0
+
+    def propose(self, batch):
+        self.asked += 1
+        return [TokenTree.empty() if self.ready else TokenTree.pending() for _ in batch]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_proposer_that_says_when_it_will_be_ready_is_not_asked_before_then(tiny_llama_dir, async_scheduling):
+    """Without the estimate a worker prefilling prompts is asked at every other step, each time
+    a wait for nothing and a single step in place of a window (a loss at batch 64); with it,
+    after the second pending answer in a row, not until it expects to be ready."""
+    from hetero.core.config import EngineConfig
+    from hetero.engine import LLMEngine
+    from hetero.core.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", async_scheduling=async_scheduling,
+                          num_scheduler_steps=4)
+    proposer = _PrefillingProposer()
+    engine = LLMEngine(config, proposer=proposer)
+    engine.spec_control = _SpeculatingSpy()
+    now = [0.0]
+    engine.clock = lambda: now[0]  # time stands still until the test moves it
+    engine.add_request("r", "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    for _ in range(6):
+        engine.step()  # the prefill, a single step and a window answered pending, then plain windows
+    assert proposer.asked == 2
+    assert engine.num_generation_tokens_total >= 2 + 4 * 3 and proposer.told >= 4  # windows, the proposer told of each
+    now[0] += 1.5  # past the estimate
+    proposer.ready = True
+    engine.step()
+    engine.step()
+    assert proposer.asked > 2  # asked again once its estimate has passed
+
+
 def _plain_verdict_at_batch_1() -> SpeculationController:
     """A controller that measured speculation slower than plain decoding at batch 1."""
     controller = SpeculationController(max_nodes_per_seq=4, target_parallelism=64)
