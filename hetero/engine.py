@@ -345,8 +345,10 @@ class LLMEngine:
             # uninterrupted, and no proposal until it expects to be ready (`KnowsWhenReady`).
             if self._unready_steps:
                 plan.nodes_per_seq, plan.trees = 0, None
-                if self.readiness is not None:
-                    self._proposals_held_until = self.clock() + self.readiness.ready_in()
+                held = self.readiness.ready_in() if self.readiness is not None else 0.0
+                if held:
+                    self._proposals_held_until = self.clock() + held
+                    logger.debug("no proposal for %.0f ms: the proposer expects its pending trees ready then", 1e3 * held)
             self._unready_steps = 0 if self._unready_steps else 1
             self.spec_control.probe_not_judged(len(decoding))
         elif plan.decode_only:
