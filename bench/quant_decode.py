@@ -7,7 +7,7 @@ shape (`load_format="dummy"`, quantised as drawn) is timed on:
            (every projection's quantised bytes, the LM head, the B embedding rows and the
            KV cache) over the measured device copy bandwidth;
   verify   step ms of verifying a 16-node chain per sequence at batch 1 over a plain step;
-  profile  (with --profile) the kernel-time table of the batch-1 decode graph's replays;
+  profile  (with --profile) the kernel-time table of each batch's decode graph's replays;
   prefill  ms from adding one prompt of each `--prefill-lens` length to its first token, the
            prompt in one engine step (a fresh prompt each time: the prefix cache stays cold);
 `speedup_vs_none` divides each format's tokens/s (prefill: prompt tokens/s) by bf16's from the same run.
@@ -97,8 +97,9 @@ def bench_decode(model_dir, quantization, batches, prompt_len, new_tokens, bandw
                          fraction_of_roofline=round(steps_s * step_bytes / bandwidth, 3),
                          graph_fraction_of_roofline=round(step_bytes / bandwidth / (replay_ms / 1e3), 3) if replay_ms else ""))
         print(rows[-1], flush=True)
-        if profile and batch == 1:
-            rows.append(dict(section="profile", quantization=quantization or "none", text=profile_decode_step(engine)))
+        if profile and replay_ms:  # (a graph to replay)
+            rows.append(dict(section="profile", quantization=quantization or "none", batch=batch,
+                             text=profile_decode_step(engine, batch)))
     del engine
 
 
@@ -163,7 +164,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="default: 0.55 for 8b (as bench.gpu_decode), 0.97 for 70b")
-    parser.add_argument("--profile", action="store_true", help="the batch-1 decode graph's kernel times, per format")
+    parser.add_argument("--profile", action="store_true", help="each batch's decode graph's kernel times, per format")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     formats = [None if q == "none" else q for q in args.quantization.split(",")]
@@ -197,7 +198,7 @@ def main(argv=None) -> None:
     body = section_tables(rows, ("machine", "memory", "decode", "verify", "prefill"))
     for row in rows:
         if row.get("section") == "profile":
-            body += [f"## profile ({row['quantization']}, batch-1 decode step)", "", "```", row["text"], "```", ""]
+            body += [f"## profile ({row['quantization']}, batch-{row['batch']} decode step)", "", "```", row["text"], "```", ""]
     stem = os.path.join(args.out, f"quant_decode-{args.shape}-{time.strftime('%Y%m%d-%H%M%S')}")
     print(write_markdown_and_json(stem, f"Quantised target decode ({args.shape}, {info['gpu']})", command, info, rows, body))
 
