@@ -22,6 +22,9 @@ shape and format at M = 1 (GEMV) and M = 17 (skinny, BLOCK_M 32) (``--sweep gemv
 and with ``--write-tiles`` writes the fastest into the table as well (BLOCK_M 16 and 64 take
 the M = 17 winner's tile, with the heuristic's pipeline depth at 64). ``--formats fp8``
 times one format; ``--shapes 8b,70b`` adds Llama-3-70B's projections.
+For int4 it also times torch's own 4-bit kernel, `aten._weight_int4pack_mm` (gpt-fast's
+"tinygemm", the maintained alternative in PyTorch), on the same codes, scales and zero points
+(``tinygemm_us``: its fastest of inner_k_tiles 2, 4 and 8) where the CUDA build has it.
 ``--layer`` also times one FP8 decoder layer's W8A8 sequence (rotary and attention left out:
 the same either way) at each row count of 2..64, fused (RMSNorm and SiLU-and-mul emit the FP8
 rows, gpu_target/fp8_activations.py; o_proj's quantised apart) against unfused (every
@@ -47,7 +50,8 @@ from bench._report import markdown_table, write_markdown_and_json
 from bench.gemv import SHAPES, SKINNY_SWEEP_ROWS, fastest, skinny_tile_fits, tile_label, time_per_call_us
 from gpu_target import fp8_activations, fp8_gemm, fused_ops, gemv_tiles
 from gpu_target.gemv import MAX_STREAMING_ROWS, gemv, linear, skinny_block_m, skinny_gemm, streaming_tile
-from gpu_target.quantization import quantize
+from gpu_target.quantization import int4, quantize
+from gpu_target.quantization.int4 import Int4Weight
 from gpu_target.quantization.linear import QuantizedLinear, w8a8_path
 
 try:
@@ -125,6 +129,38 @@ def fused_quantisation_us(name: str, x: torch.Tensor) -> float | None:
     return None
 
 
+TINYGEMM_INNER_K_TILES = (2, 4, 8)
+
+
+def tinygemm_weight(weight: Int4Weight, inner_k_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same 4-bit weight in `aten._weight_int4pack_mm`'s form: codes packed two a byte (even
+    k in the high nibble), and per (group, row) a bf16 scale and offset, w = (q - 8) s + offset,
+    so offset = (8 - z) s for hetero's integer zero point z."""
+    codes = weight.codes().int()
+    packed = torch.ops.aten._convert_weight_to_int4pack(((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8),
+                                                        inner_k_tiles)
+    scales = weight.scales.float()
+    zeros = int4.SYMMETRIC_ZERO if weight.zeros is None else weight.zeros.float()
+    scales_and_zeros = torch.stack([scales, (int4.SYMMETRIC_ZERO - zeros) * scales], dim=-1).transpose(0, 1)
+    return packed, scales_and_zeros.contiguous().to(torch.bfloat16)
+
+
+def tinygemm_side_by_side(x: torch.Tensor, weights: list[Int4Weight], expected: torch.Tensor) -> dict:
+    """torch's 4-bit kernel on the weight copies: its fastest inner_k_tiles and its largest error
+    relative to ``expected`` (as max_rel_err); nothing where this build lacks it."""
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm") or weights[0].group_size not in (32, 64, 128, 256):
+        return {}
+    group = weights[0].group_size
+    times, errors = [], []
+    for tiles in TINYGEMM_INNER_K_TILES:
+        packs = [tinygemm_weight(w, tiles) for w in weights]
+        got = torch.ops.aten._weight_int4pack_mm(x, packs[0][0], group, packs[0][1]).float()
+        errors.append(((got - expected).abs().max() / expected.abs().max()).item())
+        times.append(time_per_call_us(lambda i: torch.ops.aten._weight_int4pack_mm(x, packs[i][0], group, packs[i][1]),
+                                      len(packs)))
+    return dict(tinygemm_us=round(min(times), 2), tinygemm_rel_err=f"{max(errors):.1e}")
+
+
 def bench_shape(name: str, n: int, k: int, row_counts: list[int], formats: list[str], sweep: str, rows: list[dict],
                 best: list[dict]) -> None:
     source = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -150,6 +186,8 @@ def bench_shape(name: str, n: int, k: int, row_counts: list[int], formats: list[
                        max_rel_err=f"{error.item():.1e}")
             if fmt == "fp8" and 1 < m <= MAX_STREAMING_ROWS:
                 row.update(fp8_kernels_side_by_side(name, x, layers, copies))
+            if fmt == "int4":
+                row.update(tinygemm_side_by_side(x, [layer.quantized for layer in layers], F.linear(x, reference).float()))
             rows.append(row)
             print({key: v for key, v in row.items() if key != "w8a8_tile_dict"}, flush=True)
         sweeps = [(1, gemv_tiles.GEMV_CANDIDATES[fmt], gemv)] if "gemv" in sweep else []
