@@ -14,7 +14,8 @@ plain windows at large batches. This benchmark measures it alone, on any machine
   successor, so trees are accepted as p says, as on the GPU host.
 
 Each phase is the time inside one of the engine's parts (the hooks `LLMEngine` documents:
-scheduler, proposer, runner, verifier, output processor), summed over the timed steps;
+scheduler, proposer, runner, verifier, output processor; ``append`` is the engine's appending
+of the step's tokens, which calls the output processor per sequence), summed over the timed steps;
 ``step_ms`` is the whole `LLMEngine.step`. ``critical_ms`` is the host's part of the device's
 idle gap between two speculative steps (`CriticalPath`): from verification starting to read a
 step's results to the next step's inputs being staged for launch, with ``crit_<phase>_ms`` the
@@ -55,11 +56,14 @@ from hetero.spec.controller import SpeculationController
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUERY_BUCKETS = (1, 2, 4, 8, 16)  # the GPU engine's graph query lengths for trees of up to 15 nodes
-# (engine attribute, its method): each timed on its own
-PHASES = (("scheduler", "schedule"), ("proposer", "propose"), ("proposer", "commit"), ("runner", "forward"),
-          ("verifier", "sample_and_verify"), ("outputs", "append_tokens"), ("outputs", "request_outputs"))
+# (engine attribute, or "" for the engine itself; its method; the phase's name): each timed on its own,
+# each called once a step (timing a call costs two clock reads, ~1.2 us with --clock cpu: a per-sequence
+# method's wrapper would add ~0.1 ms to a batch-64 step that the engine does not spend)
+PHASES = (("scheduler", "schedule", "schedule"), ("proposer", "propose", "propose"), ("proposer", "commit", "commit"),
+          ("runner", "forward", "forward"), ("verifier", "sample_and_verify", "sample_and_verify"),
+          ("", "_append", "append"), ("outputs", "request_outputs", "request_outputs"))
 # and the verifier's argmax over the logits (inside sample_and_verify), device work on the GPU host
-PHASE_NAMES = (*(name for _, name in PHASES), "logits_argmax")
+PHASE_NAMES = (*(name for _, _, name in PHASES), "logits_argmax")
 # Every time here: wall time, or (--clock cpu) this thread's CPU time, which other processes
 # sharing the cores do not inflate (a busy machine can double the wall times of a side-by-side run).
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
@@ -136,8 +140,8 @@ def timed_phases(engine: LLMEngine, forward: GraphHostForward) -> CriticalPath:
     which a verification with trees opens and the next staged launch closes."""
     path = CriticalPath()
 
-    def timed(owner, name: str) -> None:
-        method = getattr(owner, name)
+    def timed(owner, method_name: str, name: str) -> None:
+        method = getattr(owner, method_name)
 
         def wrapper(*args, **kwargs):
             start = CLOCK[0]()
@@ -146,10 +150,10 @@ def timed_phases(engine: LLMEngine, forward: GraphHostForward) -> CriticalPath:
             finally:
                 path.add(name, CLOCK[0]() - start)
 
-        setattr(owner, name, wrapper)
+        setattr(owner, method_name, wrapper)
 
-    for part, name in PHASES:
-        timed(getattr(engine, part), name)
+    for part, method_name, name in PHASES:
+        timed(getattr(engine, part) if part else engine, method_name, name)
     verify = engine.verifier.sample_and_verify
 
     def opening_verify(scheduled, *args):
