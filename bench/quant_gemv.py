@@ -24,7 +24,8 @@ the M = 17 winner's tile, with the heuristic's pipeline depth at 64). ``--format
 times one format; ``--shapes 8b,70b`` adds Llama-3-70B's projections.
 For int4 it also times torch's own 4-bit kernel, `aten._weight_int4pack_mm` (gpt-fast's
 "tinygemm", the maintained alternative in PyTorch), on the same codes, scales and zero points
-(``tinygemm_us``: its fastest of inner_k_tiles 2, 4 and 8) where the CUDA build has it.
+(``tinygemm_us``: its fastest of inner_k_tiles 2, 4 and 8; ``tinygemm_rel_err`` as
+``max_rel_err``) where the CUDA build has it.
 ``--layer`` also times one FP8 decoder layer's W8A8 sequence (rotary and attention left out:
 the same either way) at each row count of 2..64, fused (RMSNorm and SiLU-and-mul emit the FP8
 rows, gpu_target/fp8_activations.py; o_proj's quantised apart) against unfused (every
@@ -51,7 +52,6 @@ from bench.gemv import SHAPES, SKINNY_SWEEP_ROWS, fastest, skinny_tile_fits, til
 from gpu_target import fp8_activations, fp8_gemm, fused_ops, gemv_tiles
 from gpu_target.gemv import MAX_STREAMING_ROWS, gemv, linear, skinny_block_m, skinny_gemm, streaming_tile
 from gpu_target.quantization import int4, quantize
-from gpu_target.quantization.int4 import Int4Weight
 from gpu_target.quantization.linear import QuantizedLinear, w8a8_path
 
 try:
@@ -132,7 +132,7 @@ def fused_quantisation_us(name: str, x: torch.Tensor) -> float | None:
 TINYGEMM_INNER_K_TILES = (2, 4, 8)
 
 
-def tinygemm_weight(weight: Int4Weight, inner_k_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tinygemm_weight(weight: int4.Int4Weight, inner_k_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same 4-bit weight in `aten._weight_int4pack_mm`'s form: codes packed two a byte (even
     k in the high nibble), and per (group, row) a bf16 scale and offset, w = (q - 8) s + offset,
     so offset = (8 - z) s for hetero's integer zero point z."""
@@ -145,7 +145,7 @@ def tinygemm_weight(weight: Int4Weight, inner_k_tiles: int) -> tuple[torch.Tenso
     return packed, scales_and_zeros.contiguous().to(torch.bfloat16)
 
 
-def tinygemm_side_by_side(x: torch.Tensor, weights: list[Int4Weight], expected: torch.Tensor) -> dict:
+def tinygemm_side_by_side(x: torch.Tensor, weights: list[int4.Int4Weight], expected: torch.Tensor) -> dict:
     """torch's 4-bit kernel on the weight copies: its fastest inner_k_tiles and its largest error
     relative to ``expected`` (as max_rel_err); nothing where this build lacks it."""
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm") or weights[0].group_size not in (32, 64, 128, 256):
