@@ -1,22 +1,26 @@
-"""Tensor-parallel decode on the 8B Llama-3 shape (random bf16 weights, load_format="dummy"), NCCL against the one-shot all-reduce.
+"""Tensor-parallel decode on a Llama-3 shape (8B or 70B, random bf16 weights, load_format="dummy"), NCCL against the one-shot all-reduce.
 
 Two sections, the cheap one first:
 
 - all_reduce: on a process group of --all-reduce-world ranks, microseconds per all-reduce of one
-  bf16 message ([rows, 4096]: 8 KiB is a batch-1 decode step's, 512 KiB a batch-64 one's), NCCL
+  bf16 message ([rows, hidden]: at the 8B shape 8 KiB is a batch-1 decode step's, 512 KiB a batch-64 one's), NCCL
   and the one-shot all-reduce over NVLink (gpu_target/custom_all_reduce.py), each issued eagerly
-  one by one and replayed as one captured CUDA graph of a step's worth (65, two per layer and the
+  one by one and replayed as one captured CUDA graph of a step's worth (two per layer and the
   embedding's). The one-shot's sum is checked against the exact one.
 - decode: the engine's decode step time (multi-step decoding, CUDA graphs with the all-reduces
-  captured inside them) for each of --configs (tensor_parallel_size:all-reduce) and batch.
+  captured inside them) for each of --configs (tensor_parallel_size:all-reduce) and batch, against
+  its roofline: a rank's share of the weight and KV bytes (all of them over the ranks) read at
+  the copy bandwidth measured on GPU 0.
 
 Results are written after each section, so a run cut short keeps what it measured.
 
     python -m bench.tp_decode --out bench/results
+    python -m bench.tp_decode --shape 70b --configs 4:one-shot --batches 1,8,32,64 --all-reduce-world 1
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import multiprocessing
@@ -31,20 +35,20 @@ import torch
 
 from bench._machine import describe_machine
 from bench._report import section_tables, write_markdown_and_json
-from bench.gpu_decode import LLAMA3_8B, count_triton_compiles, random_prompts, timed_decode
+from bench.gpu_decode import LLAMA3_8B, LLAMA3_70B, copy_bandwidth, count_triton_compiles, random_prompts, timed_decode
 from gpu_target.custom_all_reduce import set_up_one_shot
 from gpu_target.tp_worker import free_port, make_group, make_store
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 
-ALL_REDUCES_PER_STEP = 2 * LLAMA3_8B["num_hidden_layers"] + 1
+SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
 ALL_REDUCE_BACKENDS = ("nccl", "one-shot")
 
 
 def bench_engine(model_dir: str, tp: int, all_reduce: str, batches: list[int], prompt_len: int, new_tokens: int,
-                 steps: int) -> list[dict]:
+                 steps: int, utilization: float, bandwidth: float) -> list[dict]:
     config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                          max_model_len=2048, max_num_seqs=max(batches), gpu_memory_utilization=0.55,
+                          max_model_len=2048, max_num_seqs=max(batches), gpu_memory_utilization=utilization,
                           tensor_parallel_size=tp, num_scheduler_steps=steps,
                           disable_custom_all_reduce=all_reduce == "nccl")
     engine = LLMEngine(config)
@@ -53,13 +57,18 @@ def bench_engine(model_dir: str, tp: int, all_reduce: str, batches: list[int], p
     rows = [dict(section="startup", **label, one_shot_in_use=one_shot_in_use,
                  cuda_graph_capture_s=round(engine.cuda_graph_capture_seconds, 1))]
     print(rows[-1], flush=True)
+    cfg = engine.model_config
     for batch in batches:
         engine.scheduler.max_num_seqs = batch
-        prompts = random_prompts(batch, prompt_len, engine.model_config.vocab_size, seed=batch)
+        prompts = random_prompts(batch, prompt_len, cfg.vocab_size, seed=batch)
         timed_decode(engine, prompts[:1], 8)  # warm-up
         elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
+        step_s = elapsed * batch / tokens
+        kv_bytes = batch * (prompt_len + new_tokens / 2) * cfg.num_layers * 2 * cfg.kv_size * 2
+        roofline_ms = 1e3 * (cfg.num_parameters() * 2 + kv_bytes) / tp / bandwidth
         rows.append(dict(section="decode", **label, batch=batch, num_scheduler_steps=steps,
-                         tokens_per_s=round(tokens / elapsed, 1), step_ms=round(1e3 * elapsed * batch / tokens, 3)))
+                         tokens_per_s=round(tokens / elapsed, 1), step_ms=round(1e3 * step_s, 3),
+                         roofline_step_ms=round(roofline_ms, 3), fraction_of_roofline=round(roofline_ms / (1e3 * step_s), 3)))
         print(rows[-1], flush=True)
     del engine
     gc.collect()
@@ -162,6 +171,8 @@ def parse_configs(text: str) -> list[tuple[int, str]]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="the target's Llama-3 shape")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: 0.55 for 8b, 0.9 for 70b")
     parser.add_argument("--configs", default="1:nccl,2:nccl,2:one-shot", help="tensor_parallel_size:all-reduce, ...")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -179,28 +190,34 @@ def main(argv=None) -> None:
     if needed > torch.cuda.device_count():
         parser.error(f"--configs {args.configs} / --all-reduce-world {args.all_reduce_world} need {needed} GPUs; "
                      f"{torch.cuda.device_count()} are visible")
-    model_dir = tempfile.mkdtemp(prefix="llama3-8b-shape-")
+    shape = SHAPES[args.shape]
+    model_dir = tempfile.mkdtemp(prefix=f"llama3-{args.shape}-shape-")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(LLAMA3_8B, f)
+        json.dump(shape, f)
     count_triton_compiles()
     stem = os.path.join(args.out, f"tp_decode-{time.strftime('%Y%m%d-%H%M%S')}")
+    write = functools.partial(write_results, stem, args.shape)
     rows: list[dict] = []
     if args.all_reduce_world > 1:
         rows += bench_all_reduce(args.all_reduce_world, [int(k) for k in args.message_kib.split(",")],
-                                 LLAMA3_8B["hidden_size"], ALL_REDUCES_PER_STEP)
-        write_results(stem, rows)
+                                 shape["hidden_size"], 2 * shape["num_hidden_layers"] + 1)
+        write(rows)
+    bandwidth = copy_bandwidth(torch.device("cuda", 0))
+    utilization = args.gpu_memory_utilization or (0.9 if args.shape == "70b" else 0.55)
     for tp, all_reduce in configs:
-        rows += bench_engine(model_dir, tp, all_reduce, batches, args.prompt_len, args.new_tokens, args.scheduler_steps)
-        write_results(stem, rows)
-    print(write_results(stem, rows))
+        rows += bench_engine(model_dir, tp, all_reduce, batches, args.prompt_len, args.new_tokens, args.scheduler_steps,
+                             utilization, bandwidth)
+        write(rows)
+    print(write(rows))
 
 
-def write_results(stem: str, rows: list[dict]) -> str:
+def write_results(stem: str, shape: str, rows: list[dict]) -> str:
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name(),
                 gpus=torch.cuda.device_count(), python=platform.python_version())
     command = "python -m bench.tp_decode " + " ".join(sys.argv[1:])
     body = section_tables(rows, ("all_reduce", "startup", "decode"))
-    return write_markdown_and_json(stem, f"Tensor-parallel decode, 8B Llama-3 shape ({info['gpu']})", command, info, rows, body)
+    return write_markdown_and_json(stem, f"Tensor-parallel decode, {shape.upper()} Llama-3 shape ({info['gpu']})", command, info,
+                                   rows, body)
 
 
 if __name__ == "__main__":

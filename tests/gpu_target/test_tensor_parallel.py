@@ -56,6 +56,13 @@ def test_tp2_greedy_equals_tp1(tiny_llama_dir, num_scheduler_steps, disable_cust
     assert got == expected
 
 
+def test_tp4_greedy_equals_tp1_with_each_kv_head_on_two_ranks(tiny_llama_dir):
+    """Four ranks over the tiny model's two KV heads: each KV head is replicated on two ranks,
+    each rank holding one query head."""
+    expected = _generate(tiny_llama_dir, PROMPTS[:4], GREEDY)
+    assert _generate(tiny_llama_dir, PROMPTS[:4], GREEDY, tensor_parallel_size=4) == expected
+
+
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 # Few graph buckets (4 sequences, trees of 4 nodes, 320-token steps): each one is warmed up and
 # captured on every rank, with Triton's float32 kernels compiled at first use on a fresh host.
