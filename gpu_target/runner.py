@@ -70,6 +70,14 @@ class DecodeInputs:
 PickTokens = Callable[[torch.Tensor], torch.Tensor]  # logits [B, vocab] -> next tokens int64 [B], on the device
 
 
+def run_rpc(runner, method, args: tuple = (), kwargs: Optional[dict] = None):
+    """One rank's part of `LLMEngine.collective_rpc`: ``method(runner, *args, **kwargs)`` for a
+    callable, ``runner.method(*args, **kwargs)`` for a name (vLLM's two forms, the rank's runner
+    standing in for vLLM's worker)."""
+    function = getattr(runner, method) if isinstance(method, str) else functools.partial(method, runner)
+    return function(*args, **(kwargs or {}))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -90,6 +98,10 @@ class ModelRunner:
     def query_buckets(self) -> Optional[list[int]]:
         """The query lengths the CUDA graphs cover (None: no graphs)."""
         return self.graph_runner.query_buckets if self.graph_runner is not None else None
+
+    def collective_rpc(self, method, timeout: Optional[float] = None, args: tuple = (), kwargs: Optional[dict] = None) -> list:
+        """`run_rpc` on this, the only rank (`timeout`: the tensor-parallel runner's, unused here)."""
+        return [run_rpc(self, method, args, kwargs)]
 
     def build_inputs(self, chunks: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the chunks into (input_ids, positions, metadata, logits row indices)."""

@@ -6,7 +6,8 @@ each of its calls, `DrivingRunner` sends the same call (the step's `SequenceChun
 pipe to every worker, which replays it on its own shard; the model's collectives then pair up
 rank by rank. Between multi-step decode steps rank 0 broadcasts the tokens it picked, so the
 sampling callback itself never leaves the coordinator (as vLLM's driver worker, with rank 0
-in the engine process).
+in the engine process). `LLMEngine.collective_rpc` (vLLM's) sends a function the same way;
+each worker runs it on its runner and sends back its result, or its exception's traceback.
 
 Control goes over multiprocessing pipes, tensors over a torch.distributed process group made
 from a TCPStore without touching torch's global default group: ProcessGroupNCCL on CUDA
@@ -45,7 +46,7 @@ import torch.distributed as dist
 
 from gpu_target.cuda_graphs import CudaGraphRunner
 from gpu_target.custom_all_reduce import OneShotAllReduce, set_up_one_shot
-from gpu_target.runner import ModelRunner, PickTokens, SequenceChunk
+from gpu_target.runner import ModelRunner, PickTokens, SequenceChunk, run_rpc
 from gpu_target.target import CacheShape, TargetSpec, build_runner, load_model, make_kv_pool, rank_device
 from gpu_target.tensor_parallel import TensorParallel, check_divisible
 from gpu_target.tp_watchdog import (DEATH_GRACE_S, WATCH_PERIOD_S, DeviceWork, Watchdog, abort_group, exit_with_parent,
@@ -128,6 +129,12 @@ def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, group_nam
             if call == "stop":
                 release(RankResources(group, one_shot, runner.graph_runner))
                 return
+            if call == "rpc":
+                try:
+                    conn.send(_rpc_reply(runner, *args))
+                except Exception:  # a result that does not pickle (nothing was sent)
+                    conn.send(("rpc_error", traceback.format_exc()))
+                continue
             _replay(runner, tp, call, args)
     except Exception:
         try:
@@ -135,6 +142,15 @@ def _run_rank(spec: TargetSpec, rank: int, world_size: int, port: int, group_nam
         except OSError:
             pass
         raise SystemExit(1)
+
+
+def _rpc_reply(runner: ModelRunner, method, args: tuple, kwargs: Optional[dict]) -> tuple[str, Any]:
+    """("result", what `run_rpc` returned), or ("rpc_error", its exception's traceback): a
+    function's error is the caller's to see, not the end of this rank."""
+    try:
+        return "result", run_rpc(runner, method, args, kwargs)
+    except Exception:
+        return "rpc_error", traceback.format_exc()
 
 
 def _replay(runner: ModelRunner, tp: TensorParallel, call: str, args: tuple) -> None:
@@ -184,6 +200,7 @@ class RankGroup:
             theirs.close()
             self.conns.append(ours)
             self.processes.append(process)
+        self._late = dict.fromkeys(self.conns, 0)  # per worker: replies still due to RPCs that timed out
         self.resources = RankResources()
         resources = self.resources  # not `self`: the watchdog's thread would keep the group alive
         self.watchdog = Watchdog(list(self.processes), port, world_size, lambda: abort_group(resources.group))
@@ -238,11 +255,35 @@ class RankGroup:
     def wait_for(self, state: str) -> None:
         """Block until every worker reports `state` ("loaded", "built"); RankDiedError if one fails
         first, RankStalledError if none makes progress for `STALL_TIMEOUT_S`."""
+        self._replies(f"waiting for the workers to report {state!r}")
+
+    def gather(self, timeout: Optional[float] = None) -> list:
+        """Each worker's result of the RPC just sent (`DrivingRunner.collective_rpc`), in rank
+        order; RuntimeError with their tracebacks where the function raised, TimeoutError where
+        not every worker replied within `timeout` seconds (their replies are dropped as they
+        come), RankDiedError where one died."""
+        replies = sorted(self._replies("waiting for the workers' RPC results", timeout).items())
+        failed = [f"tensor-parallel rank {rank} raised:\n{detail}" for rank, (reply, detail) in replies if reply == "rpc_error"]
+        if failed:
+            raise RuntimeError("\n".join(failed))
+        return [detail for _, (_, detail) in replies]
+
+    def _replies(self, phase: str, timeout: Optional[float] = None) -> dict[int, tuple[str, Any]]:
+        """Each worker's next message, (reply, detail) by rank, waited for as `running` watches a
+        phase; the replies of earlier calls that timed out are skipped, and a worker's "error"
+        (it failed and exits) is a RankDiedError."""
         pending = dict(zip(self.conns, range(1, self.world_size)))
         sentinels = [p.sentinel for p in self.processes]
-        with self.running(f"waiting for the workers to report {state!r}"):
+        replies: dict[int, tuple[str, Any]] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.running(phase):
             while pending:
-                for item in multiprocessing.connection.wait([*pending, *sentinels], WATCH_PERIOD_S):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    for conn in pending:
+                        self._late[conn] += 1
+                    raise TimeoutError(f"tensor-parallel ranks {sorted(pending.values())} did not reply within {timeout} s")
+                for item in multiprocessing.connection.wait([*pending, *sentinels], min(WATCH_PERIOD_S, left or WATCH_PERIOD_S)):
                     if item in pending:
                         try:
                             reply, detail = item.recv()
@@ -251,10 +292,14 @@ class RankGroup:
                             raise RankDiedError(f"tensor-parallel rank {pending[item]} closed its pipe") from None
                         if reply == "error":
                             raise RankDiedError(f"tensor-parallel rank {pending[item]} failed:\n{detail}")
-                        del pending[item]
+                        if self._late[item]:  # the reply to a call that timed out
+                            self._late[item] -= 1
+                            continue
+                        replies[pending.pop(item)] = (reply, detail)
                     else:  # a worker exited
                         self.check_alive()
                 self.check_alive()
+        return replies
 
     def build(self, shape: CacheShape) -> None:
         """Have every worker allocate its KV cache and capture its graphs (rank 0 does the same meanwhile)."""
@@ -398,6 +443,18 @@ class DrivingRunner:
         if moves:
             self.ranks.send("copy_kv_slots", (list(moves),))
         self.runner.copy_kv_slots(moves)
+
+    def collective_rpc(self, method, timeout: Optional[float] = None, args: tuple = (), kwargs: Optional[dict] = None) -> list:
+        """`run_rpc` on every rank, rank 0's here once the workers were sent theirs (a function
+        that runs collectives finds its peers in them); the results in rank order."""
+        with self.ranks.on_device("running a collective RPC"):
+            self.ranks.send("rpc", (method, args, kwargs))
+            try:
+                own = run_rpc(self.runner, method, args, kwargs)
+            except Exception:
+                self.ranks.gather(timeout)  # the workers' replies, so that the next call's are its own
+                raise
+            return [own, *self.ranks.gather(timeout)]
 
     def _guarded(self, call: Callable[[], Any]) -> Any:
         """`call`, with a collective's failure reported as the worker death that caused it."""

@@ -25,7 +25,7 @@ import logging
 import pathlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -259,6 +259,18 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self._finish(seq)
+
+    def collective_rpc(self, method: Union[str, Callable[..., Any]], timeout: Optional[float] = None, args: tuple = (),
+                       kwargs: Optional[dict] = None) -> list:
+        """vLLM's `collective_rpc`: ``method`` run on every tensor-parallel rank, their results in
+        rank order (one on one GPU). A callable gets the rank's `ModelRunner` (its ``model``, a
+        rank's shard of the target, ``kv_pool`` and ``device``) before ``args`` and ``kwargs``;
+        a string names a `ModelRunner` method. It runs after the steps already launched. Ranks
+        1..N-1 run it in their worker processes, so a callable must pickle (be defined at a
+        module's top level), and so must its results; a rank's exception comes back as a
+        RuntimeError with its traceback, ``timeout`` seconds without every result as a
+        TimeoutError, and the engine serves on after either."""
+        return self.runner.collective_rpc(method, timeout, tuple(args), kwargs)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)

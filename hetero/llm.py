@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
@@ -31,6 +31,11 @@ class LLM:
         self.llm_engine = LLMEngine(config)
         self.llm_engine.waits_for_all = True  # `generate` returns once every prompt is done
         self._request_counter = itertools.count()
+
+    def collective_rpc(self, method: Union[str, Callable[..., Any]], timeout: Optional[float] = None, args: tuple = (),
+                       kwargs: Optional[dict] = None) -> list:
+        """vLLM's: ``method`` on every tensor-parallel rank's model runner (`LLMEngine.collective_rpc`)."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

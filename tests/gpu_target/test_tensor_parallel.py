@@ -56,6 +56,56 @@ def test_tp2_greedy_equals_tp1(tiny_llama_dir, num_scheduler_steps, disable_cust
     assert got == expected
 
 
+def _shard_of(runner, tag):
+    """A rank's vocabulary rows and device (collective_rpc's callable: module level, so it pickles)."""
+    return tag, runner.model.vocab_start, runner.model.vocab_stop, runner.device.type
+
+
+def _fail_or_stall_on(runner, rank, stall_s=0.0):
+    """Raise on `rank` (or, with `stall_s`, sleep there that long); the other ranks return their rank."""
+    if runner.model.tp.rank == rank:
+        if not stall_s:
+            raise ValueError(f"boom on rank {rank}")
+        time.sleep(stall_s)
+    return runner.model.tp.rank
+
+
+def _zero_lm_head(runner):
+    with torch.no_grad():
+        runner.model.lm_head.weight.zero_()
+
+
+def test_collective_rpc_runs_on_every_rank_and_survives_errors_and_timeouts(tiny_llama_dir):
+    """vLLM's collective_rpc at tp=2 (and on one rank): results in rank order from each rank's
+    shard; a worker's exception is a RuntimeError with its traceback, rank 0's its own, a
+    worker too slow for the timeout a TimeoutError whose late result the next call does not
+    take for its own, an unpicklable function an error before anything is sent, and after all
+    of them the engine decodes as tp=1 does. A function that zeroes the LM head on every rank
+    makes every greedy token 0 (had rank 1 been skipped, its half of the vocabulary would win)."""
+    one = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", device="cpu")
+    vocab = one.llm_engine.model_config.vocab_size
+    assert one.collective_rpc(_shard_of, args=("x",)) == [("x", 0, vocab, "cpu")]
+    expected = [out.outputs[0].token_ids for out in one.generate(PROMPTS[:4], GREEDY, use_tqdm=False)]
+    del one
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", device="cpu", tensor_parallel_size=2)
+    half = -(-vocab // 2)
+    assert llm.collective_rpc(_shard_of, kwargs=dict(tag="y")) == [("y", 0, half, "cpu"), ("y", half, vocab, "cpu")]
+    assert llm.collective_rpc("copy_kv_slots", args=([],)) == [None, None]  # a runner method by name
+    with pytest.raises(RuntimeError, match=r"(?s)tensor-parallel rank 1 raised:.*ValueError: boom on rank 1"):
+        llm.collective_rpc(_fail_or_stall_on, args=(1,))
+    with pytest.raises(ValueError, match="boom on rank 0"):
+        llm.collective_rpc(_fail_or_stall_on, args=(0,))
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not reply within 0.2 s"):
+        llm.collective_rpc(_fail_or_stall_on, timeout=0.2, args=(1, 1.5))
+    assert llm.collective_rpc(_shard_of, args=("z",)) == [("z", 0, half, "cpu"), ("z", half, vocab, "cpu")]
+    with pytest.raises(Exception, match="pickle"):
+        llm.collective_rpc(lambda runner: None)
+    assert [out.outputs[0].token_ids for out in llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)] == expected
+    llm.collective_rpc(_zero_lm_head)
+    zeroed = [out.outputs[0].token_ids for out in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+    assert zeroed == [[0] * GREEDY.max_tokens] * 2
+
+
 def test_tp4_greedy_equals_tp1_with_each_kv_head_on_two_ranks(tiny_llama_dir):
     """Four ranks over the tiny model's two KV heads: each KV head is replicated on two ranks,
     each rank holding one query head."""
