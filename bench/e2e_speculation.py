@@ -8,12 +8,13 @@ engine waited for drafts (per step and as a share of the run) and, for the CPU w
 the share of drafting hidden behind the GPU's verification and the proposals answered
 with no trees because its reply was late.
 
-Random weights cannot agree by chance, so agreement is built in: the target's embedding
-and LM head carry the draft's in their first `draft_hidden` columns (zero elsewhere) and
-every layer's output projections are damped, which makes the target's greedy next token
-the draft's. Text has a frequency structure the draft's reduced head (`--draft-vocab`,
-FR-Spec) relies on: the head rows of tokens beyond the `--hot-tokens` most frequent are
-scaled by `--cold-scale` in both models, so greedy tokens are mostly frequent ones.
+Random weights cannot agree by chance, so agreement is built in (`bench.agreement`): the
+target's embedding and LM head carry the draft's in their first columns and every layer's
+output projections are damped, which makes the target's greedy next token the draft's, on
+every tensor-parallel rank's shard (`--tensor-parallel-size`). Text has a frequency
+structure the draft's reduced head (`--draft-vocab`, FR-Spec) relies on: the head rows of
+tokens beyond the `--hot-tokens` most frequent are scaled by `--cold-scale` in both models,
+so greedy tokens are mostly frequent ones.
 `--head-noise` adds noise to the target's other LM-head columns to lower the agreement, and
 `--trace` caps each tree at the accepted length a real draft got on real text (`TraceReplay`).
 The bytes and FLOPs per step are those of the real shapes: 8B by default, `--shape 70b`
@@ -23,6 +24,7 @@ after each warm-up (one engine, new prompts each), for a ratio's spread within o
 
     python -m bench.e2e_speculation --out bench/results
     python -m bench.e2e_speculation --shape 70b --quantization fp8 --batches 1,8 --configs plain,cpu-draft
+    python -m bench.e2e_speculation --shape 70b --tensor-parallel-size 4 --batches 1,8,32 --configs plain,cpu-draft
 """
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ from tokenizers import Tokenizer, models
 
 from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
-from bench.gpu_decode import DAMPING, LLAMA3_8B, LLAMA3_70B, random_prompts, stabilise_greedy, timed_decode
-from gpu_target.loader import load_config, load_tokenizer, random_state_dict
+from bench.agreement import DRAFT_FILE, draft_weights, graft_draft_into_target
+from bench.gpu_decode import LLAMA3_8B, LLAMA3_70B, random_prompts, timed_decode
+from gpu_target.loader import load_config, load_tokenizer
 from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 from hetero.proposers import build_proposer, draft_worker_stats
@@ -73,32 +76,6 @@ def write_model_dir(config: dict) -> str:
         json.dump(config, f)
     save_tokenizer(directory, config["vocab_size"])
     return directory
-
-
-def draft_weights(draft_dir: str, seed: int, hot_tokens: int = 0, cold_scale: float = 1.0) -> dict[str, torch.Tensor]:
-    """Random draft weights (the loader's dummy format) with its layers' outputs damped like the target's,
-    and the head rows of the tokens past the ``hot_tokens`` most frequent (the lowest ids) scaled by ``cold_scale``."""
-    weights = random_state_dict(load_config(draft_dir, require_weights=False), torch.bfloat16, "cpu", seed)
-    for name, tensor in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensor.mul_(DAMPING)
-    weights["lm_head.weight"][hot_tokens:].mul_(cold_scale)
-    return weights
-
-
-def graft_draft_into_target(model, draft: dict[str, torch.Tensor], head_noise: float, seed: int) -> None:
-    """Give the target the draft's embedding and LM head, and damp its layers' outputs."""
-    width = draft["model.embed_tokens.weight"].shape[1]
-    generator = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
-    with torch.no_grad():
-        model.embed_tokens.weight.zero_()[:, :width] = draft["model.embed_tokens.weight"].to(model.embed_tokens.weight.device)
-        head = model.lm_head.weight
-        if head_noise:
-            head.normal_(0.0, head_noise, generator=generator)
-        else:
-            head.zero_()
-        head[:, :width] = draft["lm_head.weight"].to(head.device)
-    stabilise_greedy(model, DAMPING)
 
 
 class TraceReplay(Proposer):
@@ -163,9 +140,10 @@ class TraceReplay(Proposer):
         self.draft.close()
 
 
-def build_engine(target_dir: str, draft: dict, args, **speculation) -> LLMEngine:
+def build_engine(target_dir: str, draft_dir: str, args, **speculation) -> LLMEngine:
     config = EngineConfig(
         model=target_dir, load_format="dummy", dtype="bfloat16", quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.prompt_len + args.new_tokens + 64, max_num_seqs=max(args.batches),
         gpu_memory_utilization=args.gpu_memory_utilization or (0.97 if args.shape == "70b" else 0.5), **speculation,
     )
@@ -177,7 +155,7 @@ def build_engine(target_dir: str, draft: dict, args, **speculation) -> LLMEngine
         inner = build_proposer(config, model_config, load_tokenizer(target_dir))
         proposer = TraceReplay(inner, load_trace(args.trace), model_config.vocab_size)
     engine = LLMEngine(config, proposer)
-    graft_draft_into_target(engine.model, draft, args.head_noise, seed=1)
+    engine.collective_rpc(graft_draft_into_target, args=(draft_dir, args.head_noise, 1))
     if engine.proposer is not None and args.always_speculate:
         engine.spec_control.always_speculate = True
     return engine
@@ -189,6 +167,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8, 32, 64])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="the target's Llama-3 shape")
     parser.add_argument("--quantization", default=None, help="the target's weights (fp8, int4; default bf16)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="the target over this many GPUs (bf16 only)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: 0.5 for 8b, 0.97 for 70b")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -222,7 +201,7 @@ def main(argv=None) -> None:
     target_dir = write_model_dir(target)
     draft_dir = write_model_dir(DRAFT)
     draft = draft_weights(draft_dir, seed=7, hot_tokens=args.hot_tokens, cold_scale=args.cold_scale)
-    save_file(draft, os.path.join(draft_dir, "model.safetensors"))
+    save_file(draft, os.path.join(draft_dir, DRAFT_FILE))
     lookahead_dir = tempfile.mkdtemp(prefix="lookahead-")
     with open(os.path.join(lookahead_dir, "lookahead_cache_config.json"), "w") as f:
         json.dump({"is_debug": False, **({"copy_length": args.k} if args.k else {})}, f)
@@ -240,7 +219,7 @@ def main(argv=None) -> None:
     }
     rows = []
     for name in args.configs.split(","):
-        engine = build_engine(target_dir, draft, args, **speculation[name])
+        engine = build_engine(target_dir, draft_dir, args, **speculation[name])
         for batch in args.batches:
             # A warm-up batch of the same size: kernels built and tuned for its shapes, the draft's
             # buffers grown and the speculation controller's first verdict taken (three steps of

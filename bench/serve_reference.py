@@ -7,7 +7,7 @@ process, the same draft on the GPU, and `NAME+fp8` for any of them on an FP8 tar
 load_format="dummy"); the draft is `bench.e2e_speculation`'s 8-layer 576-wide model.
 
 Acceptance is that of real text (`bench.traces`, measured by `bench.acceptance` on the real
-Qwen2.5-Coder pair). The target is built to agree with the draft (`bench.e2e_speculation.graft_draft_into_target`,
+Qwen2.5-Coder pair). The target is built to agree with the draft (`bench.agreement.graft_draft_into_target`,
 `bench.e2e_speculation`'s construction) and `TraceReplay` cuts each tree to an accepted length
 drawn from the workload's trace: the draft models' per-position rates, the lookahead cache's
 recorded steps (steps where it proposed nothing included). Workloads: `rewrite` (copy-heavy,
@@ -54,7 +54,8 @@ from safetensors.torch import save_file
 from bench._machine import describe_machine
 from bench._poisson_driver import drive
 from bench._stats import RequestRecord, arrival_offsets, summarize
-from bench.e2e_speculation import DRAFT, TraceReplay, draft_weights, graft_draft_into_target, release_engine, write_model_dir
+from bench.agreement import DRAFT_FILE, draft_weights, graft_draft_into_target
+from bench.e2e_speculation import DRAFT, TraceReplay, release_engine, write_model_dir
 from bench.gpu_decode import LLAMA3_8B, fresh_controller, random_prompts, time_generate
 from bench.serve import RESULT_SCHEMA
 from bench.traces import load_trace
@@ -128,8 +129,8 @@ class Run:
         self.shape = shape
         self.target_dir = write_model_dir(shape["target"])
         self.draft_dir = write_model_dir(shape["draft"])
-        self.draft = draft_weights(self.draft_dir, seed=7, hot_tokens=shape["hot_tokens"], cold_scale=args.cold_scale)
-        save_file(self.draft, os.path.join(self.draft_dir, "model.safetensors"))
+        draft = draft_weights(self.draft_dir, seed=7, hot_tokens=shape["hot_tokens"], cold_scale=args.cold_scale)
+        save_file(draft, os.path.join(self.draft_dir, DRAFT_FILE))
         self.lookahead_dir = tempfile.mkdtemp(prefix="lookahead-")
         with open(os.path.join(self.lookahead_dir, "lookahead_cache_config.json"), "w") as f:
             json.dump({"is_debug": False, "cache_mode": 2, "copy_length": args.lookahead_depth}, f)
@@ -209,7 +210,7 @@ def build_engine(run: Run, name: str) -> LLMEngine:
         proposer = TraceReplay(inner, load_trace(trace_name(base, args.workloads[0])), model_config.vocab_size,
                                seed=args.seed, recorded_steps=base == "lookahead")
     engine = LLMEngine(config, proposer)
-    graft_draft_into_target(engine.model, run.draft, head_noise=0.0, seed=1)
+    engine.collective_rpc(graft_draft_into_target, args=(run.draft_dir, 0.0, 1))
     return engine
 
 
