@@ -143,7 +143,7 @@ class TraceReplay(Proposer):
 def build_engine(target_dir: str, draft_dir: str, args, **speculation) -> LLMEngine:
     config = EngineConfig(
         model=target_dir, load_format="dummy", dtype="bfloat16", quantization=args.quantization,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, disable_custom_all_reduce=args.disable_custom_all_reduce,
         max_model_len=args.prompt_len + args.new_tokens + 64, max_num_seqs=max(args.batches),
         gpu_memory_utilization=args.gpu_memory_utilization or (0.97 if args.shape == "70b" else 0.5), **speculation,
     )
@@ -168,6 +168,9 @@ def main(argv=None) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="the target's Llama-3 shape")
     parser.add_argument("--quantization", default=None, help="the target's weights (fp8, int4; default bf16)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="the target over this many GPUs (bf16 only)")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true",
+                        help="NCCL for every all-reduce (vLLM's flag); a run builds one engine per configuration, and a "
+                             "tensor-parallel engine built after a one-shot one once stalled (bench/results/HISTORY.md)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: 0.5 for 8b, 0.97 for 70b")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
