@@ -175,6 +175,19 @@ def test_tp2_lookahead_speculation_equals_tp1(tiny_llama_dir, tmp_path):
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0  # trees were verified, not only plain steps
 
 
+@pytest.mark.parametrize("cpu_draft_worker", [True, False], ids=["worker", "in-process"])
+def test_tp2_draft_model_speculation_equals_tp1(tiny_llama_dir, cpu_draft_worker):
+    """A draft model (the target itself: every tree accepted) proposing for a target split over
+    two ranks, from the CPU draft worker or in the engine's process: greedy output as tp=1's."""
+    expected = _generate(tiny_llama_dir, PROMPTS[:4], GREEDY)
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", device="cpu", tensor_parallel_size=2,
+              speculative_model=str(tiny_llama_dir), cpu_draft_worker=cpu_draft_worker, num_speculative_tokens=4,
+              speculative_config={"threads": 1} if cpu_draft_worker else None)
+    llm.llm_engine.spec_control.always_speculate = True
+    assert [out.outputs[0].token_ids for out in llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)] == expected
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+
+
 def _concat_shards(name, shards, config):
     part = Shard(0, len(shards)).slice_of(name, config)
     return shards[0][name] if part is None else torch.cat([s[name] for s in shards], dim=part[0])
