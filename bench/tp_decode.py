@@ -12,7 +12,11 @@ Two sections, the cheap one first:
   its roofline: a rank's share of the weight and KV bytes (all of them over the ranks) read at
   the copy bandwidth measured on GPU 0.
 
-Results are written after each section, so a run cut short keeps what it measured.
+Each configuration's engine is built in a process of its own, which ends with it: a
+configuration that fails or outlives --config-timeout is a row of the "failed" section, and
+the others are measured still (two tensor-parallel engines built one after the other in one
+process once stalled). Results are written after each section, so a run cut short keeps what
+it measured.
 
     python -m bench.tp_decode --out bench/results
     python -m bench.tp_decode --shape 70b --configs 4:one-shot --batches 1,8,32,64 --all-reduce-world 1
@@ -21,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
 import multiprocessing
 import os
 import platform
+import queue
 import sys
 import tempfile
 import time
@@ -42,6 +46,7 @@ from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
 
 SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
+_BUILT: list[LLMEngine] = []  # the engine of this process's configuration, kept past `bench_engine`'s return
 ALL_REDUCE_BACKENDS = ("nccl", "one-shot")
 
 
@@ -70,10 +75,40 @@ def bench_engine(model_dir: str, tp: int, all_reduce: str, batches: list[int], p
                          tokens_per_s=round(tokens / elapsed, 1), step_ms=round(1e3 * step_s, 3),
                          roofline_step_ms=round(roofline_ms, 3), fraction_of_roofline=round(roofline_ms / (1e3 * step_s), 3)))
         print(rows[-1], flush=True)
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
+    _BUILT.append(engine)  # torn down when its process exits, after the rows went back (`in_own_process`)
     return rows
+
+
+def _put_result(results, run, args: tuple) -> None:
+    results.put(run(*args))
+
+
+def in_own_process(run, args: tuple, timeout_s: float):
+    """``run(*args)``'s result from a fresh spawned process; None when that process failed or
+    had not returned within ``timeout_s`` (then it is killed: a tensor-parallel engine's
+    workers end with it). ``run`` and its result must pickle."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    process = context.Process(target=_put_result, args=(results, run, args))  # not daemonic: it may start workers
+    process.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                return results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    return None
+                if not process.is_alive():  # its result, if it put one, is in the pipe by now
+                    try:
+                        return results.get(timeout=1.0)
+                    except queue.Empty:
+                        return None
+    finally:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join(10)
 
 
 def _time_ms(run, repeats: int) -> float:
@@ -180,6 +215,8 @@ def main(argv=None) -> None:
     parser.add_argument("--scheduler-steps", type=int, default=8)
     parser.add_argument("--all-reduce-world", type=int, default=2, help="ranks of the all-reduce section; 1 skips it")
     parser.add_argument("--message-kib", default="8,16,64,256,512,1024")
+    parser.add_argument("--config-timeout", type=float, default=300.0,
+                        help="seconds a configuration's process may take (build and decode) before it is stopped")
     args = parser.parse_args(argv)
     try:
         configs = parse_configs(args.configs)
@@ -203,10 +240,17 @@ def main(argv=None) -> None:
                                  shape["hidden_size"], 2 * shape["num_hidden_layers"] + 1)
         write(rows)
     bandwidth = copy_bandwidth(torch.device("cuda", 0))
+    torch.cuda.empty_cache()  # the copy's buffers: the engines' processes size their KV caches from free memory
     utilization = args.gpu_memory_utilization or (0.9 if args.shape == "70b" else 0.55)
     for tp, all_reduce in configs:
-        rows += bench_engine(model_dir, tp, all_reduce, batches, args.prompt_len, args.new_tokens, args.scheduler_steps,
-                             utilization, bandwidth)
+        started = time.monotonic()
+        measured = in_own_process(bench_engine, (model_dir, tp, all_reduce, batches, args.prompt_len, args.new_tokens,
+                                                 args.scheduler_steps, utilization, bandwidth), args.config_timeout)
+        if measured is None:
+            measured = [dict(section="failed", tensor_parallel_size=tp, all_reduce=all_reduce,
+                             seconds=round(time.monotonic() - started, 1), what="the process failed or ran out of time")]
+            print(measured[0], flush=True)
+        rows += measured
         write(rows)
     print(write(rows))
 
@@ -215,7 +259,7 @@ def write_results(stem: str, shape: str, rows: list[dict]) -> str:
     info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name(),
                 gpus=torch.cuda.device_count(), python=platform.python_version())
     command = "python -m bench.tp_decode " + " ".join(sys.argv[1:])
-    body = section_tables(rows, ("all_reduce", "startup", "decode"))
+    body = section_tables(rows, ("all_reduce", "startup", "decode", "failed"))
     return write_markdown_and_json(stem, f"Tensor-parallel decode, {shape.upper()} Llama-3 shape ({info['gpu']})", command, info,
                                    rows, body)
 
