@@ -52,6 +52,7 @@ ALL_REDUCE_BACKENDS = ("nccl", "one-shot")
 
 def bench_engine(model_dir: str, tp: int, all_reduce: str, batches: list[int], prompt_len: int, new_tokens: int,
                  steps: int, utilization: float, bandwidth: float) -> list[dict]:
+    count_triton_compiles()
     config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                           max_model_len=2048, max_num_seqs=max(batches), gpu_memory_utilization=utilization,
                           tensor_parallel_size=tp, num_scheduler_steps=steps,
@@ -231,7 +232,6 @@ def main(argv=None) -> None:
     model_dir = tempfile.mkdtemp(prefix=f"llama3-{args.shape}-shape-")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(shape, f)
-    count_triton_compiles()
     stem = os.path.join(args.out, f"tp_decode-{time.strftime('%Y%m%d-%H%M%S')}")
     write = functools.partial(write_results, stem, args.shape)
     rows: list[dict] = []
