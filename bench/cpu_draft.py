@@ -12,7 +12,7 @@ threads measure at start (``read_bandwidth_GBps`` in the CSV).
 
     python -m bench.cpu_draft [--model SmolLM2-135M-Instruct | --random-shape 576,30,9,3,1536,49152]
                               [--precisions bf16 fp32 int8] [--batch-sizes 1 8 32]
-                              [--context 256] [--draft-tokens 4] [--steps 20] [--cpus 4-15] [--threads 12]
+                              [--context 256] [--draft-tokens 4] [--steps 20] [--cpus 4-15] [--threads 7 14]
                               [--kv-layouts slots paged] [--kernels native lean] [--no-pack-linears]
                               [--kv-dtypes fp32 bf16] [--profile-native] [--amx on off]
 
@@ -180,7 +180,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cpus", default=None, help="cores to pin to, e.g. 4-15 (default: DraftConfig.cpus, i.e. $HETERO_DRAFT_CPUS, else all but one core in eight)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: one per pinned core)")
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="torch threads (default: one per pinned core); several: each batch size timed at each, in turn")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--kv-layouts", nargs="+", default=["slots"], choices=["slots", "paged"],
                         help="draft KV layouts to time (paged: the layout the CPU draft used before slots)")
@@ -204,7 +205,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     command = shlex.join([Path(sys.executable).name, "-m", "bench.cpu_draft", *(argv if argv is not None else sys.argv[1:])])
     cpus = default_draft_cpus(args.cpus if args.cpus is not None else DraftConfig().cpus)
-    threads = pin_current_process(cpus, args.threads)
+    threads = pin_current_process(cpus, max(args.threads) if args.threads else None)
+    thread_counts = args.threads or [threads]
     machine = describe_machine()
     flags = cpu_flags()
     amx = "amx_bf16" in flags and "amx_tile" in flags
@@ -219,7 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bandwidth = read_bandwidth()
     print(f"memory read bandwidth of these {threads} threads: {bandwidth / 1e9:.1f} GB/s (roofline ms: the bytes a forward "
           "must read at that rate)")
-    print(f"{'layout':>6} {'kernels':>7} {'amx':>3} {'precision':>9} {'kv':>4} {'batch':>5} {'step p50 ms':>11} {'step p90 ms':>11} "
+    print(f"{'layout':>6} {'kernels':>7} {'amx':>3} {'precision':>9} {'kv':>4} {'batch':>5} {'threads':>7} {'step p50 ms':>11} {'step p90 ms':>11} "
           f"{'forward ms':>10} {'roofline ms':>11} {'draft tok/s':>11}")
     rows, profile_rows = [], []
     runs = [(layout, kernels, amx, kv) for layout in args.kv_layouts for kernels in (args.kernels if layout == "slots" else ["torch"])
@@ -240,7 +242,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         library = drafter.kv.model.library if kernels == "native" and args.profile_native else None
         if library is not None:
             native.enable_profile(library)
-        for batch_size in args.batch_sizes:
+        for batch_size, num_threads in itertools.product(args.batch_sizes, thread_counts):
+            torch.set_num_threads(num_threads)  # the native forward runs as many threads as torch's pool has
             on_start = (lambda: native.reset_profile(library)) if library is not None else None
             times = time_draft_steps(drafter, batch_size, args.context, args.draft_tokens, args.steps, args.warmup, on_start)
             p50, p90 = np.percentile(times, 50) * 1e3, np.percentile(times, 90) * 1e3
@@ -255,6 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "precision": precision,
                 "kv_dtype": kv_name,
                 "batch_size": batch_size,
+                "threads": num_threads,
                 "step_p50_ms": round(p50, 3),
                 "step_p90_ms": round(p90, 3),
                 "forward_ms": round(p50 / args.draft_tokens, 3),
@@ -265,7 +269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "steps": args.steps,
             }
             rows.append(row)
-            print(f"{layout:>6} {kernels:>7} {'yes' if amx_kernels else 'no':>3} {precision:>9} {kv_name:>4} {batch_size:>5} {p50:>11.2f} "
+            print(f"{layout:>6} {kernels:>7} {'yes' if amx_kernels else 'no':>3} {precision:>9} {kv_name:>4} {batch_size:>5} {num_threads:>7} {p50:>11.2f} "
                   f"{p90:>11.2f} {row['forward_ms']:>10.2f} {roofline_ms:>11.2f} {row['draft_tokens_per_s']:>11.0f}")
             if library is not None:
                 profile = native.read_profile(library)
@@ -280,7 +284,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     extra = {
         "model": model_name,
         "cpus": ",".join(map(str, cpus)),
-        "threads": threads,
         "read_bandwidth_GBps": round(bandwidth / 1e9, 1),
         "amx": amx,
         "avx512_bf16": "avx512_bf16" in flags,
@@ -300,9 +303,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if profile_rows:
         names = [k for k in profile_rows[0] if k.endswith("_ms")]
         print("native forward phases, ms per forward (phase = mean compute + mean wait at its closing barrier):")
-        print(f"{'precision':>9} {'kv':>4} {'amx':>3} {'batch':>5} " + " ".join(f"{n[:-3]:>9}" for n in names))
+        print(f"{'precision':>9} {'kv':>4} {'amx':>3} {'batch':>5} {'threads':>7} " + " ".join(f"{n[:-3]:>9}" for n in names))
         for r in profile_rows:
-            print(f"{r['precision']:>9} {r['kv_dtype']:>4} {'yes' if r['amx_kernels'] else 'no':>3} {r['batch_size']:>5} "
+            print(f"{r['precision']:>9} {r['kv_dtype']:>4} {'yes' if r['amx_kernels'] else 'no':>3} {r['batch_size']:>5} {r['threads']:>7} "
                   + " ".join(f"{r[n]:>9.3f}" for n in names))
         write_csv_with_context(out.with_name(f"{out.stem}-profile{out.suffix}"), profile_rows, extra)
     return 0

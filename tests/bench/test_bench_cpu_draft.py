@@ -25,3 +25,25 @@ def test_head_coverage_counts_the_tokens_below_each_head_size():
     from bench.head_coverage import coverage
 
     assert coverage([0, 5, 9, 10, 20], [10, 21]) == {"head_10": 0.6, "head_21": 1.0}
+
+
+def test_several_thread_counts_are_each_a_row(tmp_path):
+    """--threads 1 2: each batch size timed at each thread count, the count in its row."""
+    import csv
+    import os
+
+    import torch
+
+    from bench.cpu_draft import main
+
+    out = tmp_path / "draft.csv"
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:  # the benchmark pins the process it runs in: this test's, which the other tests share
+        assert main(["--random-shape", "64,2,4,2,128,1000", "--precisions", "fp32", "--kernels", "lean", "--batch-sizes", "1",
+                     "2", "--threads", "1", "2", "--context", "8", "--steps", "1", "--warmup", "1", "--cpus", "0",
+                     "--out", str(out)]) == 0
+    finally:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads)
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["batch_size"], r["threads"]) for r in rows] == [("1", "1"), ("1", "2"), ("2", "1"), ("2", "2")]
