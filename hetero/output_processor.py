@@ -132,8 +132,6 @@ class OutputProcessor:
     def record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Score the prompt tokens these logits rows predict (prompt_logprobs), after those already scored."""
         group = seq.group
-        if group.prompt_logprobs is None:
-            group.prompt_logprobs = [None]
         start = len(group.prompt_logprobs)  # the first prompt position not scored yet
         targets = torch.tensor(seq.token_ids[start : start + logits.shape[0]], device=logits.device)
         top = seq.params.prompt_logprobs

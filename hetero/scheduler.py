@@ -109,7 +109,8 @@ class SequenceGroup:
         self.seqs: list[Sequence] = []
         self.num_running = 0  # of its sequences, kept by the scheduler for fair admission
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
-        self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+        # Asked for: [None] (the first token has nothing before it to be scored from, as in vLLM), then a dict a token.
+        self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None if params.prompt_logprobs is None else [None]
         self.num_cached_tokens = 0
 
     @property

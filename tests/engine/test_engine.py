@@ -203,6 +203,14 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llama, tiny_llama_dir):
         assert out.prompt_logprobs[p][token].logprob == pytest.approx(logp[p - 1, token].item(), abs=1e-4)
 
 
+def test_prompt_logprobs_of_a_one_token_prompt_are_its_first_position_alone(llama):
+    """As vLLM: [None] (nothing before the first token scores it), None where not asked for."""
+    asked = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    out = llama.generate({"prompt_token_ids": [5]}, asked, use_tqdm=False)[0]
+    assert out.prompt_logprobs == [None]
+    assert llama.generate({"prompt_token_ids": [5]}, GREEDY, use_tqdm=False)[0].prompt_logprobs is None
+
+
 def test_token_id_prompts_and_chat(llama):
     tokenizer = llama.get_tokenizer()
     ids = tokenizer(PROMPTS[0]).input_ids
