@@ -167,7 +167,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8, 32, 64])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="the target's Llama-3 shape")
     parser.add_argument("--quantization", default=None, help="the target's weights (fp8, int4; default bf16)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="the target over this many GPUs (bf16 only)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="the target over this many GPUs")
     parser.add_argument("--disable-custom-all-reduce", action="store_true",
                         help="NCCL for every all-reduce (vLLM's flag); a run builds one engine per configuration, and a "
                              "tensor-parallel engine built after a one-shot one once stalled (bench/results/HISTORY.md)")

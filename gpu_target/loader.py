@@ -164,7 +164,9 @@ def load_state_dict(
 
     With `shard` (tensor parallelism), only that rank's slice of each weight is kept
     (`Shard.slice_of`): from safetensors only the slice is read; from a GGUF one tensor at a
-    time is dequantised and sliced, so no rank holds more than its shard plus one tensor.
+    time is dequantised and sliced, so no rank holds more than its shard plus one tensor. A
+    rank quantises its own slices (per output channel, or per group along its part of K), so
+    each partial sum a row-parallel projection all-reduces is dequantised on its own rank.
     """
     path = resolve_model_path(path)
     shapes = parameter_shapes(config)
@@ -173,8 +175,9 @@ def load_state_dict(
     stored_method = quantized_checkpoint.checkpoint_method(stored_config, str(path))
     method = methods.resolve_method(quantization, stored_method, str(path))
     methods.check_device(method, device)
-    if shard.world_size > 1 and method is not None:
-        raise ValueError(f"quantization ({method}) is not supported with tensor_parallel_size > 1 yet")
+    if shard.world_size > 1 and stored_method is not None:
+        raise ValueError(f"{path}: a pre-quantised ({stored_method}) checkpoint is not supported with tensor_parallel_size > 1 "
+                         "yet; quantisation at load (quantization='fp8' or 'int4' over a bf16/fp16 checkpoint) is")
     if shard.world_size > 1:
         shapes = {name: shard.shape_of(name, shape, config) for name, shape in shapes.items()}
         slices = {name: shard.slice_of(name, config) for name in shapes}

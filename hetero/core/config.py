@@ -239,8 +239,6 @@ class EngineConfig:
         _check(size in (1, 2, 4, 8) and not isinstance(size, bool), "tensor_parallel_size", size, "must be 1, 2, 4 or 8")
         if size == 1:
             return
-        _check(self.quantization is None, "quantization", self.quantization,
-               "is not supported with tensor_parallel_size > 1 yet")
         _check(not self.enable_prefix_cache_offload, "enable_prefix_cache_offload", self.enable_prefix_cache_offload,
                "is not supported with tensor_parallel_size > 1 yet")
 

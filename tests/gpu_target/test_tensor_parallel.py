@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,6 +189,41 @@ def test_tp2_draft_model_speculation_equals_tp1(tiny_llama_dir, cpu_draft_worker
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
 
 
+def _prompt_logprobs(model_dir, **kwargs):
+    """Each prompt token's logprob (teacher-forced) over PROMPTS, on the CPU in float32."""
+    llm = LLM(model=str(model_dir), max_model_len=256, dtype="float32", device="cpu", **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    del llm
+    return torch.tensor([entry[token].logprob for out in outs
+                         for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])])
+
+
+def test_quantised_at_load_on_two_ranks_as_on_one(tmp_path):
+    """Each rank quantises its own slices. 4-bit groups of 128 along K start where a rank's share
+    of a row-parallel projection starts (256 and 512 columns: two shares of whole groups), so tp=2
+    holds tp=1's codes and scales and scores the prompts as tp=1 does; FP8's per-channel scales
+    of a row-parallel projection span a rank's half of K, so its scores move, but no further
+    from full precision's than tp=1's FP8 scores are."""
+    model_dir = save_tiny_model(tmp_path, "llama", hidden_size=256, intermediate_size=512)
+    full = _prompt_logprobs(model_dir)
+    int4_one, int4_two = (_prompt_logprobs(model_dir, quantization="int4", tensor_parallel_size=tp) for tp in (1, 2))
+    torch.testing.assert_close(int4_two, int4_one, rtol=0, atol=1e-4)
+    fp8_one, fp8_two = (_prompt_logprobs(model_dir, quantization="fp8", tensor_parallel_size=tp) for tp in (1, 2))
+    assert not torch.equal(fp8_two, fp8_one)
+    assert (fp8_two - full).abs().mean() <= 1.5 * (fp8_one - full).abs().mean()
+
+
+def test_a_pre_quantised_checkpoint_is_one_gpu_only_for_now(tiny_llama_dir, tmp_path):
+    model_dir = tmp_path / "fp8-checkpoint"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"pre-quantised \(fp8\) checkpoint is not supported with tensor_parallel_size > 1"):
+        LLM(model=str(model_dir), max_model_len=256, dtype="float32", device="cpu", tensor_parallel_size=2)
+
+
 def _concat_shards(name, shards, config):
     part = Shard(0, len(shards)).slice_of(name, config)
     return shards[0][name] if part is None else torch.cat([s[name] for s in shards], dim=part[0])
@@ -285,8 +321,6 @@ def test_smollm2_three_ranks_decode_as_one():
 def test_tp_size_errors(tiny_llama_dir, monkeypatch):
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1, 2, 4 or 8"):
         LLM(model=str(tiny_llama_dir), tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="quantization"):
-        LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, quantization="fp8")
     with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
         LLM(model=str(tiny_llama_dir), tensor_parallel_size=8, device="cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
