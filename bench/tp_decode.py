@@ -9,8 +9,8 @@ Two sections, the cheap one first:
   embedding's). The one-shot's sum is checked against the exact one.
 - decode: the engine's decode step time (multi-step decoding, CUDA graphs with the all-reduces
   captured inside them) for each of --configs (tensor_parallel_size:all-reduce) and batch, against
-  its roofline: a rank's share of the weight and KV bytes (all of them over the ranks) read at
-  the copy bandwidth measured on GPU 0.
+  its roofline: the bytes rank 0 reads a step (its weight shard as stored, quantised with
+  --quantization, and its KV heads' share of the cache) at the copy bandwidth measured on GPU 0.
 
 Each configuration's engine is built in a process of its own, which ends with it: a
 configuration that fails or outlives --config-timeout is a row of the "failed" section, and
@@ -20,6 +20,7 @@ it measured.
 
     python -m bench.tp_decode --out bench/results
     python -m bench.tp_decode --shape 70b --configs 4:one-shot --batches 1,8,32,64 --all-reduce-world 1
+    python -m bench.tp_decode --shape 70b --quantization fp8 --configs 2:one-shot,4:one-shot --all-reduce-world 1
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import queue
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 import torch
@@ -40,6 +42,7 @@ import torch
 from bench._machine import describe_machine
 from bench._report import section_tables, write_markdown_and_json
 from bench.gpu_decode import LLAMA3_8B, LLAMA3_70B, copy_bandwidth, count_triton_compiles, random_prompts, timed_decode
+from bench.quant_decode import weight_bytes_read
 from gpu_target.custom_all_reduce import set_up_one_shot
 from gpu_target.tp_worker import free_port, make_group, make_store
 from hetero.core.config import EngineConfig
@@ -51,14 +54,14 @@ ALL_REDUCE_BACKENDS = ("nccl", "one-shot")
 
 
 def bench_engine(model_dir: str, tp: int, all_reduce: str, batches: list[int], prompt_len: int, new_tokens: int,
-                 steps: int, utilization: float, bandwidth: float) -> list[dict]:
+                 steps: int, utilization: float, bandwidth: float, quantization: Optional[str] = None) -> list[dict]:
     count_triton_compiles()
-    config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+    config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", quantization=quantization,
                           max_model_len=2048, max_num_seqs=max(batches), gpu_memory_utilization=utilization,
                           tensor_parallel_size=tp, num_scheduler_steps=steps,
                           disable_custom_all_reduce=all_reduce == "nccl")
     engine = LLMEngine(config)
-    label = dict(tensor_parallel_size=tp, all_reduce=all_reduce if tp > 1 else "-")
+    label = dict(tensor_parallel_size=tp, all_reduce=all_reduce if tp > 1 else "-", quantization=quantization or "none")
     one_shot_in_use = engine.model.tp.one_shot is not None
     rows = [dict(section="startup", **label, one_shot_in_use=one_shot_in_use,
                  cuda_graph_capture_s=round(engine.cuda_graph_capture_seconds, 1))]
@@ -71,7 +74,7 @@ def bench_engine(model_dir: str, tp: int, all_reduce: str, batches: list[int], p
         elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
         step_s = elapsed * batch / tokens
         kv_bytes = batch * (prompt_len + new_tokens / 2) * cfg.num_layers * 2 * cfg.kv_size * 2
-        roofline_ms = 1e3 * (cfg.num_parameters() * 2 + kv_bytes) / tp / bandwidth
+        roofline_ms = 1e3 * (weight_bytes_read(engine.model, batch) + kv_bytes / tp) / bandwidth
         rows.append(dict(section="decode", **label, batch=batch, num_scheduler_steps=steps,
                          tokens_per_s=round(tokens / elapsed, 1), step_ms=round(1e3 * step_s, 3),
                          roofline_step_ms=round(roofline_ms, 3), fraction_of_roofline=round(roofline_ms / (1e3 * step_s), 3)))
@@ -208,6 +211,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="the target's Llama-3 shape")
+    parser.add_argument("--quantization", default=None, help="the target's weights quantised at load (fp8, int4; default bf16)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: 0.55 for 8b, 0.9 for 70b")
     parser.add_argument("--configs", default="1:nccl,2:nccl,2:one-shot", help="tensor_parallel_size:all-reduce, ...")
     parser.add_argument("--batches", default="1,8,64")
@@ -245,7 +249,8 @@ def main(argv=None) -> None:
     for tp, all_reduce in configs:
         started = time.monotonic()
         measured = in_own_process(bench_engine, (model_dir, tp, all_reduce, batches, args.prompt_len, args.new_tokens,
-                                                 args.scheduler_steps, utilization, bandwidth), args.config_timeout)
+                                                 args.scheduler_steps, utilization, bandwidth, args.quantization),
+                                  args.config_timeout)
         if measured is None:
             measured = [dict(section="failed", tensor_parallel_size=tp, all_reduce=all_reduce,
                              seconds=round(time.monotonic() - started, 1), what="the process failed or ran out of time")]
