@@ -14,12 +14,12 @@ vocabulary, and every rank's o_proj and down_proj are damped alike.
 """
 from __future__ import annotations
 
-import os
+import pathlib
 
 import torch
-from safetensors.torch import load_file
 
 from bench.gpu_decode import DAMPING, stabilise_greedy
+from gpu_target.hf_checkpoint import load_tensor_slices
 from gpu_target.loader import load_config, random_state_dict
 
 DRAFT_FILE = "model.safetensors"  # the draft's weights in its directory, as the loader reads them
@@ -41,17 +41,18 @@ def graft_draft_into_target(runner, draft_dir: str, head_noise: float, seed: int
     (read from ``draft_dir``) in its vocabulary rows, ``head_noise`` in the LM head's other
     columns (0: zeros), and damp its layers' outputs. On one GPU the shard is the whole model."""
     model = runner.model
-    draft = load_file(os.path.join(draft_dir, DRAFT_FILE))
+    embed, head = model.embed_tokens.weight, model.lm_head.weight
     start, stop = model.vocab_start, model.vocab_stop
+    rows = (0, start, stop)  # only this rank's rows of the draft's two tables are read
+    draft = load_tensor_slices(pathlib.Path(draft_dir), {"model.embed_tokens.weight": rows, "lm_head.weight": rows},
+                               embed.dtype, embed.device)
     width = draft["model.embed_tokens.weight"].shape[1]
-    generator = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed + start)
+    generator = torch.Generator(device=head.device).manual_seed(seed + start)
     with torch.no_grad():
-        embed = model.embed_tokens.weight
-        embed.zero_()[: stop - start, :width] = draft["model.embed_tokens.weight"][start:stop].to(embed.device)
-        head = model.lm_head.weight
+        embed.zero_()[: stop - start, :width] = draft["model.embed_tokens.weight"]
         if head_noise:
             head.normal_(0.0, head_noise, generator=generator)
         else:
             head.zero_()
-        head[: stop - start, :width] = draft["lm_head.weight"][start:stop].to(head.device)
+        head[: stop - start, :width] = draft["lm_head.weight"]
     stabilise_greedy(model, DAMPING)
