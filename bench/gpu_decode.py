@@ -107,6 +107,12 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
     return 2 * n * 2 / float(np.median(times))
 
 
+def decode_kv_bytes(cfg, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Bytes of bf16 K and V a decode step reads for `batch` sequences at their mean context
+    over a run (the prompt and half the new tokens), over every layer: the rooflines' KV term."""
+    return batch * (prompt_len + new_tokens / 2) * cfg.num_layers * 2 * cfg.kv_size * 2
+
+
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(1000, vocab) for _ in range(length)]} for _ in range(count)]
@@ -468,8 +474,7 @@ def bench_decode(model_dir, batches, scheduler_steps, prompt_len, new_tokens, ba
         truth.update(outputs)
         tok_s = tokens / elapsed
         steps_s = tok_s / batch
-        mean_ctx = prompt_len + new_tokens / 2
-        kv_bytes = batch * mean_ctx * cfg.num_layers * 2 * cfg.kv_size * 2
+        kv_bytes = decode_kv_bytes(cfg, batch, prompt_len, new_tokens)
         roofline_steps = bandwidth / (weight_bytes + kv_bytes)
         read_roofline_steps = bandwidth / (weight_bytes - embedding_bytes + kv_bytes)
         replay_ms = graph_replay_ms(engine, batch)

@@ -37,7 +37,7 @@ import torch
 
 from bench._machine import describe_machine
 from bench._report import section_tables, write_markdown_and_json
-from bench.gpu_decode import (LLAMA3_8B, LLAMA3_70B, ChainOracle, copy_bandwidth, graph_replay_ms, greedy,
+from bench.gpu_decode import (LLAMA3_8B, LLAMA3_70B, ChainOracle, copy_bandwidth, decode_kv_bytes, graph_replay_ms, greedy,
                               profile_decode_step, random_prompts, timed_decode, timed_steps)
 from gpu_target.quantization.linear import QuantizedLinear
 from hetero.core.config import EngineConfig
@@ -87,7 +87,7 @@ def bench_decode(model_dir, quantization, batches, prompt_len, new_tokens, bandw
         timed_decode(engine, prompts[:1], 8)  # warm-up
         elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
         steps_s = tokens / elapsed / batch
-        kv_bytes = batch * (prompt_len + new_tokens / 2) * cfg.num_layers * 2 * cfg.kv_size * 2
+        kv_bytes = decode_kv_bytes(cfg, batch, prompt_len, new_tokens)
         step_bytes = weight_bytes_read(engine.model, batch) + kv_bytes
         replay_ms = graph_replay_ms(engine, batch)
         rows.append(dict(section="decode", quantization=quantization or "none", batch=batch,

@@ -41,7 +41,8 @@ import torch
 
 from bench._machine import describe_machine
 from bench._report import section_tables, write_markdown_and_json
-from bench.gpu_decode import LLAMA3_8B, LLAMA3_70B, copy_bandwidth, count_triton_compiles, random_prompts, timed_decode
+from bench.gpu_decode import (LLAMA3_8B, LLAMA3_70B, copy_bandwidth, count_triton_compiles, decode_kv_bytes, random_prompts,
+                              timed_decode)
 from bench.quant_decode import weight_bytes_read
 from gpu_target.custom_all_reduce import set_up_one_shot
 from gpu_target.tp_worker import free_port, make_group, make_store
@@ -56,8 +57,8 @@ ALL_REDUCE_BACKENDS = ("nccl", "one-shot")
 def bench_engine(model_dir: str, tp: int, all_reduce: str, batches: list[int], prompt_len: int, new_tokens: int,
                  steps: int, utilization: float, bandwidth: float, quantization: Optional[str] = None) -> list[dict]:
     count_triton_compiles()
-    config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", quantization=quantization,
-                          max_model_len=2048, max_num_seqs=max(batches), gpu_memory_utilization=utilization,
+    config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                          quantization=quantization, max_model_len=2048, max_num_seqs=max(batches), gpu_memory_utilization=utilization,
                           tensor_parallel_size=tp, num_scheduler_steps=steps,
                           disable_custom_all_reduce=all_reduce == "nccl")
     engine = LLMEngine(config)
@@ -73,7 +74,7 @@ def bench_engine(model_dir: str, tp: int, all_reduce: str, batches: list[int], p
         timed_decode(engine, prompts[:1], 8)  # warm-up
         elapsed, tokens, _ = timed_decode(engine, prompts, new_tokens)
         step_s = elapsed * batch / tokens
-        kv_bytes = batch * (prompt_len + new_tokens / 2) * cfg.num_layers * 2 * cfg.kv_size * 2
+        kv_bytes = decode_kv_bytes(cfg, batch, prompt_len, new_tokens)
         roofline_ms = 1e3 * (weight_bytes_read(engine.model, batch) + kv_bytes / tp) / bandwidth
         rows.append(dict(section="decode", **label, batch=batch, num_scheduler_steps=steps,
                          tokens_per_s=round(tokens / elapsed, 1), step_ms=round(1e3 * step_s, 3),
