@@ -169,8 +169,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quantization", default=None, help="the target's weights (fp8, int4; default bf16)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="the target over this many GPUs")
     parser.add_argument("--disable-custom-all-reduce", action="store_true",
-                        help="NCCL for every all-reduce (vLLM's flag); a run builds one engine per configuration, and a "
-                             "tensor-parallel engine built after a one-shot one once stalled (bench/results/HISTORY.md)")
+                        help="NCCL for every all-reduce (vLLM's flag)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="default: 0.5 for 8b, 0.97 for 70b")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)

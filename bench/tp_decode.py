@@ -14,8 +14,7 @@ Two sections, the cheap one first:
 
 Each configuration's engine is built in a process of its own, which ends with it: a
 configuration that fails or outlives --config-timeout is a row of the "failed" section, and
-the others are measured still (two tensor-parallel engines built one after the other in one
-process once stalled). Results are written after each section, so a run cut short keeps what
+the others are measured still. Results are written after each section, so a run cut short keeps what
 it measured.
 
     python -m bench.tp_decode --out bench/results

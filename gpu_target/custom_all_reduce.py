@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Optional
 
 import torch
@@ -61,9 +62,10 @@ def _has_one_shot_operator() -> bool:
 class OneShotAllReduce:
     """One rank's symmetric buffer and the one-shot kernel over it."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str):
+    def __init__(self, buffer: torch.Tensor, group_name: str, store: Optional[dist.Store] = None):
         self.buffer = buffer
         self.group_name = group_name
+        self.store = store  # the rendezvous's store: a Python object that the group's C++ side does not keep alive
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether `x` goes through the one-shot kernel (else NCCL); the same answer on every rank."""
@@ -132,7 +134,7 @@ def _rendezvous(backend, store, group_name: str, rank: int, world_size: int, dev
     # The one-shot kernel reads peers' buffers directly: no multicast object is needed, so none is
     # made (a host's administrator may have turned multicast off already; this keeps it so).
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    prefixed = dist.PrefixStore(f"symm_mem/{group_name}/", store)
+    prefixed = ExchangeKeyStore(dist.PrefixStore(f"symm_mem/{group_name}/", store))
     group = dist.ProcessGroup(prefixed, rank, world_size)
     group._register_backend(device, dist.ProcessGroup.BackendType.NCCL, backend)
     group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
@@ -143,4 +145,73 @@ def _rendezvous(backend, store, group_name: str, rank: int, world_size: int, dev
         set_group_info(group_name, rank, world_size, prefixed)
     buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
     symm_mem.rendezvous(buffer, group_name)
-    return OneShotAllReduce(buffer, group_name)
+    return OneShotAllReduce(buffer, group_name, prefixed)
+
+
+_EXCHANGE_KEY = re.compile(r"(?P<prefix>.*)/(?P<seq>\d+)/(?P<rank>\d+)")
+
+
+class ExchangeKeyStore(dist.Store):
+    """A group's store for PyTorch's symmetric-memory rendezvous, with each exchange numbered from
+    the group's first.
+
+    The rendezvous exchanges through keys `<prefix>/<seq>/<rank>`, where `seq` counts the exchanges
+    this process has made so far, in any group (PyTorch's CUDA backend keeps one counter per
+    process). An engine's rank 0 lives in the engine's process, its other ranks in fresh ones: for
+    a second engine in that process, rank 0's count runs ahead of its new peers', and each side
+    would wait forever for keys the other never writes. Counting from the first exchange this
+    group sees gives every rank the same keys. Other keys pass through unchanged."""
+
+    def __init__(self, store: dist.Store):
+        super().__init__()
+        self._store = store
+        self._first_seq: dict[str, int] = {}
+
+    def key(self, key: str) -> str:
+        """The key `key` is stored under."""
+        match = _EXCHANGE_KEY.fullmatch(key)
+        if match is None:
+            return key
+        seq = int(match["seq"])
+        first = self._first_seq.setdefault(match["prefix"], seq)
+        return f"{match['prefix']}/{seq - first}/{match['rank']}"
+
+    def set(self, key, value):
+        self._store.set(self.key(key), value)
+
+    def get(self, key):
+        return self._store.get(self.key(key))
+
+    def add(self, key, value):
+        return self._store.add(self.key(key), value)
+
+    def append(self, key, value):
+        self._store.append(self.key(key), value)
+
+    def compare_set(self, key, expected, desired):
+        return self._store.compare_set(self.key(key), expected, desired)
+
+    def delete_key(self, key):
+        return self._store.delete_key(self.key(key))
+
+    def check(self, keys):
+        return self._store.check([self.key(key) for key in keys])
+
+    def multi_get(self, keys):
+        return self._store.multi_get([self.key(key) for key in keys])
+
+    def multi_set(self, keys, values):
+        self._store.multi_set([self.key(key) for key in keys], values)
+
+    def wait(self, keys, timeout=None):
+        keys = [self.key(key) for key in keys]
+        if timeout is None:
+            self._store.wait(keys)
+        else:
+            self._store.wait(keys, timeout)
+
+    def num_keys(self):
+        return self._store.num_keys()
+
+    def has_extended_api(self):
+        return True

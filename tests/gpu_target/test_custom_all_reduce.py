@@ -2,13 +2,17 @@
 on two GPUs, the same sums as NCCL, eagerly and replayed in a CUDA graph."""
 from __future__ import annotations
 
+import datetime
 import multiprocessing
+import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from gpu_target import custom_all_reduce
-from gpu_target.custom_all_reduce import ONE_SHOT_MAX_BYTES, OneShotAllReduce, set_up_one_shot, unavailable_reason
+from gpu_target.custom_all_reduce import (ONE_SHOT_MAX_BYTES, ExchangeKeyStore, OneShotAllReduce, set_up_one_shot,
+                                         unavailable_reason)
 from gpu_target.tensor_parallel import TensorParallel
 from hetero.core.config import EngineConfig
 
@@ -103,6 +107,47 @@ def test_set_up_falls_back_to_nccl_unless_every_rank_has_the_one_shot(monkeypatc
     assert (got is not None) == expect_one_shot
     assert len(cast) == (2 if votes[0] else 1)  # two votes, or none past a failed first
     assert len(rendezvous_calls) == (1 if votes[0] else 0)
+
+
+def _all_gather(store, seq: int, rank: int, value: bytes) -> list[bytes]:
+    """One exchange of two ranks as PyTorch's symmetric-memory rendezvous makes it: each rank
+    writes `<prefix>/<seq>/<rank>` and reads every rank's key, with `seq` its process's count."""
+    store.set(f"CUDASymmetricMemory/{seq}/{rank}", value)
+    keys = [f"CUDASymmetricMemory/{seq}/{peer}" for peer in range(2)]
+    store.wait(keys)
+    return store.multi_get(keys)
+
+
+@pytest.mark.parametrize("wrap", [True, False], ids=["renumbered", "as-is"])
+def test_ranks_whose_processes_made_different_numbers_of_exchanges_still_meet(wrap):
+    """Rank 0 in a process that already made 7 exchanges (an earlier engine's), rank 1 in a fresh
+    one: their two exchanges meet only when each group counts from its own first. Unwrapped, the
+    ranks wait on different keys until the store times out."""
+    base = dist.HashStore()
+    base.set_timeout(datetime.timedelta(seconds=2))
+    first_seq = {0: 7, 1: 0}
+    results, errors = {}, []
+
+    def rank(r):
+        store = dist.PrefixStore("symm_mem/g/", base)
+        store = ExchangeKeyStore(store) if wrap else store
+        try:
+            results[r] = [_all_gather(store, first_seq[r] + i, r, f"{r}:{i}".encode()) for i in range(2)]
+        except RuntimeError as error:  # the store's timeout
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if not wrap:
+        assert errors
+        return
+    assert not errors
+    expected = [[b"0:0", b"1:0"], [b"0:1", b"1:1"]]
+    assert results == {0: expected, 1: expected}
+    assert ExchangeKeyStore(base).key("phase/rank0") == "phase/rank0"  # other keys pass through
 
 
 def test_disable_custom_all_reduce_is_a_checked_bool():

@@ -5,6 +5,7 @@ start-up; the tests share engines where they can.
 """
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -121,6 +122,16 @@ _CUDA = dict(device="cuda", gpu_memory_utilization=0.3, max_num_seqs=4, max_num_
 _COPY_PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
+@pytest.fixture(autouse=True)
+def _return_cached_gpu_memory():
+    """After each test, this process's cached CUDA blocks go back to the device: a later test's
+    engine in a subprocess sizes its KV cache from what other processes hold."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture(scope="module")
 def one_gpu_outputs(tiny_llama_dir):
     """tp = 1 on CUDA (graphs, multi-step decoding): PROMPTS' greedy outputs, and a prompt that
@@ -154,6 +165,19 @@ def test_tp2_on_two_gpus_equals_tp1_with_graphs_and_lookahead(tiny_llama_dir, tm
     engine.spec_control.always_speculate = True
     assert llm.generate(copy_prompt, _COPY_PARAMS, use_tqdm=False)[0].outputs[0].token_ids == copied
     assert engine.spec_stats.num_accepted_tokens > 0  # trees were verified, not only plain steps
+
+
+@TWO_GPUS
+def test_a_second_one_shot_engine_in_the_same_process_starts(tiny_llama_dir, monkeypatch, one_gpu_outputs):
+    """Rank 0 lives in the engine's process, its peers in fresh ones: the second engine's
+    symmetric-memory rendezvous must still meet its new peers (it stalled until each group
+    counted its exchanges from its own first: custom_all_reduce.ExchangeKeyStore)."""
+    monkeypatch.setattr(tp_watchdog, "STALL_TIMEOUT_S", 120.0)
+    for _ in range(2):
+        llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", tensor_parallel_size=2, **_CUDA)
+        assert llm.llm_engine.model.tp.one_shot is not None
+        assert [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == one_gpu_outputs[0]
+        del llm
 
 
 def test_tp2_with_replicated_kv_head_padded_vocab_and_biases(odd_qwen2_dir):
