@@ -8,6 +8,11 @@ worker rank (ranks 1..N-1; rank 0 is the coordinator) gets one core of its own r
 the coordinator's (`tp_worker_cpus`) and the draft the cores after those. ``DraftConfig.cpus``
 (a Linux cpulist such as ``"4-15"`` or ``"2,4-7"``; default $HETERO_DRAFT_CPUS) overrides the
 draft's default.
+
+The default draft takes at most `MAX_DEFAULT_DRAFT_CORES` cores. A draft of ≤ 150 M parameters
+has too little work per layer to split further: past that its forward stops getting faster, its
+step times spread, and the engine ends up waiting on drafts (bench/results:
+cpu_draft-h200x4-threads-70b7cf6.csv; e2e_speculation-20261128-183915 against -190612).
 """
 from __future__ import annotations
 
@@ -15,6 +20,9 @@ import os
 from typing import Optional, Sequence
 
 import torch
+
+MAX_DEFAULT_DRAFT_CORES = 16
+
 
 def parse_cpu_list(text: str) -> list[int]:
     """``"4-7,10"`` -> ``[4, 5, 6, 7, 10]``; raises ValueError naming the bad part."""
@@ -63,8 +71,9 @@ def tp_worker_cpus(num_workers: int) -> list[list[int]]:
 
 
 def default_draft_cpus(spec: Optional[str] = None, tp_workers: int = 0) -> list[int]:
-    """The cores for the draft: ``spec`` (a cpulist), else the usable cores but one in eight (at
-    least one) and those of the `tp_worker_cpus(tp_workers)`."""
+    """The cores for the draft: ``spec`` (a cpulist), else the usable cores after the first one in
+    eight (at least one) and those of the `tp_worker_cpus(tp_workers)`, at most
+    `MAX_DEFAULT_DRAFT_CORES` of them."""
     usable = usable_cpus()
     if spec:
         cpus = parse_cpu_list(spec)
@@ -73,7 +82,7 @@ def default_draft_cpus(spec: Optional[str] = None, tp_workers: int = 0) -> list[
             raise ValueError(f"draft CPUs {unusable} are not usable by this process (usable: {usable})")
         return cpus
     keep = _coordinator_cores(usable) + len(tp_worker_cpus(tp_workers))
-    return usable[keep:] if len(usable) > keep else usable
+    return usable[keep:keep + MAX_DEFAULT_DRAFT_CORES] if len(usable) > keep else usable[:MAX_DEFAULT_DRAFT_CORES]
 
 
 def _thread_ids() -> list[int]:

@@ -188,7 +188,8 @@ def test_the_coordinator_keeps_one_core_in_eight_and_pins_itself_off_the_draft(m
     monkeypatch.setattr(affinity.os, "sched_setaffinity", lambda pid, cpus: pinned.append(sorted(cpus)))
     threads = []
     monkeypatch.setattr(affinity.torch, "set_num_threads", threads.append)
-    for usable, draft in [(range(16), list(range(2, 16))), (range(2), [1]), (range(1), [0]), (range(4, 12), list(range(5, 12)))]:
+    for usable, draft in [(range(16), list(range(2, 16))), (range(2), [1]), (range(1), [0]), (range(4, 12), list(range(5, 12))),
+                          (range(64), list(range(8, 24)))]:  # at most MAX_DEFAULT_DRAFT_CORES; the coordinator the rest
         monkeypatch.setattr(affinity, "_process_cpus", None)
         monkeypatch.setattr(affinity.os, "sched_getaffinity", lambda pid, usable=usable: set(usable))
         assert affinity.default_draft_cpus() == draft

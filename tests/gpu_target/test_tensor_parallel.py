@@ -547,6 +547,9 @@ def test_default_core_split_gives_each_worker_rank_a_core_of_its_own(monkeypatch
     assert affinity.tp_worker_cpus(3) == [[2], [3], [4]]
     assert affinity.default_draft_cpus(None, tp_workers=3) == list(range(5, 16))
     assert affinity.default_draft_cpus(None) == list(range(2, 16))
+    monkeypatch.setattr(affinity, "_process_cpus", frozenset(range(64)))  # four H200s' host: 8 + 3, then 16 for the draft
+    assert affinity.tp_worker_cpus(3) == [[8], [9], [10]]
+    assert affinity.default_draft_cpus(None, tp_workers=3) == list(range(11, 27))
     monkeypatch.setattr(affinity, "_process_cpus", frozenset(range(2)))
     assert affinity.tp_worker_cpus(1) == []  # too few cores to pin: the ranks share them
 
