@@ -3,7 +3,7 @@ saturation, on workloads with real-text acceptance, every request's TTFT / TPOT 
 
 Configurations: plain decoding, the lookahead cache, a draft model on the CPU in its worker
 process, the same draft on the GPU, and `NAME+fp8` for any of them on an FP8 target
-(`quantization="fp8"`). Weights are random in the real shapes of Llama-3-8B (vLLM's
+(`quantization="fp8"`). Weights are random in the real shapes of Llama-3-8B or -70B (vLLM's
 load_format="dummy"); the draft is `bench.e2e_speculation`'s 8-layer 576-wide model.
 
 Acceptance is that of real text (`bench.traces`, measured by `bench.acceptance` on the real
@@ -30,6 +30,7 @@ left out (a later call can add those to the same `--out`). `hetero-bench-cost OU
 ...` makes the report. Plain decoding (and `plain+fp8`) run once, as workload "any".
 
     python -m bench.serve_reference --out bench/results/cost --hf-generate
+    python -m bench.serve_reference --shape llama3-70b --tensor-parallel-size 4 --configs plain,cpu-draft --workloads code
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ from bench._poisson_driver import drive
 from bench._stats import RequestRecord, arrival_offsets, summarize
 from bench.agreement import DRAFT_FILE, draft_weights, graft_draft_into_target
 from bench.e2e_speculation import DRAFT, TraceReplay, release_engine, write_model_dir
-from bench.gpu_decode import LLAMA3_8B, fresh_controller, random_prompts, time_generate
+from bench.gpu_decode import LLAMA3_8B, LLAMA3_70B, fresh_controller, random_prompts, time_generate
 from bench.serve import RESULT_SCHEMA
 from bench.traces import load_trace
 from gpu_target.loader import load_config, load_tokenizer
@@ -69,9 +70,10 @@ WORKLOADS = ("rewrite", "code", "chat")
 LOOKAHEAD_TRACE = "lookahead-hybrid"  # the cache mode lookahead's config below runs (cache_mode 2)
 NO_WORKLOAD = "any"  # configurations whose speed does not depend on acceptance
 
-# Shapes: the real 8B target with the e2e draft, and a tiny pair for CPU smoke runs.
+# Shapes: the real 8B and 70B targets with the e2e draft, and a tiny pair for CPU smoke runs.
 SHAPES = {
     "llama3-8b": dict(target=LLAMA3_8B, draft=DRAFT, hot_tokens=32768, draft_vocab=32768),
+    "llama3-70b": dict(target=LLAMA3_70B, draft=DRAFT, hot_tokens=32768, draft_vocab=32768),
     "tiny": dict(
         target=dict(LLAMA3_8B, vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2),
@@ -200,7 +202,8 @@ def build_engine(run: Run, name: str) -> LLMEngine:
     speculation = speculation_settings(base, run.draft_dir, run.lookahead_dir, run.shape["draft_vocab"], args.k,
                                        args.lookahead_nodes, args.cpu_draft_quantization)
     config = EngineConfig(model=run.target_dir, load_format="dummy", dtype=args.dtype, device=args.device,
-                          quantization=quantization or None, max_model_len=args.input_len + args.output_len + 64,
+                          quantization=quantization or None, tensor_parallel_size=args.tensor_parallel_size,
+                          max_model_len=args.input_len + args.output_len + 64,
                           max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_space=args.kv_cache_space, **speculation)
     proposer = None
@@ -334,6 +337,7 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--hf-generate", action="store_true", help="also time HF transformers generate")
     parser.add_argument("--hf-batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 16, 64, 128])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="tiny: CPU smoke runs")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="the target over this many GPUs")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,

@@ -140,6 +140,27 @@ def test_smoke_run_on_a_tiny_pair_then_the_report(tmp_path, capsys):
     assert "python -m bench.serve_reference --shape tiny" in report
 
 
+def test_a_tensor_parallel_run_builds_every_engine_over_its_ranks(tmp_path, monkeypatch):
+    """--tensor-parallel-size reaches each configuration's engine, and the draft's agreement is
+    grafted on every rank: its trees are accepted at tp=2 as the trace allows."""
+    sizes = []
+    real_engine = serve_reference.LLMEngine
+
+    def recording_engine(config, proposer=None):
+        sizes.append(config.tensor_parallel_size)
+        return real_engine(config, proposer)
+
+    monkeypatch.setattr(serve_reference, "LLMEngine", recording_engine)
+    out = tmp_path / "run"
+    assert serve_reference.main([
+        "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--kv-cache-space", "0.25", "--tensor-parallel-size", "2",
+        "--configs", "plain,gpu-draft", "--workloads", "rewrite", "--rates", "inf", "--num-prompts", "4", "--warmup", "1",
+        "--warmup-output-len", "2", "--input-len", "12", "--output-len", "6", "--max-num-seqs", "4", "--out", str(out)]) == 0
+    assert sizes == [2, 2]
+    draft = json.loads((out / "gpu-draft-rewrite-rateinf.json").read_text())
+    assert draft["summary"]["completed"] == 4 and draft["spec_decode"]["mean_acceptance_length"] > 1
+
+
 def test_the_replay_passes_the_wrapped_proposers_node_budget_on():
     class _Budgeted(_Trees):
         target_parallelism = 512
