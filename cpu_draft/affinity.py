@@ -12,7 +12,7 @@ draft's default.
 The default draft takes at most `MAX_DEFAULT_DRAFT_CORES` cores. A draft of ≤ 150 M parameters
 has too little work per layer to split further: past that its forward stops getting faster, its
 step times spread, and the engine ends up waiting on drafts (bench/results:
-cpu_draft-h200x4-threads-70b7cf6.csv; e2e_speculation-20261128-183915 against -190612).
+cpu_draft-h200x4-threads-70b7cf6.csv; e2e_speculation-20261128-183915 against -190749).
 """
 from __future__ import annotations
 
