@@ -179,7 +179,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--draft-tokens", type=int, default=4, help="chain length per draft step")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--cpus", default=None, help="cores to pin to, e.g. 4-15 (default: DraftConfig.cpus, i.e. $HETERO_DRAFT_CPUS, else all but one core in eight)")
+    parser.add_argument("--cpus", default=None, help="cores to pin to, e.g. 4-15 (default: DraftConfig.cpus, i.e. $HETERO_DRAFT_CPUS, else up to 16 cores after the first one in eight)")
     parser.add_argument("--threads", type=int, nargs="+", default=None,
                         help="torch threads (default: one per pinned core); several: each batch size timed at each, in turn")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)

@@ -47,8 +47,9 @@ from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from bench.agreement import DRAFT_FILE, draft_weights, graft_draft_into_target
 from bench.gpu_decode import LLAMA3_8B, LLAMA3_70B, random_prompts, timed_decode
+from cpu_draft.affinity import default_draft_cpus
 from gpu_target.loader import load_config, load_tokenizer
-from hetero.core.config import EngineConfig
+from hetero.core.config import DraftConfig, EngineConfig
 from hetero.engine import LLMEngine
 from hetero.proposers import build_proposer, draft_worker_stats
 from hetero.core.protocols import DraftsAhead, KnowsWhenReady, Proposer, TokenTree
@@ -290,7 +291,9 @@ def release_engine(engine: LLMEngine) -> None:
 
 
 def write(args, rows, medians) -> None:
-    info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name())
+    tp_workers = args.tensor_parallel_size - 1
+    info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name(),
+                draft_cpus=",".join(map(str, default_draft_cpus(DraftConfig().cpus, tp_workers))))
     command = "python -m bench.e2e_speculation " + " ".join(sys.argv[1:])
     stem = os.path.join(args.out, "e2e_speculation-" + time.strftime("%Y%m%d-%H%M%S"))
     body = markdown_table(rows) + (["", "## Speedup over the rounds", "", *markdown_table(medians)] if args.rounds > 1 else [])

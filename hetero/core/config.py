@@ -76,7 +76,7 @@ class DraftConfig:
 
     tree_width: int = _env_default("tree_width", int, 1)  # children per drafted node; 1: chains
     quantization: Optional[str] = _env_default("quantization", _quantization_env, None)  # "int8": INT8 weights
-    cpus: Optional[str] = _env_default("cpus", str, None)  # the worker's cores, a Linux cpulist ("4-15"); None: all but 1 in 8
+    cpus: Optional[str] = _env_default("cpus", str, None)  # the worker's cores, a Linux cpulist ("4-15"); None: after the first 1 in 8, at most 16
     threads: Optional[int] = _env_default("threads", int, None)  # the worker's threads; None: one per core
     kv_cache_gib: float = _env_default("kv_cache_gib", float, 1.0)  # the draft's own KV cache
     reply_timeout_s: float = _env_default("reply_timeout_s", float, 10.0)  # a silent worker is restarted after this

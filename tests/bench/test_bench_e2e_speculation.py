@@ -53,3 +53,22 @@ def test_the_median_of_an_even_number_of_rounds_is_rounded_as_the_ratios_are():
     rows = [dict(config="plain", batch=8, round=r, tokens_per_s=100.0) for r in range(4)]
     rows += [dict(config="cpu-draft", batch=8, round=r, tokens_per_s=t) for r, t in enumerate([99.0, 134.0, 137.0, 102.0])]
     assert median_speedups(rows)[1]["median_speedup"] == 1.18  # 1.02 and 1.34: not 1.1800000000000002
+
+
+def test_results_name_the_cores_the_draft_ran_on(tmp_path, monkeypatch):
+    """A run's machine info carries the CPU draft's cores as the engine picks them: at tp=4 on a
+    64-core host, after the coordinator's 8 and the three worker ranks' cores, 16 of them."""
+    import argparse
+    import json
+
+    import torch
+
+    from bench import e2e_speculation
+    from cpu_draft import affinity
+
+    monkeypatch.setattr(affinity, "_process_cpus", frozenset(range(64)))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "test GPU")
+    args = argparse.Namespace(out=str(tmp_path), tensor_parallel_size=4, rounds=1)
+    e2e_speculation.write(args, [dict(config="plain", batch=1, round=0, tokens_per_s=1.0)], [])
+    (result,) = tmp_path.glob("e2e_speculation-*.json")
+    assert json.loads(result.read_text())["machine"]["draft_cpus"] == ",".join(map(str, range(11, 27)))
