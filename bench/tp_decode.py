@@ -14,8 +14,8 @@ Two sections, the cheap one first:
 
 Each configuration's engine is built in a process of its own, which ends with it: a
 configuration that fails or outlives --config-timeout is a row of the "failed" section, and
-the others are measured still. Results are written after each section, so a run cut short keeps what
-it measured.
+the others are measured still. Results are written after each section, so a run cut short
+keeps what it measured.
 
     python -m bench.tp_decode --out bench/results
     python -m bench.tp_decode --shape 70b --configs 4:one-shot --batches 1,8,32,64 --all-reduce-world 1
