@@ -243,8 +243,9 @@ def main(argv=None) -> None:
 def timed_row(engine: LLMEngine, prompts: list[dict], new_tokens: int) -> dict:
     """One timed run's measurements: tokens/s, the speculative steps and their acceptance, the
     draft wait, the steps whose proposals came back only pending (the proposer not ready: a draft
-    worker prefilling prompts), and for a CPU draft worker its hidden share, draft-ahead hits and
-    late replies."""
+    worker prefilling prompts), and for a CPU draft worker its hidden share, draft-ahead hits, a
+    draft forward's time in service (`ahead_ms_per_level`, to hold against `bench.cpu_draft`'s
+    forward alone) and late replies."""
     batch = len(prompts)
     before = (engine.spec_stats.num_steps, engine.spec_stats.num_accepted_tokens, engine.spec_stats.num_draft_tokens,
               engine.draft_wait_seconds, draft_worker_stats(engine.proposer), engine.num_unready_steps)
@@ -262,7 +263,9 @@ def timed_row(engine: LLMEngine, prompts: list[dict], new_tokens: int) -> dict:
     if after is not None:
         hidden, exposed = (after[n] - before[4][n] for n in ("hidden_s", "exposed_s"))
         hits, misses = (after[n] - before[4][n] for n in ("predraft_hits", "predraft_misses"))
+        ahead_s, ahead_levels = (after[n] - before[4][n] for n in ("ahead_s", "ahead_levels"))
         row["hidden_share"] = round(hidden / (hidden + exposed), 3) if hidden + exposed else ""
+        row["ahead_ms_per_level"] = round(1e3 * ahead_s / ahead_levels, 2) if ahead_levels else ""
         row["predraft_hit_rate"] = round(hits / (hits + misses), 3) if hits + misses else ""
         row["late_replies"] = int(after["late_replies"] - before[4]["late_replies"])  # answered empty, not waited for
     return row

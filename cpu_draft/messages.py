@@ -24,7 +24,7 @@ from hetero.core.protocols import TokenTree
 SYNC, PROPOSE, SHUTDOWN = 1, 2, 3
 READY, TREES = 101, 102
 
-STAT_NAMES = ("exposed_s", "hidden_s", "predraft_hits", "predraft_misses")
+STAT_NAMES = ("exposed_s", "hidden_s", "predraft_hits", "predraft_misses", "ahead_s", "ahead_levels")
 _ARRAY_TABLE_BYTES = 4096  # generous room for the array table and alignment of one message
 
 

@@ -27,6 +27,9 @@ would only contend with the engine for the host's cores and memory.
 Stats: ``exposed_s`` is draft time between receiving PROPOSE and replying (the
 coordinator waits for it); ``hidden_s`` is drafting-ahead time between replying and
 the next message (behind the target's verification). Overlap share = hidden / (hidden + exposed).
+``ahead_s`` / ``ahead_levels``: the drafts made ahead and their depth levels, whose ratio is
+the time of a forward in service (beside the coordinator's traffic), which
+`bench.cpu_draft` times alone.
 """
 from __future__ import annotations
 
@@ -95,6 +98,8 @@ class WorkerStats:
     hidden_s: float = 0.0
     predraft_hits: int = 0
     predraft_misses: int = 0
+    ahead_s: float = 0.0  # drafting ahead: the seconds of its drafts ...
+    ahead_levels: int = 0  # ... and their depth levels (forwards), so that their mean is a forward's time in service
 
     def as_list(self) -> list[float]:
         return [float(getattr(self, name)) for name in STAT_NAMES]
@@ -308,7 +313,10 @@ class DraftService:
         # drafts that overrun the step (they are the ones cut off).
         width = self.drafter.options.tree_width
         levels = max(len(tree_levels(len(tree), width)) for tree in trees) if trees is not None else polls
-        self.capacity.observe_levels(time.perf_counter() - started, levels + 1, len(requests))
+        seconds = time.perf_counter() - started
+        self.capacity.observe_levels(seconds, levels + 1, len(requests))
+        self.stats.ahead_s += seconds
+        self.stats.ahead_levels += levels + 1
         if trees is None:
             return
         for (seq_id, max_nodes), tree in zip(requests, trees):

@@ -34,7 +34,8 @@ _VLLM_NAMES = {"spec_decode_num_steps": "spec_decode_num_drafts"}
 _NOT_IN_VLLM = {"prefix_cache_hit_rate", "spec_decode_mean_acceptance_length", "spec_decode_draft_wait_seconds",
                 "spec_decode_unready_steps",
                 "cpu_draft_hidden_seconds", "cpu_draft_exposed_seconds", "cpu_draft_predraft_hits", "cpu_draft_predraft_misses",
-                "cpu_draft_worker_restarts", "cpu_draft_worker_faults", "cpu_draft_late_replies"}
+                "cpu_draft_worker_restarts", "cpu_draft_worker_faults", "cpu_draft_late_replies",
+                "cpu_draft_ahead_seconds", "cpu_draft_ahead_levels"}
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -179,6 +180,10 @@ class _SnapshotCollector:
         yield self._counter("cpu_draft_predraft_hits", "Trees drafted ahead that a proposal asked for.", stats["predraft_hits"])
         yield self._counter("cpu_draft_predraft_misses", "Trees drafted ahead from a guess that did not hold.",
                             stats["predraft_misses"])
+        yield self._counter("cpu_draft_ahead_seconds", "Seconds of the CPU draft worker's drafts made ahead of proposals.",
+                            stats["ahead_s"])
+        yield self._counter("cpu_draft_ahead_levels", "Depth levels (draft forwards) of those drafts: seconds over levels "
+                            "is a draft forward's time in service.", stats["ahead_levels"])
         yield self._counter("cpu_draft_worker_restarts", "CPU draft workers started again after a failure.", stats["restarts"])
         yield self._counter("cpu_draft_worker_faults", "CPU draft worker failures (died, hung, garbled replies).", stats["faults"])
         yield self._counter("cpu_draft_late_replies", "Proposals answered with no trees because the CPU draft "

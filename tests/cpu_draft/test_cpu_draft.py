@@ -384,7 +384,8 @@ def test_killed_worker_loses_no_request_and_is_restarted(tiny_llama_dir, plain_o
         stats = proposer.stats()
         assert samples["hetero:cpu_draft_worker_restarts_total"] == samples["hetero:cpu_draft_worker_faults_total"] == 1
         for name, key in [("hidden_seconds", "hidden_s"), ("exposed_seconds", "exposed_s"),
-                          ("predraft_hits", "predraft_hits"), ("predraft_misses", "predraft_misses")]:
+                          ("predraft_hits", "predraft_hits"), ("predraft_misses", "predraft_misses"),
+                          ("ahead_seconds", "ahead_s"), ("ahead_levels", "ahead_levels")]:
             assert samples[f"hetero:cpu_draft_{name}_total"] == pytest.approx(stats[key])
         assert samples["hetero:cpu_draft_exposed_seconds_total"] > 0
         assert samples["hetero:spec_decode_draft_wait_seconds_total"] == pytest.approx(engine.draft_wait_seconds)

@@ -91,9 +91,11 @@ def test_a_worker_short_of_cores_drafts_for_the_best_sequences_only(tiny_llama_d
     trees = service.propose([(s, 4) for s in prompts])
     # Only sequence 1 is drafted for; its tree, too slow to wait for, follows the reply.
     assert [len(t) for t in trees] == [0, 0, 0, 0] and all(t.ready for t in trees)
+    before = service.stats.ahead_levels
     service.draft_ahead([(s, 4) for s in prompts], lambda: None)
     # The best sequence only, one level deep: a deeper tree would hold the batch up for levels past the step.
     assert set(service.predrafted) == {1} and len(service.predrafted[1].tree) == 1
+    assert service.stats.ahead_levels - before == 2 and service.stats.ahead_s > 0  # the guess's forward and the level's
 
 
 def test_a_batch_waits_for_missed_trees_only_where_they_are_worth_the_wait():
@@ -146,6 +148,7 @@ def test_a_draft_ahead_cut_off_by_the_next_message_still_measures_its_levels(tin
     service.draft_ahead([(s, 4) for s in prompts], lambda: next(polls, other))
     assert not service.predrafted  # cut off
     assert service.capacity.level_s is not None and service.capacity.level_rows == 2
+    assert service.stats.ahead_levels >= 1 and service.stats.ahead_s > 0  # counted as the plan counts them
 
 
 
