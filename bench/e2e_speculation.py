@@ -38,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import torch
 from safetensors.torch import save_file
@@ -47,11 +48,10 @@ from bench._machine import describe_machine
 from bench._report import markdown_table, write_markdown_and_json
 from bench.agreement import DRAFT_FILE, draft_weights, graft_draft_into_target
 from bench.gpu_decode import LLAMA3_8B, LLAMA3_70B, random_prompts, timed_decode
-from cpu_draft.affinity import default_draft_cpus
 from gpu_target.loader import load_config, load_tokenizer
-from hetero.core.config import DraftConfig, EngineConfig
+from hetero.core.config import EngineConfig
 from hetero.engine import LLMEngine
-from hetero.proposers import build_proposer, draft_worker_stats
+from hetero.proposers import build_proposer, draft_worker, draft_worker_stats
 from hetero.core.protocols import DraftsAhead, KnowsWhenReady, Proposer, TokenTree
 
 SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
@@ -220,9 +220,12 @@ def main(argv=None) -> None:
         "hybrid": dict(draft_model, cpu_draft_worker=True, lookahead_cache_config_dir=lookahead_dir,
                        speculative_config=cpu_draft),
     }
-    rows = []
+    rows, draft_cpus = [], None
     for name in args.configs.split(","):
         engine = build_engine(target_dir, draft_dir, args, **speculation[name])
+        worker = draft_worker(engine.proposer)
+        if worker is not None:
+            draft_cpus = list(worker.options.cpus)
         for batch in args.batches:
             # A warm-up batch of the same size: kernels built and tuned for its shapes, the draft's
             # buffers grown and the speculation controller's first verdict taken (three steps of
@@ -237,7 +240,7 @@ def main(argv=None) -> None:
                 print(row, flush=True)
         release_engine(engine)
         del engine
-    write(args, rows, median_speedups(rows))
+    write(args, rows, median_speedups(rows), draft_cpus)
 
 
 def timed_row(engine: LLMEngine, prompts: list[dict], new_tokens: int) -> dict:
@@ -293,10 +296,11 @@ def release_engine(engine: LLMEngine) -> None:
     torch.cuda.empty_cache()
 
 
-def write(args, rows, medians) -> None:
-    tp_workers = args.tensor_parallel_size - 1
-    info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name(),
-                draft_cpus=",".join(map(str, default_draft_cpus(DraftConfig().cpus, tp_workers))))
+def write(args, rows, medians, draft_cpus: Optional[list[int]] = None) -> None:
+    """The run's Markdown and JSON, with the cores the CPU draft worker ran on (`draft_cpus`) when one did."""
+    info = dict(describe_machine(), torch=torch.__version__, gpu=torch.cuda.get_device_name())
+    if draft_cpus is not None:
+        info["draft_cpus"] = ",".join(map(str, draft_cpus))
     command = "python -m bench.e2e_speculation " + " ".join(sys.argv[1:])
     stem = os.path.join(args.out, "e2e_speculation-" + time.strftime("%Y%m%d-%H%M%S"))
     body = markdown_table(rows) + (["", "## Speedup over the rounds", "", *markdown_table(medians)] if args.rounds > 1 else [])

@@ -29,13 +29,19 @@ def _build_lookahead(config: EngineConfig) -> Proposer:
     return LookaheadCache(config.lookahead, default_memory_budget(config.cpu_decoding_memory_utilization))
 
 
-def draft_worker_stats(proposer: Optional[Proposer]) -> Optional[dict[str, Any]]:
-    """The CPU draft worker's cumulative counters (`WorkerDraftProposer.stats`: drafting hidden
-    behind verification and exposed, draft-ahead hits and misses, restarts, faults), for a
-    proposer that has one, alone or as the draft inside wrappers (`HybridProposer`, a benchmark's
-    replay); else None."""
+def draft_worker(proposer: Optional[Proposer]):
+    """The CPU draft worker's proposer (`WorkerDraftProposer`), alone or as the draft inside
+    wrappers (`HybridProposer`, a benchmark's replay); else None."""
     from cpu_draft.proposer import WorkerDraftProposer
 
     while getattr(proposer, "draft", None) is not None:
         proposer = proposer.draft
-    return proposer.stats() if isinstance(proposer, WorkerDraftProposer) else None
+    return proposer if isinstance(proposer, WorkerDraftProposer) else None
+
+
+def draft_worker_stats(proposer: Optional[Proposer]) -> Optional[dict[str, Any]]:
+    """The CPU draft worker's cumulative counters (`WorkerDraftProposer.stats`: drafting hidden
+    behind verification and exposed, draft-ahead hits and misses, restarts, faults), for a
+    proposer that has one (`draft_worker`); else None."""
+    worker = draft_worker(proposer)
+    return worker.stats() if worker is not None else None

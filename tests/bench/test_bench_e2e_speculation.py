@@ -55,20 +55,27 @@ def test_the_median_of_an_even_number_of_rounds_is_rounded_as_the_ratios_are():
     assert median_speedups(rows)[1]["median_speedup"] == 1.18  # 1.02 and 1.34: not 1.1800000000000002
 
 
-def test_results_name_the_cores_the_draft_ran_on(tmp_path, monkeypatch):
-    """A run's machine info carries the CPU draft's cores as the engine picks them: at tp=4 on a
-    64-core host, after the coordinator's 8 and the three worker ranks' cores, 16 of them."""
+def test_results_name_the_cores_the_draft_worker_ran_on(tmp_path, monkeypatch):
+    """The worker is found inside the benchmark's replay wrapper, and its cores reach the run's
+    machine info; a run without a CPU draft worker names none."""
     import argparse
     import json
 
     import torch
 
     from bench import e2e_speculation
-    from cpu_draft import affinity
+    from cpu_draft.proposer import WorkerDraftProposer
+    from hetero.proposers import draft_worker
 
-    monkeypatch.setattr(affinity, "_process_cpus", frozenset(range(64)))
+    worker = object.__new__(WorkerDraftProposer)  # no process: only its place in the wrappers matters here
+    assert draft_worker(TraceReplay(worker, _Fixed(1), vocab_size=100)) is worker
+    assert draft_worker(_Drafts(TokenTree([1], [-1]))) is None
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "test GPU")
-    args = argparse.Namespace(out=str(tmp_path), tensor_parallel_size=4, rounds=1)
-    e2e_speculation.write(args, [dict(config="plain", batch=1, round=0, tokens_per_s=1.0)], [])
-    (result,) = tmp_path.glob("e2e_speculation-*.json")
+    args = argparse.Namespace(out=str(tmp_path / "with"), rounds=1)
+    e2e_speculation.write(args, [dict(config="cpu-draft", batch=1, round=0, tokens_per_s=1.0)], [], list(range(11, 27)))
+    (result,) = (tmp_path / "with").glob("e2e_speculation-*.json")
     assert json.loads(result.read_text())["machine"]["draft_cpus"] == ",".join(map(str, range(11, 27)))
+    args.out = str(tmp_path / "without")
+    e2e_speculation.write(args, [dict(config="plain", batch=1, round=0, tokens_per_s=1.0)], [])
+    (result,) = (tmp_path / "without").glob("e2e_speculation-*.json")
+    assert "draft_cpus" not in json.loads(result.read_text())["machine"]
